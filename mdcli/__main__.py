@@ -1,0 +1,3 @@
+from mdcli.cli import main
+
+main()

@@ -1,0 +1,41 @@
+"""Errors the user can act on.
+
+Every error that reaches the command line is one line: what is wrong and how to fix it.
+`exit_code` follows the Unix convention used throughout mdcli: 2 for usage and recipe
+errors (the fix is in what the user typed), 1 for runtime failures.
+"""
+
+from __future__ import annotations
+
+
+class MdcliError(Exception):
+    """Base class: a problem with a message fit to show the user as is."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.problem = message
+        self.fix = fix
+        super().__init__(message if fix is None else f"{message} ({fix})")
+
+
+class UsageError(MdcliError):
+    """Bad input: an option, a file, a document, a question. Exit 2."""
+
+    exit_code = 2
+
+
+class RecipeError(UsageError):
+    """A recipe file that cannot be run as written. Exit 2."""
+
+
+class UnsupportedModelError(UsageError):
+    """A model (or setting) that cannot give exact MultiDecode results. Exit 2."""
+
+
+class ModelLoadError(MdcliError):
+    """The model could not be loaded (missing files, no network, bad weights). Exit 1."""
+
+
+class ContextTooLongError(UsageError):
+    """A prompt that does not fit in the model's context window. Exit 2."""

@@ -1,0 +1,131 @@
+"""Typed events: the only thing that flows from strategies to renderers.
+
+A run is a stream ``Start, (Token | Fork | Prune | Finish | Note)*, Done``. The JSONL renderer
+writes each event's `to_dict()` as one line; the README documents that contract, so field names
+here are part of the public interface (they follow vLLM/OpenAI naming where one exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Union
+
+FinishReason = Literal["stop", "length", "interrupted"]
+
+
+@dataclass(frozen=True, slots=True)
+class BranchInfo:
+    """A branch as announced to renderers.
+
+    `prompt_token_ids` is everything the branch attends to, in order: running exactly this
+    sequence alone through the plain model reproduces the branch's tokens.
+    """
+
+    id: int
+    label: str
+    prompt_token_ids: list[int]
+    parent: int | None = None
+    exact: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    model: str
+    device: str
+    dtype: str
+    dtype_reason: str
+    attn: str
+    strategy: str
+    seed: int | None
+    branches: list[BranchInfo]
+    type: Literal["start"] = "start"
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One generated token. `text` is the newly decodable text (may be empty while a UTF-8
+    character is incomplete)."""
+
+    branch: int
+    token_id: int
+    text: str
+    logprob: float
+    type: Literal["token"] = "token"
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A branch created during the run (a follow-up, a beam, a margin)."""
+
+    branch: BranchInfo
+    type: Literal["fork"] = "fork"
+
+
+@dataclass(frozen=True, slots=True)
+class Prune:
+    """A branch abandoned before finishing (beam search drops it)."""
+
+    branch: int
+    reason: str
+    type: Literal["prune"] = "prune"
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A branch is complete. `token_ids` include a final EOS token if one was generated;
+    `text` never contains it, nor a matched stop string."""
+
+    branch: int
+    label: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    cumulative_logprob: float
+    score: float | None = None
+    type: Literal["finish"] = "finish"
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A strategy-level fact worth showing (a classification, a vote, a fallback)."""
+
+    kind: str
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+    type: Literal["note"] = "note"
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    prompt_tokens: int
+    prefill_tokens: int
+    generated_tokens: int
+    steps: int
+    seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    peak_cache_tokens: int
+    final_cache_tokens: int
+    compactions: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    stats: Stats
+    interrupted: bool = False
+    type: Literal["done"] = "done"
+
+
+Event = Union[Start, Token, Fork, Prune, Finish, Note, Done]
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """The JSONL form of an event: `type` first, then the fields."""
+    body = asdict(event)
+    if isinstance(event, Done):
+        body["stats"]["tokens_per_second"] = round(event.stats.tokens_per_second, 3)
+    return {"type": body.pop("type"), **body}
