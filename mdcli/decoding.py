@@ -1,0 +1,312 @@
+"""The decoding loop: turns branch specs into events, one engine forward per step.
+
+Strategies that only need "these prompts, decoded independently, maybe with follow-ups" (ask-many,
+recipes, margins, think) describe branches as `BranchSpec`s and iterate `decode(...)`. Beam search
+drives the engine itself because it chooses among candidates across branches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mdcli.detok import StreamingDetokenizer
+from mdcli.engine import ChainResult, Engine
+from mdcli.errors import ContextTooLongError
+from mdcli.events import BranchInfo, Done, Event, Finish, Fork, Note, Stats, Token
+from mdcli.forest import pad_rows
+from mdcli.sampling import Sampler, SamplingParams, choose_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class BranchSpec:
+    """One branch to decode.
+
+    For a root branch `prompt_ids` is its whole prompt. For a child it is the continuation fed
+    after the parent's generated tokens (the child forks when the parent finishes).
+    """
+
+    label: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed_key: int | None = None  # defaults to the branch id
+    children: list[BranchSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Branch:
+    id: int
+    spec: BranchSpec
+    label: str
+    path_ids: list[int]  # everything the branch attends to before its first generated token
+    sampler: Sampler
+    detok: StreamingDetokenizer
+    max_new_tokens: int
+    row: torch.Tensor | None = None  # ancestor row of the last token fed
+    logits: torch.Tensor | None = None  # [V] next-token logits
+    logprob: float = 0.0
+    parent: int | None = None
+
+    def info(self) -> BranchInfo:
+        return BranchInfo(id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent)
+
+
+@dataclass
+class DecodeCounters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class Decoder:
+    """Runs branch specs to completion over one engine (one shared cache)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        *,
+        context_length: int | None = None,
+        compact_ratio: float = 0.25,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.context_length = context_length
+        self.compact_ratio = compact_ratio
+        self.counters = DecodeCounters()
+        self._next_id = 0
+        self._prefill_tokens = 0
+        self._roots: list[_Branch] = []
+
+    # -- public --------------------------------------------------------------------------------
+
+    def announce(self, specs: list[BranchSpec]) -> list[BranchInfo]:
+        """Create the root branches (checking they fit the context) and describe them for Start."""
+        self._roots = [self._new_branch(spec, spec.label, list(spec.prompt_ids), None) for spec in specs]
+        return [b.info() for b in self._roots]
+
+    def decode(self) -> Iterator[Event]:
+        """Prefill the announced roots, then decode until every branch (and child) finishes."""
+        yield from self._cap_notes(self._roots)
+        started = time.perf_counter()
+        self._prefill(self._roots)
+        self.counters.prefill_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        active = list(self._roots)
+        while active:
+            active = yield from self._step(active)
+        self.counters.decode_seconds += time.perf_counter() - started
+
+    def stats(self, seconds: float) -> Stats:
+        c = self.counters
+        return Stats(
+            prompt_tokens=c.prompt_tokens,
+            prefill_tokens=self._prefill_tokens,
+            generated_tokens=c.generated_tokens,
+            steps=c.steps,
+            seconds=round(seconds, 4),
+            prefill_seconds=round(c.prefill_seconds, 4),
+            decode_seconds=round(c.decode_seconds, 4),
+            peak_cache_tokens=self.engine.peak_tokens,
+            final_cache_tokens=len(self.engine),
+            compactions=self.engine.compactions,
+        )
+
+    # -- branches ------------------------------------------------------------------------------
+
+    def _new_branch(self, spec: BranchSpec, label: str, path_ids: list[int], parent: int | None) -> _Branch:
+        if not path_ids:
+            raise ContextTooLongError(f"branch '{label}' has an empty prompt", fix="give it some text")
+        max_new = self._fit_to_context(label, len(path_ids), spec.max_new_tokens)
+        branch_id = self._next_id
+        self._next_id += 1
+        key = branch_id if spec.seed_key is None else spec.seed_key
+        self.counters.prompt_tokens += len(path_ids)
+        return _Branch(
+            id=branch_id,
+            spec=spec,
+            label=label,
+            path_ids=path_ids,
+            sampler=Sampler(spec.sampling, key, self.engine.device),
+            detok=StreamingDetokenizer(self.tokenizer, spec.stop),
+            max_new_tokens=max_new,
+            parent=parent,
+        )
+
+    def _fit_to_context(self, label: str, prompt_len: int, max_new: int) -> int:
+        limit = self.context_length
+        if limit is None:
+            return max_new
+        if prompt_len >= limit:
+            raise ContextTooLongError(
+                f"the prompt of '{label}' is {prompt_len} tokens, {prompt_len - limit + 1} more than the "
+                f"model's context of {limit} allows",
+                fix="shorten the document or the question, or use a model with a longer context",
+            )
+        return min(max_new, limit - prompt_len)
+
+    def _cap_notes(self, branches: list[_Branch]) -> Iterator[Event]:
+        for b in branches:
+            if b.max_new_tokens < b.spec.max_new_tokens:
+                yield Note(
+                    kind="capped",
+                    message=f"'{b.label}': max new tokens capped at {b.max_new_tokens} by the model's context",
+                    data={"branch": b.id, "max_new_tokens": b.max_new_tokens},
+                )
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def _prefill(self, branches: list[_Branch]) -> None:
+        before = len(self.engine)
+        results = prefill_prompts(self.engine, [b.path_ids for b in branches])
+        for branch, result in zip(branches, results):
+            branch.row, branch.logits = result.row, result.logits
+        self._prefill_tokens += len(self.engine) - before
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self, active: list[_Branch]) -> Iterator[Event]:
+        import torch
+
+        logits = torch.stack([b.logits for b in active])  # [k, V]
+        tokens = choose_tokens(logits, [b.sampler for b in active])
+        logprobs = torch.log_softmax(logits, -1)[torch.arange(len(active)), torch.tensor(tokens)].tolist()
+
+        to_feed: list[tuple[_Branch, list[int]]] = []
+        finished = False
+        for branch, token, logprob in zip(active, tokens, logprobs):
+            self.counters.generated_tokens += 1
+            branch.logprob += logprob
+            text = branch.detok.add(token)
+            reason = self._finish_reason(branch, token)
+            if reason is None:
+                yield Token(branch=branch.id, token_id=token, text=text, logprob=logprob)
+                to_feed.append((branch, [token]))
+                continue
+            finished = True
+            yield Token(branch=branch.id, token_id=token, text=text + branch.detok.finish(), logprob=logprob)
+            yield self._finish_event(branch, reason)
+            for child in self._spawn_children(branch):
+                yield Fork(branch=child.info())
+                to_feed.append((child, child.path_ids[len(child.path_ids) - len(child.spec.prompt_ids) - 1 :]))
+
+        if finished:
+            self._maybe_compact([b for b, _ in to_feed])
+        if not to_feed:
+            return []
+        self._feed(to_feed)
+        return [b for b, _ in to_feed]
+
+    def _finish_reason(self, branch: _Branch, token: int) -> str | None:
+        if token in self.eos or branch.detok.stopped_at is not None:
+            return "stop"
+        if len(branch.detok.token_ids) >= branch.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish_event(self, branch: _Branch, reason: str) -> Finish:
+        return Finish(
+            branch=branch.id,
+            label=branch.label,
+            text=branch.detok.final_text,
+            token_ids=list(branch.detok.token_ids),
+            finish_reason=reason,  # type: ignore[arg-type]
+            cumulative_logprob=branch.logprob,
+        )
+
+    def _spawn_children(self, parent: _Branch) -> list[_Branch]:
+        """Children continue from the parent's full text: its path, its tokens, their prompt."""
+        children = []
+        for spec in parent.spec.children:
+            path = parent.path_ids + parent.detok.token_ids + list(spec.prompt_ids)
+            child = self._new_branch(spec, f"{parent.label}/{spec.label}", path, parent.id)
+            # the parent's last token was never fed: it starts the child's chain
+            child.row = parent.row
+            children.append(child)
+        return children
+
+    def _feed(self, to_feed: list[tuple[_Branch, list[int]]]) -> None:
+        rows = [b.row for b, _ in to_feed]
+        chains = [chain for _, chain in to_feed]
+        if all(len(c) == 1 for c in chains):
+            import torch
+
+            stacked = torch.stack([pad_rows(r[None], len(self.engine))[0] for r in rows])  # [k, N]
+            results = self.engine.forward(stacked, chains)
+        else:
+            results = self.engine.extend(rows, chains)
+        self.counters.steps += 1
+        for (branch, _), result in zip(to_feed, results):
+            branch.row, branch.logits = result.row, result.logits
+
+    def _maybe_compact(self, live: list[_Branch]) -> None:
+        """Reclaim cache slots that no live branch attends to, once enough of the cache is dead."""
+        import torch
+
+        n = len(self.engine)
+        if not live or n == 0:
+            return
+        rows = torch.stack([pad_rows(b.row[None], n)[0] for b in live])  # [L, N]
+        dead = n - int(rows.any(0).sum())
+        if dead == 0 or dead < self.compact_ratio * n:
+            return
+        remapped = self.engine.compact(rows)
+        for branch, row in zip(live, remapped):
+            branch.row = row
+
+
+def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResult]:
+    """Feed prompts as a radix tree: shared token prefixes enter the cache once.
+
+    Tokenize full prompts first, then share: BPE merges differ at the seams of separately
+    tokenized pieces, so only token-level sharing keeps each branch identical to its prompt alone.
+    One forward (or a few, for long edges) per tree level.
+    """
+    results: list[ChainResult | None] = [None] * len(prompts)
+    root = engine.forest.empty_row()
+    pending = [(root, group, 0) for group in _group_by_token(prompts, list(range(len(prompts))), 0)]
+    while pending:
+        edges = []
+        for row, group, start in pending:
+            end = _common_prefix_end(prompts, group, start)
+            edges.append((row, group, start, end))
+        outs = engine.extend([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
+        pending = []
+        for (_, group, _, end), out in zip(edges, outs):
+            for i in group:
+                if len(prompts[i]) == end:
+                    results[i] = out
+            longer = [i for i in group if len(prompts[i]) > end]
+            pending.extend((out.row, sub, end) for sub in _group_by_token(prompts, longer, end))
+    return results  # type: ignore[return-value]
+
+
+def _group_by_token(prompts: list[list[int]], indices: list[int], at: int) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(prompts[i][at], []).append(i)
+    return list(groups.values())
+
+
+def _common_prefix_end(prompts: list[list[int]], group: list[int], start: int) -> int:
+    """End of the longest common prefix of the group's prompts (all agree on token `start`)."""
+    first = prompts[group[0]]
+    end = min(len(prompts[i]) for i in group)
+    for i in group[1:]:
+        other = prompts[i]
+        j = start
+        while j < end and other[j] == first[j]:
+            j += 1
+        end = j
+    return end

@@ -1,0 +1,174 @@
+"""The engine: one forward pass for many chains of new tokens over one shared KV cache.
+
+It knows token ids, ancestor rows and the model; it knows nothing of tokenizers, strategies or
+display. A *chain* is a run of new tokens hanging off one place in the forest, given by that
+place's ancestor row (see forest.py). A decode step is k chains of one token each; a prompt
+prefill is one long chain (cut into pieces that fit `max_forward_tokens`); prompts that share a
+prefix are a chain per radix-tree edge.
+
+For every new token the engine gives the model:
+* `position_ids` = its depth (the number of tokens it attends to, itself excluded);
+* an additive float mask row in the model dtype: 0 at its ancestors and itself, dtype-min
+  elsewhere (a bool or 0/1 mask is silently *added* to scores by eager attention), with the
+  model's sliding window folded in by depth when it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mdcli import cache as kv
+from mdcli.forest import Forest, layout_chains, pad_rows
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ChainResult:
+    """What a chain's last token left behind."""
+
+    row: torch.Tensor  # [N_after] bool: ancestor row of the chain's last token
+    logits: torch.Tensor | None  # [V] float32 next-token logits after the chain, if asked for
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        *,
+        sliding_window: int | None = None,
+        mixed_layer_types: bool = False,
+        max_forward_tokens: int = 1024,
+    ) -> None:
+        import torch
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = _compute_dtype(model)
+        self.sliding_window = sliding_window
+        self.mixed_layer_types = mixed_layer_types
+        self.max_forward_tokens = max_forward_tokens
+        self.forest = Forest(self.device)
+        self.cache = kv.new_cache()
+        self.forwards = 0
+        self.peak_tokens = 0
+        self.compactions = 0
+        self._neg = torch.finfo(self.dtype).min
+
+    def __len__(self) -> int:
+        return len(self.forest)
+
+    # -- one forward -------------------------------------------------------------------------
+
+    def forward(self, rows: torch.Tensor, chains: list[list[int]], *, logits: bool = True) -> list[ChainResult]:
+        """Feed every chain in ONE forward.
+
+        rows:   [C, n] bool, n <= N: the row each chain hangs off (all False for a new root).
+        chains: C non-empty lists of token ids.
+        Returns one ChainResult per chain, rows sized to the cache after this forward.
+        """
+        import torch
+
+        n_cache = len(self.forest)
+        layout = layout_chains(rows.to(self.device), [len(c) for c in chains], n_cache)
+        tokens = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=self.device)  # [M]
+        out = self._run_model(tokens, layout.positions, layout.allowed, layout.ends if logits else None)
+        self.forest.append(tokens, layout.positions, layout.parents)
+        self.peak_tokens = max(self.peak_tokens, len(self.forest))
+        new_rows = layout.allowed[layout.ends]  # [C, N + M]: each chain end's ancestors and itself
+        return [
+            ChainResult(row=new_rows[i], logits=None if out is None else out[i]) for i in range(len(chains))
+        ]
+
+    def _run_model(self, tokens, positions, allowed, keep_logits) -> torch.Tensor | None:
+        """tokens, positions: [M]; allowed: [M, N + M] bool; keep_logits: [C] indices or None."""
+        import torch
+
+        mask = self._additive(allowed)  # [1, 1, M, N + M]
+        if self.sliding_window is not None:
+            windowed = self._additive(allowed & self._inside_window(positions))
+            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=tokens[None, :],
+                position_ids=positions[None, :],
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep_logits if keep_logits is not None else 1,
+            )
+        self.forwards += 1
+        if keep_logits is None:
+            return None
+        return output.logits[0].float()  # [C, V]
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, self._neg)[None, None]
+
+    def _inside_window(self, positions: torch.Tensor) -> torch.Tensor:
+        """[M, N + M] bool: key depth within the window of the query depth (HF: q - k < window)."""
+        import torch
+
+        key_depth = torch.cat([self.forest.depth, positions])  # [N + M]
+        return (positions[:, None] - key_depth[None, :]) < self.sliding_window
+
+    # -- many forwards ------------------------------------------------------------------------
+
+    def extend(self, rows: list[torch.Tensor], chains: list[list[int]]) -> list[ChainResult]:
+        """Like `forward`, but cut into forwards of at most `max_forward_tokens` new tokens.
+
+        Long chains (a document) are fed piece by piece; short ones are packed together.
+        Logits are computed only for each chain's last token.
+        """
+        import torch
+
+        pending = [(i, rows[i], list(chain)) for i, chain in enumerate(chains)]
+        results: list[ChainResult | None] = [None] * len(chains)
+        while pending:
+            batch, budget = [], self.max_forward_tokens
+            while pending and budget > 0:
+                i, row, toks = pending.pop(0)
+                take = toks[:budget]
+                batch.append((i, row, take, toks[len(take):]))
+                budget -= len(take)
+            stacked = torch.stack([pad_rows(r[None], len(self.forest))[0] for _, r, _, _ in batch])
+            outs = self.forward(stacked, [take for _, _, take, _ in batch])
+            for (i, _, _, rest), out in zip(batch, outs):
+                if rest:
+                    pending.append((i, out.row, rest))
+                else:
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    # -- cache housekeeping --------------------------------------------------------------------
+
+    def compact(self, rows: torch.Tensor) -> torch.Tensor:
+        """Drop every cache slot that none of `rows` attends to; return the rows remapped.
+
+        rows: [L, n] bool, every row anyone still holds (live tips, fork points).
+        Returns [L, K] bool over the compacted cache.
+        """
+        rows = pad_rows(rows.to(self.device), len(self.forest))  # [L, N]
+        keep = rows.any(0).nonzero().flatten()  # [K] ascending
+        kv.compact(self.cache, keep)
+        self.forest.compact(keep)
+        self.compactions += 1
+        return rows[:, keep]
+
+    def cache_bytes(self) -> int:
+        return kv.cache_bytes(self.cache)
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype attention scores are computed in: the mask must match it."""
+    import torch
+
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return torch.float32

@@ -1,0 +1,147 @@
+"""The token forest: every token in the shared KV cache, in cache (physical) order.
+
+MultiDecode's invariant, which every other module relies on:
+
+* a token's position id is its depth in its tree (root tokens have depth 0);
+* a token attends to exactly its ancestors and itself.
+
+A node's ancestry is carried as an *ancestor row*: a bool vector over physical cache slots that is
+True at the node's ancestors and the node itself. Rows belong to whoever holds a place in the
+forest (a branch tip, a fork point): the forest stores only per-token facts (token id, depth,
+parent). Because parents always sit physically before their children, a row's True slots, in
+order, are the node's root-to-node path, and the row's popcount is the depth of the node's next
+child. Rows may be shorter than the cache: slots appended after a row was made are never its
+ancestors, so missing columns read as False (`pad_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ChainLayout:
+    """Where C chains of new tokens (M in all) go when appended after N cached tokens."""
+
+    positions: torch.Tensor  # [M] long: depth of each new token
+    parents: torch.Tensor  # [M] long: parent slot of each new token, -1 for a root
+    allowed: torch.Tensor  # [M, N + M] bool: what each new token attends to (ancestors + itself)
+    ends: torch.Tensor  # [C] long: index among the M new tokens of each chain's last token
+
+
+def layout_chains(rows: torch.Tensor, lengths: list[int], n_cache: int) -> ChainLayout:
+    """Lay chains out after the cache. rows: [C, n <= N] bool, the place each chain hangs off."""
+    import torch
+
+    device = rows.device
+    lengths_t = torch.tensor(lengths, device=device)  # [C]
+    if int(lengths_t.min()) < 1:
+        raise ValueError("every chain needs at least one token")
+    past = pad_rows(rows, n_cache)  # [C, N]
+    n_new = int(lengths_t.sum())
+    chain_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)  # [M]
+    starts = torch.cumsum(lengths_t, 0) - lengths_t  # [C]
+    offset = torch.arange(n_new, device=device) - starts[chain_of]  # [M] index within its chain
+
+    # a chain's first token sits one below its parent: depth = popcount(parent's row)
+    positions = past.sum(-1)[chain_of] + offset  # [M]
+    same_chain = chain_of[:, None] == chain_of[None, :]  # [M, M]
+    not_later = offset[:, None] >= offset[None, :]  # [M, M]
+    allowed = torch.cat([past[chain_of], same_chain & not_later], dim=1)  # [M, N + M]
+    slots = torch.arange(n_new, device=device) + n_cache  # [M]
+    parents = torch.where(offset == 0, _last_true(past)[chain_of], slots - 1)  # [M]
+    return ChainLayout(positions=positions, parents=parents, allowed=allowed, ends=starts + lengths_t - 1)
+
+
+def _last_true(rows: torch.Tensor) -> torch.Tensor:
+    """[C, N] bool -> [C] index of the last True per row (a row's tip), -1 where none."""
+    import torch
+
+    if rows.shape[1] == 0:
+        return torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
+    last = rows.shape[1] - 1 - rows.flip(1).to(torch.int8).argmax(1)
+    return torch.where(rows.any(1), last, torch.full_like(last, -1))
+
+
+def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """rows: [C, n] bool, n <= length -> [C, length] with False in the new columns."""
+    import torch
+
+    missing = length - rows.shape[-1]
+    if missing < 0:
+        raise ValueError(f"ancestor rows are longer ({rows.shape[-1]}) than the cache ({length})")
+    if missing == 0:
+        return rows
+    return torch.nn.functional.pad(rows, (0, missing), value=False)
+
+
+def stack_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Rows of different lengths -> one [C, length] bool tensor."""
+    import torch
+
+    return torch.stack([pad_rows(r.unsqueeze(0), length)[0] for r in rows])
+
+
+class Forest:
+    """Per-token facts for the shared cache, kept in step with it (append and compact together)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.tokens = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
+        self.depth = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
+        self.parent = torch.empty(0, dtype=torch.long, device=self.device)  # [N], -1 for roots
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def empty_row(self) -> torch.Tensor:
+        """The row of a new root: it attends to nothing already in the cache."""
+        import torch
+
+        return torch.zeros(len(self), dtype=torch.bool, device=self.device)
+
+    def append(self, tokens: torch.Tensor, depth: torch.Tensor, parent: torch.Tensor) -> None:
+        """tokens, depth, parent: [M] long, in the order they enter the cache."""
+        import torch
+
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.depth = torch.cat([self.depth, depth])
+        self.parent = torch.cat([self.parent, parent])
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the slots in `keep` ([K] long, ascending); re-point parents to new slots.
+
+        Every kept node's parent must be kept too (true whenever `keep` is a union of rows).
+        """
+        import torch
+
+        new_index = torch.full((len(self),), -1, dtype=torch.long, device=self.device)
+        new_index[keep] = torch.arange(keep.shape[0], device=self.device)
+        parent = self.parent[keep]
+        self.parent = torch.where(parent >= 0, new_index[parent.clamp(min=0)], parent)
+        self.tokens = self.tokens[keep]
+        self.depth = self.depth[keep]
+
+    def path_token_ids(self, row: torch.Tensor) -> list[int]:
+        """The tokens a row attends to, root first: the sequence to replay a branch alone."""
+        return self.tokens[: row.shape[0]][row].tolist()
+
+    def ancestors(self, node: int) -> list[int]:
+        """Slots of `node`'s ancestors and itself, root first, by walking parents (slow; tests)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parent[node])
+        return path[::-1]
+
+    def row_of(self, node: int) -> torch.Tensor:
+        """The ancestor row of an existing node, built from parent links (explain, tests)."""
+        row = self.empty_row()
+        row[self.ancestors(node)] = True
+        return row
