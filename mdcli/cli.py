@@ -6,17 +6,13 @@ answers instantly.
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Iterable
-from enum import Enum
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from mdcli import __version__
-from mdcli.errors import MdcliError, UsageError
+from mdcli.commands.common import silence_stdout
 
 app = typer.Typer(
     name="mdcli",
@@ -29,63 +25,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-class Output(str, Enum):
-    auto = "auto"
-    live = "live"
-    plain = "plain"
-    jsonl = "jsonl"
-
-
-# -- options shared by every generating command (declared per command: see architecture notes) --
-
-ModelOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model",
-        "-m",
-        envvar="MDCLI_MODEL",
-        help="Hugging Face id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-        show_default=False,
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N (auto: CUDA when present).")]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on capable CUDA, fp32 on CPU).")
-]
-AttnOpt = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa | eager.")]
-FourBitOpt = Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit weights (CUDA only).")]
-EightBitOpt = Annotated[bool, typer.Option("--load-in-8bit", help="bitsandbytes 8-bit weights (CUDA only).")]
-DeviceMapOpt = Annotated[
-    Optional[str], typer.Option("--device-map", help="Passed to from_pretrained, e.g. 'auto' (accelerate).")
-]
-RemoteCodeOpt = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code to run. Off by default.")
-]
-MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens generated per branch.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy (exact, default).")]
-TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (1 = off).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).")]
-MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x top prob.")]
-SeedOpt = Annotated[
-    Optional[int], typer.Option("--seed", help="Sampling seed; each branch gets its own stream from it.")
-]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop a branch at this text (repeatable).")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System prompt.")]
-NoChatOpt = Annotated[
-    bool, typer.Option("--no-chat-template", help="Feed plain text even if the model has a chat template.")
-]
-OutputOpt = Annotated[
-    Output,
-    typer.Option("--output", "-o", help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl."),
-]
-JsonlOpt = Annotated[bool, typer.Option("--jsonl", help="Same as --output jsonl: one JSON event per line.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress or summary on stderr.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-ChunkOpt = Annotated[
-    int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
-]
 
 
 def _version(value: bool) -> None:
@@ -103,219 +42,18 @@ def _root(
     """Exact parallel decoding (MultiDecode) over Hugging Face models."""
 
 
-# -- ask-many --------------------------------------------------------------------------------
+# -- commands: each lives in mdcli/commands/<name>.py -----------------------------------------
 
+from mdcli.commands import ask_many  # noqa: E402
 
-@app.command("ask-many")
-def ask_many_command(
-    document: Annotated[str, typer.Argument(help="Document file, or - for stdin.", show_default=False)],
-    question: Annotated[
-        Optional[list[str]], typer.Option("--question", "-q", help="A question (repeatable).", show_default=False)
-    ] = None,
-    questions_file: Annotated[
-        Optional[Path],
-        typer.Option("--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False),
-    ] = None,
-    template: Annotated[
-        Optional[str],
-        typer.Option("--template", help="User-turn template with $document and $question.", show_default=False),
-    ] = None,
-    system: SystemOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    max_new_tokens: MaxNewOpt = 256,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
-    jsonl: JsonlOpt = False,
-    quiet: QuietOpt = False,
-    max_forward_tokens: ChunkOpt = 1024,
-    debug: DebugOpt = False,
-) -> None:
-    """Ask many questions about one document: every answer decodes at once over the document's cache.
-
-    The user turn for each question is the template (default: the document, then "Answer this
-    question about the text above." and "Question: <question>"), chat-templated when the model has
-    one. Exact: with greedy decoding each answer is token for token what the model gives for that
-    question alone.
-    """
-    with _errors(debug):
-        from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
-
-        questions = list(question or []) + _read_questions_file(questions_file)
-        job = AskMany(
-            document=read_document(document),
-            questions=questions,
-            system=system,
-            template=template or DEFAULT_TEMPLATE,
-            chat_template=not no_chat_template,
-            sampling=_sampling(temperature, top_p, top_k, min_p, seed),
-            max_new_tokens=max_new_tokens,
-            stop=tuple(stop or ()),
-        )
-        job.validate()
-        mode = Output.jsonl if jsonl else output
-        lm = _load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.api import run_specs
-
-        events = run_specs(
-            lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens
-        )
-        _render(events, mode, quiet, header=_header(lm))
-
-
-# -- shared helpers ------------------------------------------------------------------------------
-
-
-def read_document(source: str) -> str:
-    """Read a document file (or stdin for '-') as UTF-8, with a usable message on any failure."""
-    if source == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise UsageError("the document is '-' but nothing is piped to stdin", fix="pipe a file in or give a path")
-        data = sys.stdin.buffer.read()
-        name = "stdin"
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise UsageError(f"document '{source}' does not exist", fix="check the path, or use - for stdin")
-        if path.is_dir():
-            raise UsageError(f"document '{source}' is a folder", fix="give a text file")
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise UsageError(f"cannot read '{source}': {error.strerror}", fix="check its permissions") from error
-        name = f"'{source}'"
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise UsageError(
-            f"{name} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})",
-            fix="convert it, e.g. iconv -f latin1 -t utf-8",
-        ) from error
-    if not text.strip():
-        raise UsageError(f"{name} is empty", fix="give a document with some text")
-    return text
-
-
-def _read_questions_file(path: Path | None) -> list[str]:
-    if path is None:
-        return []
-    return [line.strip() for line in read_document(str(path)).splitlines() if line.strip()]
-
-
-def _sampling(temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None):
-    from mdcli.sampling import SamplingParams
-
-    try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    except ValueError as error:
-        raise UsageError(str(error), fix="see mdcli --help") from error
-
-
-def _load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet):
-    from mdcli.loading import load_model
-
-    quiet_loading = quiet or mode == Output.jsonl
-    progress = None if quiet else _stderr_line
-    return load_model(
-        model,
-        device=device,
-        dtype=dtype,
-        attn=attn,
-        load_in_4bit=load_in_4bit,
-        load_in_8bit=load_in_8bit,
-        device_map=device_map,
-        trust_remote_code=trust_remote_code,
-        quiet=quiet_loading,
-        progress=progress,
-    )
-
-
-def _stderr_line(message: str) -> None:
-    print(f"mdcli: {message}", file=sys.stderr, flush=True)
-
-
-def _header(lm) -> str:
-    dtype = str(lm.dtype).removeprefix("torch.")
-    return f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
-
-
-def _render(events: Iterable, mode: Output, quiet: bool, header: str) -> None:
-    """Feed events to the renderer; on Ctrl-C flush what was generated and exit 130."""
-    from mdcli.render import choose_renderer
-
-    renderer = choose_renderer(
-        mode.value, stdout=sys.stdout, stderr=sys.stderr, quiet=quiet, no_color="NO_COLOR" in os.environ, header=header
-    )
-    try:
-        for event in events:
-            renderer.handle(event)
-    except KeyboardInterrupt:
-        renderer.interrupted()
-        renderer.close()
-        raise
-    renderer.close()
-
-
-class _errors:
-    """Turn every failure into one line on stderr and the right exit code."""
-
-    def __init__(self, debug: bool) -> None:
-        self.debug = debug
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if error is None or isinstance(error, (typer.Exit, SystemExit)):
-            return False
-        if isinstance(error, KeyboardInterrupt):
-            _stderr_line("interrupted")
-            raise typer.Exit(130)
-        if isinstance(error, BrokenPipeError):
-            _silence_stdout()
-            raise typer.Exit(0)
-        if self.debug:
-            return False
-        if isinstance(error, MdcliError):
-            message = error.problem if error.fix is None else f"{error.problem}; {error.fix}"
-            print(f"mdcli: error: {message}", file=sys.stderr)
-            raise typer.Exit(error.exit_code)
-        print(f"mdcli: error: {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)", file=sys.stderr)
-        raise typer.Exit(1)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return text[:300] + ("…" if len(text) > 300 else "")
-
-
-def _silence_stdout() -> None:
-    """After a closed pipe (`| head`), point stdout at /dev/null so the final flush can't fail."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
+app.command("ask-many")(ask_many.ask_many)
 
 
 def main() -> None:
     try:
         app()
     except BrokenPipeError:
-        _silence_stdout()
+        silence_stdout()
         sys.exit(0)
     except KeyboardInterrupt:
         sys.exit(130)

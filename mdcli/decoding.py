@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from mdcli.detok import StreamingDetokenizer
 from mdcli.engine import ChainResult, Engine
 from mdcli.errors import ContextTooLongError
-from mdcli.events import BranchInfo, Done, Event, Finish, Fork, Note, Stats, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Stats, Token
 from mdcli.forest import pad_rows
 from mdcli.sampling import Sampler, SamplingParams, choose_tokens
 

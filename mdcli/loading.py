@@ -1,0 +1,384 @@
+"""Load a model for MultiDecode: where it comes from, device, dtype (and why), quantization.
+
+Every refusal happens before the weights are read: options are checked first, then the config
+alone (`check_exact_support`), so a model MultiDecode cannot run exactly fails in a second, not
+after a multi-gigabyte download. torch and transformers are imported inside the functions so that
+importing this module (and `mdcli --help`) stays instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from mdcli.architectures import (
+    check_attn_implementation,
+    check_exact_support,
+    context_length,
+    model_type,
+    sliding_window_layout,
+)
+from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir
+from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+Progress = Callable[[str], None]
+
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_SOURCE_FIX = "pass a local model folder or .gguf file, or a Hugging Face id"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, with the facts the renderers report about it."""
+
+    model: PreTrainedModel  # eval mode, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # "SmolLM2-135M-Instruct (embedded)" or the id/path given
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str  # "fp32: CPU", "bf16: CUDA supports bf16", "requested", ...
+    attn: str  # "sdpa" | "eager"
+    eos_token_ids: frozenset[int]  # tokenizer eos + generation_config eos
+    context_length: int | None
+    sliding_window: int | None
+    mixed_layer_types: bool  # True: the engine passes {"full_attention": m, "sliding_attention": m_w}
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What `from_pretrained` reads: a folder or hub id, plus a GGUF file name inside the folder."""
+
+    location: str
+    gguf_file: str | None
+    name: str
+    is_hub_id: bool
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    trust_remote_code: bool = False,
+    device_map: str | None = None,
+    quiet: bool = False,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id)."""
+    check_attn_implementation(attn)
+    bits = _quantization_bits(load_in_4bit, load_in_8bit)
+    torch_device = resolve_device(device)
+    torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
+    with quiet_loading(quiet):
+        source = _resolve_source(model, progress)
+        if bits and source.gguf_file:
+            raise UsageError(
+                f"a .gguf file cannot be loaded in {bits}-bit",
+                fix=f"drop --load-in-{bits}bit or pass a safetensors model folder",
+            )
+        config = _load_config(source, trust_remote_code)
+        check_exact_support(config, attn)
+        _check_model_class(config, attn, trust_remote_code)
+        if progress is not None:
+            progress(f"loading {source.name}...")
+        hf_model = _load_weights(source, torch_dtype, attn, bits, trust_remote_code, device_map, torch_device)
+        tokenizer = _load_tokenizer(source, trust_remote_code)
+    window, mixed = sliding_window_layout(hf_model.config)
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        name=source.name,
+        device=hf_model.device if device_map or bits else torch_device,
+        dtype=torch_dtype,
+        dtype_reason=dtype_reason,
+        attn=attn,
+        eos_token_ids=eos_token_ids(tokenizer, getattr(hf_model, "generation_config", None)),
+        context_length=context_length(hf_model.config),
+        sliding_window=window,
+        mixed_layer_types=mixed,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device to run on: "auto" is CUDA when present, else CPU; an absent GPU is an error."""
+    import torch
+
+    name = device.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        return _cuda_device(name)
+    if name == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError("MPS (Apple GPU) is not available", fix="use --device cpu")
+        return torch.device("mps")
+    raise UsageError(f"unknown device '{device}'", fix="use --device auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(dtype: str, device: torch.device, bits: int | None = None) -> tuple[torch.dtype, str]:
+    """The dtype to load in and a short reason to show the user."""
+    import torch
+
+    name = dtype.strip().lower()
+    if name != "auto" and name not in _DTYPE_ALIASES:
+        raise UsageError(f"unknown dtype '{dtype}'", fix="use --dtype auto, float32, bfloat16 or float16")
+    requested = _DTYPE_ALIASES.get(name)
+    if bits:
+        compute = requested or ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+        return getattr(torch, compute), f"{bits}-bit bitsandbytes (compute {_SHORT_DTYPE[compute]})"
+    if requested:
+        _check_requested_dtype(requested, device)
+        return getattr(torch, requested), "requested"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "bf16: CUDA supports bf16"
+        return torch.float16, "fp16: CUDA without bf16"
+    return torch.float32, f"fp32: {device.type.upper()}"
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: object | None) -> frozenset[int]:
+    """Every id that ends a branch: chat models often list extra ones in generation_config."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if value is None:
+            continue
+        ids.update(int(v) for v in ([value] if isinstance(value, int) else value))
+    return frozenset(ids)
+
+
+@contextlib.contextmanager
+def quiet_loading(quiet: bool) -> Iterator[None]:
+    """Silence transformers' and huggingface_hub's progress bars, logs and warnings, then restore."""
+    if not quiet:
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hub_bars_were_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+        if not hub_bars_were_off:
+            hub_utils.enable_progress_bars()
+
+
+def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool) -> int | None:
+    """4, 8 or None; bitsandbytes needs CUDA and the optional extra."""
+    if load_in_4bit and load_in_8bit:
+        raise UsageError("--load-in-4bit and --load-in-8bit exclude each other", fix="pass only one of them")
+    if not (load_in_4bit or load_in_8bit):
+        return None
+    bits = 4 if load_in_4bit else 8
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "4-bit/8-bit loading needs a CUDA GPU", fix=f"drop --load-in-{bits}bit or use --device cuda on a GPU machine"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")
+    return bits
+
+
+def _cuda_device(name: str) -> torch.device:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("CUDA is not available", fix="use --device cpu")
+    index_text = name.partition(":")[2]
+    if not index_text:
+        return torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if not index_text.isdigit() or int(index_text) >= count:
+        raise UsageError(f"no CUDA device '{name}' ({count} present)", fix=f"use --device cuda:0 .. cuda:{count - 1}")
+    return torch.device("cuda", int(index_text))
+
+
+def _check_requested_dtype(dtype: str, device: torch.device) -> None:
+    import torch
+
+    if dtype == "float16" and device.type == "cpu":
+        raise UsageError("float16 on CPU is slow and inexact", fix="use --dtype float32 or bfloat16")
+    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError("this GPU does not support bfloat16", fix="use --dtype float16 or float32")
+
+
+def _resolve_source(model: str | None, progress: Progress | None) -> _Source:
+    if model is None:
+        return _Source(str(embedded_model_dir(progress)), None, EMBEDDED_NAME, is_hub_id=False)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _Source(str(path), None, model, is_hub_id=False)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _Source(str(path.parent), path.name, model, is_hub_id=False)
+    if path.is_file():
+        raise UsageError(f"'{model}' is a file but not a .gguf", fix=_SOURCE_FIX)
+    if _looks_like_path(model):
+        raise UsageError(f"model path '{model}' does not exist", fix="check the path, or pass a Hugging Face id")
+    return _Source(model, None, model, is_hub_id=True)
+
+
+def _looks_like_path(model: str) -> bool:
+    """Hub ids are "name" or "owner/name"; anything else with a separator is a path.
+
+    A single "/" cannot decide it on POSIX (it is also the id separator), so an id-shaped
+    string that is not an existing folder goes to the hub.
+    """
+    if model.lower().endswith(".gguf") or model.startswith((".", "~", "/")):
+        return True
+    if os.altsep and os.altsep != "/" and os.altsep in model:
+        return True
+    if os.sep != "/" and os.sep in model:
+        return True
+    return model.count("/") > 1
+
+
+def _load_config(source: _Source, trust_remote_code: bool) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise _load_error(source, exc) from exc
+
+
+def _check_model_class(config: PretrainedConfig, attn: str, trust_remote_code: bool) -> None:
+    """Refuse, from the config alone, models with no causal-LM class or no sdpa (Gemma2, GPT-J)."""
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        raise UnsupportedModelError(
+            f"{model_type(config)} has no causal language-model class in transformers",
+            fix="choose a decoder-only text-generation model",
+        ) from None
+    if attn == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        raise UnsupportedModelError(
+            f"{model_type(config)} has no sdpa attention in transformers", fix="use --attn eager"
+        )
+
+
+def _load_weights(
+    source: _Source,
+    dtype: torch.dtype,
+    attn: str,
+    bits: int | None,
+    trust_remote_code: bool,
+    device_map: str | None,
+    device: torch.device,
+) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, object] = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if bits:
+        kwargs["quantization_config"] = _bitsandbytes_config(bits, dtype)
+        kwargs["device_map"] = device_map or {"": str(device)}
+    elif device_map:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _load_error(source, exc) from exc
+    if not (bits or device_map):
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _bitsandbytes_config(bits: int, compute_dtype: torch.dtype) -> object:
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _load_tokenizer(source: _Source, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise _load_error(source, exc) from exc
+
+
+def _load_error(source: _Source, exc: BaseException) -> Exception:
+    """One actionable line for a failed load: offline hub, custom code, or broken files."""
+    detail = _first_line(exc)
+    if "trust_remote_code" in str(exc):
+        return UsageError(f"{source.name} needs its own Python code to load", fix="pass --trust-remote-code if you trust its author")
+    if not source.is_hub_id:
+        return ModelLoadError(f"could not load '{source.name}': {detail}", fix=_SOURCE_FIX)
+    if _hub_offline():
+        return ModelLoadError(
+            f"model '{source.name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+            fix=f"download it once with network access (hf download {source.name}) or pass a local folder or .gguf file",
+        )
+    return ModelLoadError(
+        f"could not load '{source.name}' from the Hugging Face hub: {detail}",
+        fix="check the id and the network (HF_HUB_OFFLINE is not set), set HF_TOKEN for gated models, "
+        "or pass a local folder or .gguf file",
+    )
+
+
+def _hub_offline() -> bool:
+    truthy = {"1", "on", "yes", "true"}
+    if any(os.environ.get(var, "").strip().lower() in truthy for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        import huggingface_hub
+
+        return bool(huggingface_hub.is_offline_mode())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

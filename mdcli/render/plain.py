@@ -1,0 +1,104 @@
+"""Plain text for pipelines: answers on stdout, everything else on stderr, no escape codes.
+
+Answers are printed in branch order (Start's branches, then Forks) so the output is the same
+whatever order the branches happen to finish in, yet each answer is printed as soon as it and
+every answer before it are done, so a downstream program can start early.
+"""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from mdcli.events import Done, Event, Finish, Note, Prune, Start
+from mdcli.render.base import (
+    BranchBook,
+    BranchState,
+    answer_block,
+    describe_start,
+    interrupted_finishes,
+    summary_line,
+)
+
+
+class PlainRenderer:
+    """Prints each finished branch as ``## label`` + text, or the bare text for a single branch.
+
+    `quiet` drops the header and summary lines; notes and interruption marks still go to
+    stderr because they change what the answers mean.
+    """
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, *, quiet: bool = False, header: str | None = None) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._quiet = quiet
+        self._header = header
+        self._book = BranchBook()
+        self._printed = 0
+        self._headered: bool | None = None
+        self._ended = False
+
+    def handle(self, event: Event) -> None:
+        self._book.apply(event)
+        if isinstance(event, Start):
+            self._on_start(event)
+        elif isinstance(event, (Finish, Prune)):
+            self._decide_headers_early()
+            self._print_settled_prefix()
+        elif isinstance(event, Note):
+            self._chrome(f"{event.kind}: {event.message}")
+        elif isinstance(event, Done):
+            self._end_run()
+            if not self._quiet:
+                self._chrome(summary_line(self._book, event.stats, interrupted=event.interrupted))
+
+    def interrupted(self) -> None:
+        """Print every branch not yet printed, the unfinished ones with their partial text."""
+        self._end_run()
+
+    def close(self) -> None:
+        """Nothing to stop: every answer is already flushed."""
+
+    def _on_start(self, start: Start) -> None:
+        if not self._quiet:
+            self._chrome(self._header or describe_start(start))
+        if len(start.branches) >= 2:
+            self._headered = True
+
+    def _decide_headers_early(self) -> None:
+        """Headings are needed once a second answer exists. Until then the first answer waits,
+        because a later Fork may still turn a single-answer run into a multi-answer one."""
+        if self._headered is None and len(self._book.with_status("finished")) >= 2:
+            self._headered = True
+
+    def _end_run(self) -> None:
+        """Settle every running branch as interrupted and print all that is left (a no-op the
+        second time, so Done followed by Ctrl-C prints nothing twice)."""
+        if self._ended:
+            return
+        self._ended = True
+        for finish in interrupted_finishes(self._book):
+            self._book.apply(finish)
+        if self._headered is None:
+            self._headered = len(self._book) - len(self._book.with_status("pruned")) >= 2
+        self._print_settled_prefix()
+
+    def _print_settled_prefix(self) -> None:
+        """Print, in branch order, the settled branches up to the first one still running."""
+        if self._headered is None:
+            return
+        branches = list(self._book)
+        while self._printed < len(branches) and branches[self._printed].settled:
+            self._print_answer(branches[self._printed])
+            self._printed += 1
+
+    def _print_answer(self, branch: BranchState) -> None:
+        if branch.status == "pruned":
+            return
+        self._stdout.write(answer_block(branch.label, branch.text, headered=bool(self._headered)))
+        self._stdout.flush()
+        if branch.finish_reason == "interrupted":
+            self._chrome(f"interrupted: {branch.label} after {branch.token_count} tokens")
+
+    def _chrome(self, line: str) -> None:
+        self._stderr.write(line + "\n")
+        self._stderr.flush()
