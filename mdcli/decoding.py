@@ -267,20 +267,31 @@ class Decoder:
 
 
 def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResult]:
-    """Feed prompts as a radix tree: shared token prefixes enter the cache once.
+    """Feed prompts as a radix tree hanging off what the cache already holds.
 
     Tokenize full prompts first, then share: BPE merges differ at the seams of separately
     tokenized pieces, so only token-level sharing keeps each branch identical to its prompt alone.
-    One forward (or a few, for long edges) per tree level.
+    Each prompt first reuses the longest path already cached (a document prefilled earlier, a
+    question whose answer is being merged); the rest goes in as a radix tree, one forward (or a
+    few, for long edges) per tree level. At least one token per prompt is always fed, since its
+    next-token logits are needed.
     """
     results: list[ChainResult | None] = [None] * len(prompts)
-    root = engine.forest.empty_row()
-    pending = [(root, group, 0) for group in _group_by_token(prompts, list(range(len(prompts))), 0)]
+    attach: dict[int, list[int]] = {}  # cached slot (-1: new root) -> prompts hanging there
+    starts = [0] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        starts[i], slot = engine.forest.longest_cached_prefix(prompt, limit=len(prompt) - 1)
+        attach.setdefault(slot, []).append(i)
+    pending = []
+    for slot, members in attach.items():
+        row = engine.forest.row_of(slot) if slot >= 0 else engine.forest.empty_row()
+        by_start: dict[int, list[int]] = {}
+        for i in members:
+            by_start.setdefault(starts[i], []).append(i)
+        for start, group in by_start.items():
+            pending.extend((row, sub, start) for sub in _group_by_token(prompts, group, start))
     while pending:
-        edges = []
-        for row, group, start in pending:
-            end = _common_prefix_end(prompts, group, start)
-            edges.append((row, group, start, end))
+        edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in pending]
         outs = engine.extend([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
         pending = []
         for (_, group, _, end), out in zip(edges, outs):

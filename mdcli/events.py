@@ -66,6 +66,7 @@ class Prune:
     """A branch abandoned before finishing (beam search drops it)."""
 
     branch: int
+    label: str
     reason: str
     type: Literal["prune"] = "prune"
 
@@ -115,7 +116,7 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    stats: Stats
+    stats: Stats | None  # None when the run was interrupted before it could finish
     interrupted: bool = False
     type: Literal["done"] = "done"
 
@@ -126,6 +127,6 @@ Event = Union[Start, Token, Fork, Prune, Finish, Note, Done]
 def event_to_dict(event: Event) -> dict[str, Any]:
     """The JSONL form of an event: `type` first, then the fields."""
     body = asdict(event)
-    if isinstance(event, Done):
+    if isinstance(event, Done) and event.stats is not None:
         body["stats"]["tokens_per_second"] = round(event.stats.tokens_per_second, 3)
     return {"type": body.pop("type"), **body}

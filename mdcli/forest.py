@@ -96,6 +96,8 @@ class Forest:
         self.tokens = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
         self.depth = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
         self.parent = torch.empty(0, dtype=torch.long, device=self.device)  # [N], -1 for roots
+        # (parent slot, token id) -> slot: lets a new prompt find the longest path already cached
+        self._child: dict[tuple[int, int], int] = {}
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -110,9 +112,11 @@ class Forest:
         """tokens, depth, parent: [M] long, in the order they enter the cache."""
         import torch
 
+        first = len(self)
         self.tokens = torch.cat([self.tokens, tokens])
         self.depth = torch.cat([self.depth, depth])
         self.parent = torch.cat([self.parent, parent])
+        self._index(first)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep only the slots in `keep` ([K] long, ascending); re-point parents to new slots.
@@ -127,6 +131,29 @@ class Forest:
         self.parent = torch.where(parent >= 0, new_index[parent.clamp(min=0)], parent)
         self.tokens = self.tokens[keep]
         self.depth = self.depth[keep]
+        self._child = {}
+        self._index(0)
+
+    def _index(self, first: int) -> None:
+        """Record slots [first, N) in the (parent, token) -> slot index; the first slot wins."""
+        pairs = zip(self.parent[first:].tolist(), self.tokens[first:].tolist())
+        for slot, key in enumerate(pairs, start=first):
+            self._child.setdefault(key, slot)
+
+    def longest_cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+        """Follow `tokens` down from the roots through cached slots, at most `limit` tokens.
+
+        Returns (how many tokens matched, slot of the last matched token or -1). Any cached node
+        whose path equals the prompt's prefix will do: a node's keys and values depend only on
+        its path, so hanging the rest of the prompt there is exact.
+        """
+        slot, matched = -1, 0
+        for token in tokens[:limit]:
+            nxt = self._child.get((slot, token))
+            if nxt is None:
+                break
+            slot, matched = nxt, matched + 1
+        return matched, slot
 
     def path_token_ids(self, row: torch.Tensor) -> list[int]:
         """The tokens a row attends to, root first: the sequence to replay a branch alone."""

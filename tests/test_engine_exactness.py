@@ -174,3 +174,36 @@ def test_compaction_drops_every_slot_no_live_branch_attends_to():
     assert len(engine) == 16 and int(row.sum()) == 16
     assert engine.cache.get_seq_length() == 16
     assert engine.forest.path_token_ids(row) == prompts[0]
+
+
+def test_a_later_prompt_reuses_the_longest_cached_path_and_stays_exact():
+    model = tiny_model("llama", "sdpa")
+    first, second = random_prompts(30, [5, 8], seed=4)
+    engine = engine_for(model)
+    [a] = prefill_prompts(engine, [first])
+    grown = len(engine)
+    [b] = prefill_prompts(engine, [second])
+    assert len(engine) == grown + 8  # only the new suffix was fed
+    assert torch.allclose(b.logits, alone_logits(model, second), atol=1e-4)
+    assert engine.forest.path_token_ids(b.row) == second
+
+
+def test_a_prompt_already_fully_cached_feeds_only_its_last_token():
+    model = tiny_model("qwen2", "eager")
+    [prompt] = random_prompts(12, [3])
+    engine = engine_for(model)
+    prefill_prompts(engine, [prompt])
+    [again] = prefill_prompts(engine, [prompt])
+    assert len(engine) == len(prompt) + 1
+    assert torch.allclose(again.logits, alone_logits(model, prompt), atol=1e-5)
+
+
+def test_the_prefix_index_follows_compaction():
+    model = tiny_model("llama", "eager")
+    keep, drop = random_prompts(10, [4, 4], seed=6)
+    engine = engine_for(model)
+    kept, _ = prefill_prompts(engine, [keep, drop])
+    engine.compact(kept.row[None])
+    [again] = prefill_prompts(engine, [keep + [9, 9]])
+    assert len(engine) == len(keep) + 2
+    assert torch.allclose(again.logits, alone_logits(model, keep + [9, 9]), atol=1e-5)

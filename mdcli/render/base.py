@@ -9,6 +9,7 @@ its own.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TextIO
 
@@ -46,7 +47,6 @@ class BranchState:
     cumulative_logprob: float = 0.0
     status: BranchStatus = "running"
     finish_reason: str | None = None
-    prune_reason: str | None = None
     score: float | None = None
     _pieces: list[str] = field(default_factory=list, repr=False)
 
@@ -82,10 +82,6 @@ class BranchState:
         self.finish_reason = finish.finish_reason
         self.score = finish.score
 
-    def prune(self, prune: Prune) -> None:
-        self.status = "pruned"
-        self.prune_reason = prune.reason
-
 
 class BranchBook:
     """Per-branch state folded from the event stream, in order of announcement
@@ -109,7 +105,7 @@ class BranchBook:
         elif isinstance(event, Finish):
             self[event.branch].finish(event)
         elif isinstance(event, Prune):
-            self[event.branch].prune(event)
+            self[event.branch].status = "pruned"
         elif isinstance(event, Done):
             self.done = event
 
@@ -122,10 +118,12 @@ class BranchBook:
         try:
             return self._branches[branch_id]
         except KeyError:
-            raise ValueError(f"event for branch {branch_id}, which was never announced") from None
+            raise ValueError(
+                f"event for branch {branch_id}, which was never announced"
+            ) from None
 
-    def __iter__(self):
-        return iter(list(self._branches.values()))
+    def __iter__(self) -> Iterator[BranchState]:
+        return iter(self._branches.values())
 
     def __len__(self) -> int:
         return len(self._branches)

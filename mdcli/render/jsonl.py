@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
-from mdcli.events import Event, event_to_dict
+from mdcli.events import Done, Event, event_to_dict
 from mdcli.render.base import BranchBook, interrupted_finishes
 
 
@@ -25,7 +25,7 @@ class JsonlRenderer:
     def handle(self, event: Event) -> None:
         self._book.apply(event)
         self._write(event_to_dict(event))
-        if event.type == "done":
+        if isinstance(event, Done):
             self._ended = True
 
     def interrupted(self) -> None:
@@ -35,8 +35,7 @@ class JsonlRenderer:
         for finish in interrupted_finishes(self._book):
             self.handle(finish)
         if not self._ended:
-            self._write({"type": "done", "interrupted": True, "stats": None})
-            self._ended = True
+            self.handle(Done(stats=None, interrupted=True))
 
     def close(self) -> None:
         """Nothing to stop: every line is already flushed."""

@@ -44,13 +44,20 @@ SPARE_LINES = 1  # keeps the cursor line free so a full-height frame does not sc
 
 # C0 control characters (other than newline and tab) would move the cursor and tear the
 # display apart; inside panels they are shown as their Unicode "control pictures" instead.
-_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\n\t"} | {0x7F: 0x2421}
+_CONTROL_PICTURES = {
+    code: 0x2400 + code for code in range(32) if chr(code) not in "\n\t"
+} | {0x7F: 0x2421}
 
 
 def make_console(file: TextIO, *, color: bool) -> Console:
     """A console on `file`. Without color it emits no styling codes at all (not even bold),
     which is what people who set NO_COLOR expect of a program's output."""
-    return Console(file=file, color_system="auto" if color else None, no_color=not color, highlight=False)
+    return Console(
+        file=file,
+        color_system="auto" if color else None,
+        no_color=not color,
+        highlight=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,11 @@ def recent_text(text: str, width: int, lines: int) -> str:
         return text
     cut = len(text) - budget
     paragraph_start = text.rfind("\n", 0, cut) + 1
-    return text[paragraph_start:] if len(text) - paragraph_start <= 8 * budget else text[cut:]
+    return (
+        text[paragraph_start:]
+        if len(text) - paragraph_start <= 8 * budget
+        else text[cut:]
+    )
 
 
 def tail_lines(console: Console, text: str, width: int, lines: int) -> Lines:
@@ -104,7 +115,14 @@ class LiveRenderer:
     because they change what the answers mean.
     """
 
-    def __init__(self, console: Console, chrome: Console, *, header: str | None = None, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        console: Console,
+        chrome: Console,
+        *,
+        header: str | None = None,
+        quiet: bool = False,
+    ) -> None:
         self._console = console
         self._chrome = chrome
         self._header = header
@@ -140,7 +158,7 @@ class LiveRenderer:
 
     def interrupted(self) -> None:
         """Stop the display, print the partial answers in full, and say they were cut short."""
-        if self._stopped:
+        if self._final:
             return
         self._end_run(None)
         self._chrome.print(Text("interrupted", style="bold yellow"))
@@ -160,9 +178,13 @@ class LiveRenderer:
     def _start_live(self) -> None:
         if not self._started:
             self._started = True
-            self._live.start()
+            self._live.start(refresh=True)
 
     def _end_run(self, done: Done | None) -> None:
+        """Settle unfinished branches as interrupted, leave a compact final frame, and print
+        the answers in full below it (once: a Done after Ctrl-C, or twice, changes nothing)."""
+        if self._final:
+            return
         with self._lock:
             for finish in interrupted_finishes(self._book):
                 self._book.apply(finish)
@@ -186,7 +208,9 @@ class LiveRenderer:
             self._chrome.print(Text(_note_text(note), style="italic"))
 
     def _answers(self) -> list[BranchState]:
-        return [branch for branch in self._book.in_tree_order() if branch.status != "pruned"]
+        return [
+            branch for branch in self._book.in_tree_order() if branch.status != "pruned"
+        ]
 
     def _frame(self) -> RenderableType:
         with self._lock:
@@ -199,7 +223,9 @@ class LiveRenderer:
 
     def _final_frame(self) -> RenderableType:
         """What stays on screen above the full answers: one status line per branch."""
-        return Group(*self._header_lines(), *(_status_line(branch) for branch in self._answers()))
+        return Group(
+            *self._header_lines(), *(_status_line(branch) for branch in self._answers())
+        )
 
     def _running_frame(self) -> RenderableType:
         width, height = self._console.size
@@ -212,19 +238,29 @@ class LiveRenderer:
             if finished:
                 bottom.insert(0, _finished_line(finished))
                 room -= 1
-        return Group(*top, self._panels(shown, plan_grid(len(shown), width, room)), *bottom)
+        return Group(
+            *top, self._panels(shown, plan_grid(len(shown), width, room)), *bottom
+        )
 
     def _panels(self, branches: list[BranchState], grid: Grid) -> RenderableType:
         if not branches:
             return Text()
         inner_width = max(1, grid.width - PANEL_CHROME_WIDTH)
         body_lines = max(1, grid.height - PANEL_CHROME_HEIGHT)
-        tails = [tail_lines(self._console, branch.text, inner_width, body_lines) for branch in branches]
-        height = max(MIN_PANEL_HEIGHT, max(len(tail) for tail in tails) + PANEL_CHROME_HEIGHT)
+        tails = [
+            tail_lines(self._console, branch.text, inner_width, body_lines)
+            for branch in branches
+        ]
+        height = max(
+            MIN_PANEL_HEIGHT, max(len(tail) for tail in tails) + PANEL_CHROME_HEIGHT
+        )
         table = Table.grid(padding=(0, 1))
         for _ in range(grid.columns):
             table.add_column()
-        panels = [_branch_panel(branch, tail, grid.width, height) for branch, tail in zip(branches, tails)]
+        panels = [
+            _branch_panel(branch, tail, grid.width, height)
+            for branch, tail in zip(branches, tails)
+        ]
         for row_start in range(0, len(panels), grid.columns):
             table.add_row(*panels[row_start : row_start + grid.columns])
         return table
@@ -234,7 +270,9 @@ def _rows_needed(panels: int, width: int) -> int:
     return math.ceil(panels / column_count(panels, width)) if panels else 0
 
 
-def _split_finished(branches: list[BranchState]) -> tuple[list[BranchState], list[BranchState]]:
+def _split_finished(
+    branches: list[BranchState],
+) -> tuple[list[BranchState], list[BranchState]]:
     """Running branches keep their panels; finished ones give theirs up when space runs out."""
     running = [branch for branch in branches if branch.status == "running"]
     finished = [branch for branch in branches if branch.status == "finished"]
@@ -243,7 +281,9 @@ def _split_finished(branches: list[BranchState]) -> tuple[list[BranchState], lis
 
 def _branch_panel(branch: BranchState, tail: Lines, width: int, height: int) -> Panel:
     done = branch.status == "finished"
-    title = Text("↳ " if branch.parent is not None else "") + Text(branch.label, style="" if done else "bold")
+    title = Text("↳ " if branch.parent is not None else "") + Text(
+        branch.label, style="" if done else "bold"
+    )
     if done:
         title.append(" ✓", style="green")
     return Panel(
@@ -259,17 +299,30 @@ def _branch_panel(branch: BranchState, tail: Lines, width: int, height: int) -> 
 
 
 def _branch_facts(branch: BranchState) -> str:
-    """Token count, how it ended (once it has), and cumulative logprob."""
+    """Token count, how it ended (once it has), cumulative logprob, and the strategy's score
+    (beam search ranks by a length-normalised score, not by the raw logprob)."""
     facts = [f"{branch.token_count} tok"]
     if branch.finish_reason:
         facts.append(branch.finish_reason)
     facts.append(f"lp {branch.cumulative_logprob:.2f}")
+    if branch.score is not None:
+        facts.append(f"score {branch.score:.2f}")
     return " · ".join(facts)
 
 
 def _status_line(branch: BranchState) -> Text:
-    mark = ("✓ ", "green") if branch.finish_reason in ("stop", "length") else ("… ", "yellow")
-    return Text.assemble(mark, branch.label, (f"  {_branch_facts(branch)}", "dim"), no_wrap=True, overflow="ellipsis")
+    mark = (
+        ("✓ ", "green")
+        if branch.finish_reason in ("stop", "length")
+        else ("… ", "yellow")
+    )
+    return Text.assemble(
+        mark,
+        branch.label,
+        (f"  {_branch_facts(branch)}", "dim"),
+        no_wrap=True,
+        overflow="ellipsis",
+    )
 
 
 def _finished_line(branches: list[BranchState]) -> Text:

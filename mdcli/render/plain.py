@@ -27,7 +27,14 @@ class PlainRenderer:
     stderr because they change what the answers mean.
     """
 
-    def __init__(self, stdout: TextIO, stderr: TextIO, *, quiet: bool = False, header: str | None = None) -> None:
+    def __init__(
+        self,
+        stdout: TextIO,
+        stderr: TextIO,
+        *,
+        quiet: bool = False,
+        header: str | None = None,
+    ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._quiet = quiet
@@ -49,7 +56,9 @@ class PlainRenderer:
         elif isinstance(event, Done):
             self._end_run()
             if not self._quiet:
-                self._chrome(summary_line(self._book, event.stats, interrupted=event.interrupted))
+                self._chrome(
+                    summary_line(self._book, event.stats, interrupted=event.interrupted)
+                )
 
     def interrupted(self) -> None:
         """Print every branch not yet printed, the unfinished ones with their partial text."""
@@ -79,7 +88,9 @@ class PlainRenderer:
         for finish in interrupted_finishes(self._book):
             self._book.apply(finish)
         if self._headered is None:
-            self._headered = len(self._book) - len(self._book.with_status("pruned")) >= 2
+            self._headered = (
+                len(self._book) - len(self._book.with_status("pruned")) >= 2
+            )
         self._print_settled_prefix()
 
     def _print_settled_prefix(self) -> None:
@@ -94,10 +105,14 @@ class PlainRenderer:
     def _print_answer(self, branch: BranchState) -> None:
         if branch.status == "pruned":
             return
-        self._stdout.write(answer_block(branch.label, branch.text, headered=bool(self._headered)))
+        self._stdout.write(
+            answer_block(branch.label, branch.text, headered=bool(self._headered))
+        )
         self._stdout.flush()
         if branch.finish_reason == "interrupted":
-            self._chrome(f"interrupted: {branch.label} after {branch.token_count} tokens")
+            self._chrome(
+                f"interrupted: {branch.label} after {branch.token_count} tokens"
+            )
 
     def _chrome(self, line: str) -> None:
         self._stderr.write(line + "\n")
