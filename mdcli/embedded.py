@@ -15,15 +15,18 @@ Cache layout (root: `$MDCLI_CACHE_DIR`, else `$XDG_CACHE_HOME/mdcli`, else `~/.c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mdcli.errors import ModelLoadError
 
@@ -102,11 +105,28 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with gguf_progress_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"could not read {gguf}: {_first_line(exc)}", fix=f"reinstall it: {INSTALL_FIX}") from exc
     save_dequantized(model, out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def gguf_progress_bar_follows_transformers() -> Iterator[None]:
+    """Hide the GGUF dequantizing bar when transformers' progress bars are off.
+
+    transformers draws that one bar with plain `tqdm`, which ignores `disable_progress_bar()`;
+    the bar writes to `sys.stderr`, so swap that for the duration of the GGUF load only.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def save_dequantized(model: PreTrainedModel, out_dir: Path) -> None:

@@ -62,17 +62,26 @@ class Engine:
 
     # -- one forward -------------------------------------------------------------------------
 
-    def forward(self, rows: torch.Tensor, chains: list[list[int]], *, logits: bool = True) -> list[ChainResult]:
+    def forward(
+        self,
+        rows: torch.Tensor,
+        chains: list[list[int]],
+        *,
+        logits: bool = True,
+        start_depths: torch.Tensor | None = None,
+    ) -> list[ChainResult]:
         """Feed every chain in ONE forward.
 
         rows:   [C, n] bool, n <= N: the row each chain hangs off (all False for a new root).
         chains: C non-empty lists of token ids.
+        start_depths: [C] long, only for deliberate approximations (see forest.layout_chains);
+            by default positions follow the rows and the result is exact.
         Returns one ChainResult per chain, rows sized to the cache after this forward.
         """
         import torch
 
         n_cache = len(self.forest)
-        layout = layout_chains(rows.to(self.device), [len(c) for c in chains], n_cache)
+        layout = layout_chains(rows.to(self.device), [len(c) for c in chains], n_cache, start_depths)
         tokens = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=self.device)  # [M]
         out = self._run_model(tokens, layout.positions, layout.allowed, layout.ends if logits else None)
         self.forest.append(tokens, layout.positions, layout.parents)

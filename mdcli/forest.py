@@ -33,8 +33,15 @@ class ChainLayout:
     ends: torch.Tensor  # [C] long: index among the M new tokens of each chain's last token
 
 
-def layout_chains(rows: torch.Tensor, lengths: list[int], n_cache: int) -> ChainLayout:
-    """Lay chains out after the cache. rows: [C, n <= N] bool, the place each chain hangs off."""
+def layout_chains(
+    rows: torch.Tensor, lengths: list[int], n_cache: int, start_depths: torch.Tensor | None = None
+) -> ChainLayout:
+    """Lay chains out after the cache. rows: [C, n <= N] bool, the place each chain hangs off.
+
+    A chain's first token normally sits one below its parent (depth = popcount of the parent's
+    row). `start_depths` ([C] long) overrides that for deliberate, labelled approximations such
+    as the Multiverse merge, where one token attends to several branches at max depth + 1.
+    """
     import torch
 
     device = rows.device
@@ -48,7 +55,8 @@ def layout_chains(rows: torch.Tensor, lengths: list[int], n_cache: int) -> Chain
     offset = torch.arange(n_new, device=device) - starts[chain_of]  # [M] index within its chain
 
     # a chain's first token sits one below its parent: depth = popcount(parent's row)
-    positions = past.sum(-1)[chain_of] + offset  # [M]
+    first_depth = past.sum(-1) if start_depths is None else start_depths.to(device)  # [C]
+    positions = first_depth[chain_of] + offset  # [M]
     same_chain = chain_of[:, None] == chain_of[None, :]  # [M, M]
     not_later = offset[:, None] >= offset[None, :]  # [M, M]
     allowed = torch.cat([past[chain_of], same_chain & not_later], dim=1)  # [M, N + M]

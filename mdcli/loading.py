@@ -12,9 +12,10 @@ import contextlib
 import importlib.util
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from mdcli.architectures import (
     check_attn_implementation,
@@ -23,7 +24,7 @@ from mdcli.architectures import (
     model_type,
     sliding_window_layout,
 )
-from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir
+from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir, gguf_progress_bar_follows_transformers
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError
 
 if TYPE_CHECKING:
@@ -93,24 +94,25 @@ def load_model(
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
     with quiet_loading(quiet):
         source = _resolve_source(model, progress)
-        if bits and source.gguf_file:
-            raise UsageError(
-                f"a .gguf file cannot be loaded in {bits}-bit",
-                fix=f"drop --load-in-{bits}bit or pass a safetensors model folder",
-            )
-        config = _load_config(source, trust_remote_code)
-        check_exact_support(config, attn)
-        _check_model_class(config, attn, trust_remote_code)
+        _refuse_from_config(source, attn, bits, trust_remote_code)
         if progress is not None:
             progress(f"loading {source.name}...")
-        hf_model = _load_weights(source, torch_dtype, attn, bits, trust_remote_code, device_map, torch_device)
+        placement = _placement(bits, torch_dtype, device_map, torch_device)
+        hf_model = _load_weights(
+            source,
+            torch_device,
+            dtype=torch_dtype,
+            attn_implementation=attn,
+            trust_remote_code=trust_remote_code,
+            **placement,
+        )
         tokenizer = _load_tokenizer(source, trust_remote_code)
     window, mixed = sliding_window_layout(hf_model.config)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,
         name=source.name,
-        device=hf_model.device if device_map or bits else torch_device,
+        device=hf_model.device if placement else torch_device,
         dtype=torch_dtype,
         dtype_reason=dtype_reason,
         attn=attn,
@@ -209,7 +211,8 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool) -> int | None:
 
     if not torch.cuda.is_available():
         raise UsageError(
-            "4-bit/8-bit loading needs a CUDA GPU", fix=f"drop --load-in-{bits}bit or use --device cuda on a GPU machine"
+            "4-bit/8-bit loading needs a CUDA GPU",
+            fix=f"drop --load-in-{bits}bit or use --device cuda on a GPU machine",
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")
@@ -280,6 +283,18 @@ def _load_config(source: _Source, trust_remote_code: bool) -> PretrainedConfig:
         raise _load_error(source, exc) from exc
 
 
+def _refuse_from_config(source: _Source, attn: str, bits: int | None, trust_remote_code: bool) -> None:
+    """Every check that needs the config but not the weights, so refusals cost seconds."""
+    if bits and source.gguf_file:
+        raise UsageError(
+            f"a .gguf file cannot be loaded in {bits}-bit",
+            fix=f"drop --load-in-{bits}bit or pass a safetensors model folder",
+        )
+    config = _load_config(source, trust_remote_code)
+    check_exact_support(config, attn)
+    _check_model_class(config, attn, trust_remote_code)
+
+
 def _check_model_class(config: PretrainedConfig, attn: str, trust_remote_code: bool) -> None:
     """Refuse, from the config alone, models with no causal-LM class or no sdpa (Gemma2, GPT-J)."""
     if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
@@ -299,30 +314,27 @@ def _check_model_class(config: PretrainedConfig, attn: str, trust_remote_code: b
         )
 
 
-def _load_weights(
-    source: _Source,
-    dtype: torch.dtype,
-    attn: str,
-    bits: int | None,
-    trust_remote_code: bool,
-    device_map: str | None,
-    device: torch.device,
-) -> PreTrainedModel:
+def _placement(bits: int | None, dtype: torch.dtype, device_map: str | None, device: torch.device) -> dict:
+    """from_pretrained options that place the weights; {} means load on CPU, then `.to(device)`.
+
+    bitsandbytes weights cannot be moved after loading, so they always go through a device_map.
+    """
+    if bits:
+        return {"quantization_config": _bitsandbytes_config(bits, dtype), "device_map": device_map or {"": str(device)}}
+    return {"device_map": device_map} if device_map else {}
+
+
+def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, object] = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
-    if bits:
-        kwargs["quantization_config"] = _bitsandbytes_config(bits, dtype)
-        kwargs["device_map"] = device_map or {"": str(device)}
-    elif device_map:
-        kwargs["device_map"] = device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+        with gguf_progress_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(source, exc) from exc
-    if not (bits or device_map):
+    if "device_map" not in kwargs:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -352,13 +364,15 @@ def _load_error(source: _Source, exc: BaseException) -> Exception:
     """One actionable line for a failed load: offline hub, custom code, or broken files."""
     detail = _first_line(exc)
     if "trust_remote_code" in str(exc):
-        return UsageError(f"{source.name} needs its own Python code to load", fix="pass --trust-remote-code if you trust its author")
+        return UsageError(
+            f"{source.name} needs its own Python code to load", fix="pass --trust-remote-code if you trust its author"
+        )
     if not source.is_hub_id:
         return ModelLoadError(f"could not load '{source.name}': {detail}", fix=_SOURCE_FIX)
     if _hub_offline():
         return ModelLoadError(
             f"model '{source.name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
-            fix=f"download it once with network access (hf download {source.name}) or pass a local folder or .gguf file",
+            fix=f"download it once with network access (hf download {source.name}), or pass a local folder or .gguf",
         )
     return ModelLoadError(
         f"could not load '{source.name}' from the Hugging Face hub: {detail}",
