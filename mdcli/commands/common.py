@@ -127,7 +127,7 @@ def load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, tru
     """Load the model; progress lines on stderr unless quiet (and silent loaders for JSONL)."""
     from mdcli.loading import load_model
 
-    quiet_loading = quiet or mode == Output.jsonl
+    # transformers' own bars are noise next to our one-line progress: always silence them
     progress = None if quiet else stderr_line
     return load_model(
         model,
@@ -138,7 +138,7 @@ def load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, tru
         load_in_8bit=load_in_8bit,
         device_map=device_map,
         trust_remote_code=trust_remote_code,
-        quiet=quiet_loading,
+        quiet=True,
         progress=progress,
     )
 

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real embedded model loaded once per session, tiny saved models once per
+architecture. Every test runs offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped cleanly when no CUDA device exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real default model (SmolLM2-135M-Instruct, fp32, CPU), loaded once."""
+    from mdcli.loading import load_model
+
+    return load_model(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(arch) -> folder holding a saved tiny random model of that architecture."""
+    from tests.tiny_models import make_tiny_model
+
+    made: dict[str, object] = {}
+
+    def make(arch: str):
+        if arch not in made:
+            made[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return made[arch]
+
+    return make
