@@ -7,8 +7,11 @@ Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transforme
 * `DynamicCache()` created WITHOUT `config=` gives plain full layers. With a config, sliding
   window models get layers that trim by physical index, which breaks interleaved branches: the
   engine folds the window into the mask instead.
-* Each layer's `keys` / `values` are tensors [batch=1, kv_heads, N, head_dim]; replacing them by
+* Each layer's `keys` / `values` are tensors [batch, kv_heads, N, head_dim]; replacing them by
   an `index_select` along dim -2 removes tokens, and `get_seq_length()` follows.
+* `DynamicLayer.update` appends with `torch.cat`, copying the whole cache on every step. The
+  `GrowingLayer` here keeps a preallocated buffer that doubles when full (amortised O(new tokens)
+  per step) and hands attention a view of its filled part.
 """
 
 from __future__ import annotations
@@ -20,10 +23,88 @@ if TYPE_CHECKING:
     from transformers import Cache
 
 
-def new_cache() -> Cache:
-    from transformers import DynamicCache
+def new_cache(*, preallocate: bool = True) -> Cache:
+    """An empty cache of plain full-attention layers (see the module notes for why no config)."""
+    from transformers import Cache, DynamicCache
 
-    return DynamicCache()
+    if not preallocate:
+        return DynamicCache()
+    return Cache(layer_class_to_replicate=_growing_layer_class())
+
+
+_GROWING_LAYER = None
+
+
+def _growing_layer_class():
+    """Built lazily so importing this module does not import transformers."""
+    global _GROWING_LAYER
+    if _GROWING_LAYER is not None:
+        return _GROWING_LAYER
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A full-attention layer whose keys/values live in a buffer that doubles when full."""
+
+        min_capacity = 256
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+            self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+            self._length = 0
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._length, self._length + key_states.shape[-2]
+            self._reserve(end)
+            self._k[..., start:end, :] = key_states
+            self._v[..., start:end, :] = value_states
+            self._length = end
+            return self.keys, self.values
+
+        def _reserve(self, needed: int) -> None:
+            capacity = self._k.shape[-2]
+            if needed <= capacity:
+                return
+            capacity = max(needed, 2 * capacity, self.min_capacity)
+            self._k = _regrow(self._k, self._length, capacity)
+            self._v = _regrow(self._v, self._length, capacity)
+
+        @property
+        def keys(self):  # [B, H, N, D] view of the filled part
+            return None if not self.is_initialized else self._k[..., : self._length, :]
+
+        @keys.setter
+        def keys(self, tensor) -> None:
+            if tensor is None or tensor.dim() < 4:  # reset by the base class
+                self.is_initialized = False
+                return
+            self._k, self._length = tensor, tensor.shape[-2]
+
+        @property
+        def values(self):
+            return None if not self.is_initialized else self._v[..., : self._length, :]
+
+        @values.setter
+        def values(self, tensor) -> None:
+            if tensor is None or tensor.dim() < 4:
+                return
+            self._v = tensor
+
+        def get_seq_length(self) -> int:
+            return self._length if self.is_initialized else 0
+
+    _GROWING_LAYER = GrowingLayer
+    return GrowingLayer
+
+
+def _regrow(buffer, length: int, capacity: int):
+    grown = buffer.new_empty((*buffer.shape[:2], capacity, buffer.shape[-1]))
+    grown[..., :length, :] = buffer[..., :length, :]
+    return grown
 
 
 def cache_length(cache: Cache) -> int:
@@ -36,8 +117,9 @@ def compact(cache: Cache, keep: torch.Tensor) -> None:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
         index = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        # select both before assigning either: assigning keys moves a growing layer's length
+        keys, values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+        layer.keys, layer.values = keys, values
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -57,7 +139,7 @@ def _layers(cache: Cache) -> list:
     if layers is None:
         raise RuntimeError("this transformers version has no Cache.layers; mdcli needs transformers 5")
     for layer in layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) is not DynamicLayer and type(layer) is not _growing_layer_class():
             raise RuntimeError(
                 f"cache layer {type(layer).__name__} cannot be compacted exactly; "
                 "mdcli only compacts full DynamicLayer caches"
