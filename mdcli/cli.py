@@ -45,8 +45,22 @@ def _root(
 # -- commands: each lives in mdcli/commands/<name>.py -----------------------------------------
 
 from mdcli.commands import ask_many  # noqa: E402
+from mdcli.commands import beam  # noqa: E402
+from mdcli.commands import margins  # noqa: E402
+from mdcli.commands import think  # noqa: E402
+from mdcli.commands import bench  # noqa: E402
 
 app.command("ask-many")(ask_many.ask_many)
+app.command("beam")(beam.beam)
+app.command("margins")(margins.margins)
+app.command("think")(think.think)
+app.command("bench")(bench.bench)
+
+from mdcli.commands import explain, recipes, run  # noqa: E402
+
+app.command("run")(run.run)
+app.command("explain")(explain.explain)
+app.add_typer(recipes.app, name="recipes")
 
 
 def main() -> None:

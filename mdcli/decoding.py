@@ -38,6 +38,7 @@ class BranchSpec:
     stop: tuple[str, ...] = ()
     seed_key: int | None = None  # defaults to the branch id
     children: list[BranchSpec] = field(default_factory=list)
+    ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens): equal-length benchmarks
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Decoder:
         import torch
 
         logits = torch.stack([b.logits for b in active])  # [k, V]
+        logits = self._suppress_eos(logits, active)
         tokens = choose_tokens(logits, [b.sampler for b in active])
         logprobs = torch.log_softmax(logits, -1)[torch.arange(len(active)), torch.tensor(tokens)].tolist()
 
@@ -207,6 +209,15 @@ class Decoder:
             return []
         self._feed(to_feed)
         return [b for b, _ in to_feed]
+
+    def _suppress_eos(self, logits: torch.Tensor, active: list[_Branch]) -> torch.Tensor:
+        """EOS gets -inf for branches that asked to ignore it, as generate's min_new_tokens does."""
+        rows = [i for i, b in enumerate(active) if b.spec.ignore_eos]
+        if not rows or not self.eos:
+            return logits
+        logits = logits.clone()
+        logits[torch_index(rows, logits.device)[:, None], torch_index(sorted(self.eos), logits.device)] = float("-inf")
+        return logits
 
     def _finish_reason(self, branch: _Branch, token: int) -> str | None:
         if token in self.eos or branch.detok.stopped_at is not None:
@@ -264,6 +275,12 @@ class Decoder:
         remapped = self.engine.compact(rows)
         for branch, row in zip(live, remapped):
             branch.row = row
+
+
+def torch_index(values: list[int], device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResult]:

@@ -36,13 +36,15 @@ def mdcli(*args: str, input: str | None = None):
 
 
 def assert_one_line_error(result, code: int, *needles: str) -> None:
+    """Exactly one error line (progress lines such as 'mdcli: loading ...' may precede it)."""
     assert result.exit_code == code, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("mdcli: error: ")
+    errors = [line for line in lines if line.startswith("mdcli: error: ")]
+    assert len(errors) == 1, result.stderr
+    assert all(line == errors[0] or line.endswith("...") for line in lines), result.stderr
     assert "Traceback" not in result.output
     for needle in needles:
-        assert needle in lines[0]
+        assert needle in errors[0]
 
 
 # -- bad input: one line naming the problem and the fix ----------------------------------------

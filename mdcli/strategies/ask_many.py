@@ -34,6 +34,7 @@ class AskMany:
                 raise UsageError(f"question {number} is empty", fix="remove it or write the question")
         if self.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1", fix="use a positive number")
+        fill_template(self.template, "question", document="", question="")  # fails before any model loads
 
     def branches(self, tokenizer) -> list[BranchSpec]:
         self.validate()

@@ -1,0 +1,53 @@
+"""Benchmarks that compare approaches side by side in one process, on the same prompts and model.
+
+Speed claims in this project come from here (recorded in BENCHMARKS.md), never from timing
+assertions in unit tests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mdcli.loading import LoadedModel
+
+RANDOM_SHAPES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "tiny": (64, 2, 4, 2, 128, 49152),
+    "llama-135m": (576, 30, 9, 3, 1536, 49152),
+    "llama-1b": (2048, 16, 32, 8, 8192, 128256),
+    "llama-3b": (3072, 28, 24, 8, 8192, 128256),
+}
+
+
+def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> LoadedModel:
+    """A random-weight Llama of a named shape with the embedded tokenizer: GPU speed can be
+    measured where no weights can be downloaded (the tokens are meaningless, the work is real)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from mdcli.embedded import embedded_model_dir
+    from mdcli.errors import UsageError
+    from mdcli.loading import LoadedModel, resolve_device, resolve_dtype
+
+    if shape not in RANDOM_SHAPES:
+        raise UsageError(f"unknown random model shape '{shape}'", fix=f"choose one of {', '.join(RANDOM_SHAPES)}")
+    hidden, layers, heads, kv_heads, intermediate, vocab = RANDOM_SHAPES[shape]
+    torch_device = resolve_device(device)
+    torch_dtype, reason = resolve_dtype(dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    config = LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=16384,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device(torch_device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch_dtype, attn_implementation=attn).eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, name=f"random {shape}", device=torch_device, dtype=torch_dtype,
+        dtype_reason=reason, attn=attn, eos_token_ids=frozenset({tokenizer.eos_token_id}),
+        context_length=16384, sliding_window=None, mixed_layer_types=False,
+        has_chat_template=bool(tokenizer.chat_template),
+    )

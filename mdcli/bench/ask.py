@@ -1,0 +1,238 @@
+"""ask-many, side by side: the forest against what users would run instead.
+
+All approaches get the same chat-templated prompts (one document, B questions) and generate
+exactly N greedy tokens per question (EOS suppressed, as `min_new_tokens` does), so the work is
+equal and the tokens must agree; every run checks that and reports any difference.
+
+(a) forest       mdcli: one shared cache, one forward per step for all branches
+(b) sequential   `model.generate` once per question (what most users write)
+(c) batched      one `model.generate` over the left-padded prompts
+(d) prefix-copy  prefill the document once, copy its KV per question into a preallocated batch
+                 cache, feed the (padded) question suffixes, decode as a batch
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from mdcli.loading import LoadedModel
+
+APPROACHES = ("forest", "sequential", "batched", "prefix-copy")
+
+QUESTIONS = [
+    "Who is the main character?",
+    "Where does the story take place?",
+    "What happens at the end?",
+    "What is the weather like?",
+    "Name one object in the story.",
+    "What is the mood of the text?",
+    "Who else appears in the text?",
+    "Summarize the text in one sentence.",
+]
+
+_FILLER = (
+    "Mara kept the lighthouse on the coast of Brittany for thirty years. Each evening she climbed the "
+    "hundred steps, trimmed the wick and watched the fishing boats come home. In winter the storms "
+    "came from the west and the fog lay on the water for days. The harbour master, an old friend "
+    "named Yves, brought her bread and news from the village every Sunday. "
+)
+
+
+@dataclass
+class Case:
+    branches: int
+    context_tokens: int
+    new_tokens: int
+
+
+@dataclass
+class Measurement:
+    approach: str
+    case: Case
+    seconds: float
+    kv_bytes: int
+    tokens: list[list[int]] = field(repr=False)
+    step_seconds: float | None = None  # decode time per step (forest only)
+    matches_forest: bool | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.case.branches * self.case.new_tokens / self.seconds
+
+
+def document_of(tokenizer, context_tokens: int) -> str:
+    """A natural-looking document of about `context_tokens` tokens."""
+    per_copy = len(tokenizer(_FILLER)["input_ids"])
+    return _FILLER * max(1, round(context_tokens / per_copy))
+
+
+def prompts_for(model: LoadedModel, case: Case) -> list[list[int]]:
+    from mdcli.prompts import fill_template, prompt_token_ids
+    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
+
+    document = document_of(model.tokenizer, case.context_tokens)
+    questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})") for i in range(case.branches)]
+    return [
+        prompt_token_ids(model.tokenizer, fill_template(DEFAULT_TEMPLATE, "question", document=document, question=q))
+        for q in questions
+    ]
+
+
+def run_case(model: LoadedModel, case: Case, approaches=APPROACHES) -> list[Measurement]:
+    prompts = prompts_for(model, case)
+    runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy}
+    results = [runners[name](model, prompts, case) for name in approaches]
+    reference = next((r for r in results if r.approach == "forest"), None)
+    for result in results:
+        if reference is not None:
+            result.matches_forest = result.tokens == reference.tokens
+    return results
+
+
+# -- (a) the forest ------------------------------------------------------------------------------
+
+
+def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    from mdcli.api import run_specs
+    from mdcli.decoding import BranchSpec
+    from mdcli.events import Done, Finish
+
+    specs = [BranchSpec(label=str(i), prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
+             for i, p in enumerate(prompts)]
+    started = time.perf_counter()
+    tokens: dict[int, list[int]] = {}
+    stats = None
+    kv = 0
+    for event in run_specs(model, specs, strategy="bench"):
+        if isinstance(event, Finish):
+            tokens[event.branch] = event.token_ids
+        elif isinstance(event, Done):
+            stats = event.stats
+    seconds = time.perf_counter() - started
+    kv = _kv_bytes_per_token(model) * stats.peak_cache_tokens
+    return Measurement("forest", case, seconds, kv, [tokens[i] for i in range(len(prompts))],
+                       step_seconds=stats.decode_seconds / max(1, stats.steps))
+
+
+# -- (b) generate per question --------------------------------------------------------------------
+
+
+def sequential(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    import torch
+
+    started = time.perf_counter()
+    tokens, kv = [], 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=model.device)
+        with torch.inference_mode():
+            out = model.model.generate(ids, attention_mask=torch.ones_like(ids), **_greedy(model, case))
+        tokens.append(out[0, len(prompt):].tolist())
+        kv = max(kv, _kv_bytes_per_token(model) * (len(prompt) + case.new_tokens))
+    return Measurement("sequential", case, time.perf_counter() - started, kv, tokens)
+
+
+# -- (c) batched generate --------------------------------------------------------------------------
+
+
+def batched(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    pad = _pad_id(model)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.model.generate(ids, attention_mask=mask, **_greedy(model, case))
+    seconds = time.perf_counter() - started
+    kv = _kv_bytes_per_token(model) * len(prompts) * (width + case.new_tokens)
+    return Measurement("batched", case, seconds, kv, out[:, width:].tolist())
+
+
+# -- (d) prefix copied per branch, preallocated --------------------------------------------------
+
+
+def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    """The best hand-made alternative: shared prefill, then a batch over per-branch KV copies."""
+    import torch
+
+    from mdcli.cache import new_cache
+
+    shared = _common_prefix_length(prompts)
+    suffixes = [p[shared:] for p in prompts]
+    width = max(len(s) for s in suffixes)
+    batch = len(prompts)
+    lm, device = model.model, model.device
+    eos = sorted(model.eos_token_ids)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        cache = new_cache()
+        lm(input_ids=torch.tensor([prompts[0][:shared]], device=device), past_key_values=cache, use_cache=True,
+           logits_to_keep=1)
+        for layer in cache.layers:  # one copy of the document's keys/values per branch
+            keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
+            layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        pad = _pad_id(model)
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in suffixes], device=device)  # [B, S]
+        real = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], device=device)
+        mask = torch.cat([torch.ones(batch, shared, dtype=torch.long, device=device), real], 1)  # [B, P + S]
+        positions = (shared + real.cumsum(1) - 1).clamp(min=shared)  # [B, S]
+        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [B, V]
+        next_position = positions[:, -1:] + 1  # [B, 1]
+        generated = []
+        for step in range(case.new_tokens):
+            if eos:
+                logits[:, eos] = float("-inf")
+            token = logits.argmax(-1, keepdim=True)  # [B, 1]
+            generated.append(token)
+            if step == case.new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
+            logits = lm(input_ids=token, attention_mask=mask, position_ids=next_position, past_key_values=cache,
+                        use_cache=True).logits[:, -1].float()
+            next_position = next_position + 1
+    seconds = time.perf_counter() - started
+    kv = _kv_bytes_per_token(model) * batch * (shared + width + case.new_tokens)
+    return Measurement("prefix-copy", case, seconds, kv, torch.cat(generated, 1).tolist())
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _greedy(model: LoadedModel, case: Case) -> dict:
+    return dict(do_sample=False, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
+                pad_token_id=_pad_id(model), num_beams=1)
+
+
+def _pad_id(model: LoadedModel) -> int:
+    tok = model.tokenizer
+    return tok.pad_token_id if tok.pad_token_id is not None else min(model.eos_token_ids or {0})
+
+
+def _kv_bytes_per_token(model: LoadedModel) -> int:
+    """Bytes of keys and values one token occupies in a cache, over all layers."""
+    from mdcli.architectures import text_config
+
+    cfg = text_config(model.model.config)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    element = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 4
+    return 2 * layers * kv_heads * head_dim * element
+
+
+def _common_prefix_length(prompts: list[list[int]]) -> int:
+    first, end = prompts[0], min(len(p) for p in prompts) - 1  # leave every suffix >= 1 token
+    for other in prompts[1:]:
+        i = 0
+        while i < end and other[i] == first[i]:
+            i += 1
+        end = i
+    return end

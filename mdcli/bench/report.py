@@ -1,0 +1,130 @@
+"""Benchmark reports: the machine, a table of approaches with ratios, JSON and an optional plot."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict
+from statistics import median
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mdcli.bench.ask import Measurement
+
+
+def machine_facts(threads: int) -> dict:
+    import torch
+    import transformers
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    facts = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "load_average_1m": round(load[0], 2),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def combine_repeats(runs: list[list[Measurement]]) -> list[Measurement]:
+    """Median seconds (and step time) over repeats; tokens and memory from the first run."""
+    combined = []
+    for same in zip(*runs):
+        first = same[0]
+        first.seconds = median(m.seconds for m in same)
+        steps = [m.step_seconds for m in same if m.step_seconds is not None]
+        first.step_seconds = median(steps) if steps else None
+        first.matches_forest = all(m.matches_forest is not False for m in same)
+        combined.append(first)
+    return combined
+
+
+def rows(results: list[Measurement]) -> list[dict]:
+    """One row per measurement with its ratio to the forest in the same case."""
+    forest_time = {}
+    forest_kv = {}
+    for m in results:
+        if m.approach == "forest":
+            key = _key(m)
+            forest_time[key], forest_kv[key] = m.seconds, m.kv_bytes
+    table = []
+    for m in results:
+        key = _key(m)
+        table.append(
+            {
+                "branches": m.case.branches,
+                "context_tokens": m.case.context_tokens,
+                "new_tokens": m.case.new_tokens,
+                "approach": m.approach,
+                "seconds": round(m.seconds, 3),
+                "tokens_per_second": round(m.tokens_per_second, 2),
+                "kv_mib": round(m.kv_bytes / 2**20, 2),
+                "forest_speedup": round(m.seconds / forest_time[key], 2) if key in forest_time else None,
+                "kv_vs_forest": round(m.kv_bytes / forest_kv[key], 2) if key in forest_time and forest_kv[key] else None,
+                "step_ms": round(m.step_seconds * 1000, 2) if m.step_seconds is not None else None,
+                "same_tokens_as_forest": m.matches_forest,
+            }
+        )
+    return table
+
+
+def markdown_table(table: list[dict]) -> str:
+    header = (
+        "| branches | context | new | approach | seconds | tok/s | KV MiB | forest is x faster | KV x forest "
+        "| step ms | same tokens |\n|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    body = "".join(
+        f"| {r['branches']} | {r['context_tokens']} | {r['new_tokens']} | {r['approach']} | {r['seconds']:.2f} "
+        f"| {r['tokens_per_second']:.1f} | {r['kv_mib']:.1f} | {_num(r['forest_speedup'])} | {_num(r['kv_vs_forest'])} "
+        f"| {_num(r['step_ms'])} | {_yes(r['same_tokens_as_forest'])} |\n"
+        for r in table
+    )
+    return header + body
+
+
+def plot(table: list[dict], path: str) -> None:
+    """Speedup of the forest against each alternative, by branch count, one line per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    for r in table:
+        if r["approach"] != "forest" and r["forest_speedup"]:
+            series.setdefault((r["approach"], r["context_tokens"], r["new_tokens"]), []).append(
+                (r["branches"], r["forest_speedup"])
+            )
+    for (approach, context, new), points in sorted(series.items()):
+        points.sort()
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                  label=f"vs {approach}, {context} ctx, {new} new")
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("branches")
+    axis.set_ylabel("forest speedup (x)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def as_json(facts: dict, table: list[dict], command: str) -> dict:
+    return {"command": command, "machine": facts, "results": table}
+
+
+def _key(m: Measurement) -> tuple:
+    return tuple(asdict(m.case).values())
+
+
+def _num(value) -> str:
+    return "" if value is None else f"{value:g}"
+
+
+def _yes(value) -> str:
+    return "" if value is None else ("yes" if value else "**NO**")

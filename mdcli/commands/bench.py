@@ -1,0 +1,138 @@
+"""`mdcli bench`: the forest against the alternatives, side by side, in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mdcli.commands.common import AttnOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, errors, load
+from mdcli.errors import UsageError
+
+APPROACH_HELP = "Comma list of forest, sequential (generate per branch), batched (padded generate), prefix-copy."
+
+
+def bench(
+    model: ModelOpt = None,
+    random_model: Annotated[
+        Optional[str],
+        typer.Option("--random-model", help="Random weights of a named shape instead: tiny, llama-135m, llama-1b, llama-3b."),
+    ] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    branches: Annotated[str, typer.Option("--branches", help="Comma list of branch counts.")] = "1,8",
+    context: Annotated[str, typer.Option("--context", help="Comma list of document lengths in tokens.")] = "1500",
+    new_tokens: Annotated[str, typer.Option("--new-tokens", help="Comma list of tokens generated per branch.")] = "64",
+    approaches: Annotated[str, typer.Option("--approaches", help=APPROACH_HELP)] = "forest,sequential,batched,prefix-copy",
+    threads: Annotated[
+        Optional[int], typer.Option("--threads", min=1, help="torch threads (default 1 on CPU: comparable on shared machines).")
+    ] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per measurement; the median is reported.")] = 1,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One small untimed run first.")] = True,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot (needs matplotlib).")] = None,
+    markdown_path: Annotated[
+        Optional[Path], typer.Option("--markdown", help="Write the Markdown report (machine, command, table) here.")
+    ] = None,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Compare mdcli's forest with generate per branch, batched generate and a prefix-copy batch.
+
+    Every approach gets the same prompts (one document, N questions) and generates exactly the
+    same number of greedy tokens; the table says whether each produced the forest's tokens.
+    """
+    with errors(debug):
+        import torch
+
+        from mdcli.bench import random_model as make_random
+        from mdcli.bench.ask import APPROACHES, Case, run_case
+        from mdcli.bench.report import as_json, combine_repeats, machine_facts, markdown_table, plot, rows
+
+        chosen = [a.strip() for a in approaches.split(",") if a.strip()]
+        unknown = [a for a in chosen if a not in APPROACHES]
+        if unknown:
+            raise UsageError(f"unknown approach '{unknown[0]}'", fix=f"choose from {', '.join(APPROACHES)}")
+        cases = [Case(b, c, n) for c in _ints(context, "--context") for n in _ints(new_tokens, "--new-tokens")
+                 for b in _ints(branches, "--branches")]
+        if plot_path is not None:
+            _require_matplotlib()
+        if random_model:
+            lm = make_random(random_model, device=device, dtype=dtype, attn=attn)
+        else:
+            lm = load(model, device, dtype, attn, False, False, None, False, None, quiet)
+        used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
+        torch.set_num_threads(used_threads)
+        facts = machine_facts(used_threads) | {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch.")}
+        if warmup:
+            run_case(lm, Case(2, 64, 4), chosen)
+        results = _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats)
+        table = rows(results)
+        command = "mdcli " + " ".join(sys.argv[1:])
+        _print_table(table, facts)
+        if json_path:
+            json_path.write_text(json.dumps(as_json(facts, table, command), indent=2) + "\n")
+        if plot_path:
+            plot(table, str(plot_path))
+        if markdown_path:
+            markdown_path.write_text(_markdown_report(facts, command, markdown_table(table)))
+
+
+def _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    results = []
+    with Progress(console=Console(stderr=True), disable=quiet, transient=True) as progress:
+        task = progress.add_task("benchmark", total=len(cases) * repeats)
+        for case in cases:
+            runs = []
+            for _ in range(repeats):
+                progress.update(task, description=f"{case.branches} branches, {case.context_tokens} ctx, {case.new_tokens} new")
+                runs.append(run_case(lm, case, chosen))
+                progress.advance(task)
+            results.extend(combine_repeats(runs))
+    return results
+
+
+def _print_table(table: list[dict], facts: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=f"{facts['model']} · {facts['dtype']} · {facts['torch_threads']} thread(s) · load {facts['load_average_1m']}")
+    # forest x: how many times faster the forest was than this row's approach
+    for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "same"):
+        out.add_column(name, justify="left" if name == "approach" else "right")
+    for r in table:
+        out.add_row(str(r["branches"]), str(r["context_tokens"]), str(r["new_tokens"]), r["approach"], f"{r['seconds']:.2f}",
+                    f"{r['tokens_per_second']:.1f}", f"{r['kv_mib']:.1f}",
+                    "" if r["forest_speedup"] is None else f"{r['forest_speedup']:.2f}",
+                    "" if r["step_ms"] is None else f"{r['step_ms']:.1f}",
+                    {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]])
+    Console().print(out)
+
+
+def _markdown_report(facts: dict, command: str, table: str) -> str:
+    machine = ", ".join(f"{k} {v}" for k, v in facts.items())
+    return f"Command: `{command}`\n\nMachine: {machine}\n\n{table}"
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise UsageError(f"{option} takes comma-separated whole numbers, not '{text}'", fix=f"e.g. {option} 1,8") from error
+    if not values or min(values) < 1:
+        raise UsageError(f"{option} needs positive numbers", fix=f"e.g. {option} 1,8")
+    return values
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise UsageError("--plot needs matplotlib", fix="pip install matplotlib") from error
