@@ -85,17 +85,28 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
         return target
     if target.exists():  # damaged by hand: nothing else writes there except by rename
         shutil.rmtree(target, ignore_errors=True)
-    models.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(models)
     if progress is not None:
         progress("converting the embedded model once (about 25 s)...")
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=models))
+    try:
+        _convert_into(gguf, target)
+    except OSError as exc:  # read-only cache, disk full (the copy is about 540 MB)
+        raise ModelLoadError(
+            f"cannot write the converted model to {models}: {_first_line(exc)}",
+            fix="free some disk space or set MDCLI_CACHE_DIR to a writable folder",
+        ) from exc
+    return target
+
+
+def _convert_into(gguf: Path, target: Path) -> None:
+    """Convert into a temp folder beside `target`, then rename it into place (atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent))
     try:
         convert_gguf(gguf, tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:

@@ -245,6 +245,8 @@ def _check_requested_dtype(dtype: str, device: torch.device) -> None:
 def _resolve_source(model: str | None, progress: Progress | None) -> _Source:
     if model is None:
         return _Source(str(embedded_model_dir(progress)), None, EMBEDDED_NAME, is_hub_id=False)
+    if not model.strip():
+        raise UsageError("the model name is empty", fix=_SOURCE_FIX)
     path = Path(model).expanduser()
     if path.is_dir():
         return _Source(str(path), None, model, is_hub_id=False)
@@ -332,13 +334,20 @@ def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> Pr
     try:
         with gguf_progress_bar_follows_transformers():
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
+    except _weight_errors() as exc:
         raise _load_error(source, exc) from exc
     if "device_map" not in kwargs:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _weight_errors() -> tuple[type[BaseException], ...]:
+    """What broken or missing weight files raise (safetensors' error is no OSError)."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 
 def _bitsandbytes_config(bits: int, compute_dtype: torch.dtype) -> object:
