@@ -54,6 +54,7 @@ class _Branch:
     logits: torch.Tensor | None = None  # [V] next-token logits
     logprob: float = 0.0
     parent: int | None = None
+    fork_at: int = 0  # children: index in path_ids just past the parent's last generated token
 
     def info(self) -> BranchInfo:
         return BranchInfo(id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent)
@@ -201,7 +202,7 @@ class Decoder:
             yield self._finish_event(branch, reason)
             for child in self._spawn_children(branch):
                 yield Fork(branch=child.info())
-                to_feed.append((child, child.path_ids[len(child.path_ids) - len(child.spec.prompt_ids) - 1 :]))
+                to_feed.append((child, child.path_ids[child.fork_at - 1 :]))
 
         if finished:
             self._maybe_compact([b for b, _ in to_feed])
@@ -239,11 +240,16 @@ class Decoder:
     def _spawn_children(self, parent: _Branch) -> list[_Branch]:
         """Children continue from the parent's full text: its path, its tokens, their prompt."""
         children = []
+        generated = parent.detok.token_ids
         for spec in parent.spec.children:
-            path = parent.path_ids + parent.detok.token_ids + list(spec.prompt_ids)
+            continuation = list(spec.prompt_ids)
+            if generated and continuation and continuation[0] == generated[-1] and generated[-1] in self.eos:
+                continuation = continuation[1:]  # the answer already closed its turn
+            path = parent.path_ids + generated + continuation
             child = self._new_branch(spec, f"{parent.label}/{spec.label}", path, parent.id)
             # the parent's last token was never fed: it starts the child's chain
             child.row = parent.row
+            child.fork_at = len(parent.path_ids) + len(generated)
             children.append(child)
         return children
 

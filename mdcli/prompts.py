@@ -43,14 +43,16 @@ def prompt_token_ids(tokenizer, user_text: str, *, system: str | None = None, ch
 
 
 def continuation_token_ids(tokenizer, user_text: str, *, chat_template: bool = True) -> list[int]:
-    """Tokens that continue a conversation after the assistant's turn: a new user turn and the
-    assistant header (chat models), or the bare text (base models)."""
+    """Tokens that continue a conversation after the assistant's answer: the template's end of
+    the assistant turn, a new user turn and the assistant header (chat models), or the bare text
+    (base models). The decoder skips the first token when the answer already ended with it (an
+    answer that stopped on its end-of-turn token)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": user_text}]
+        marker = "\u2063mdcli\u2063"  # an answer text no template rewrites
+        assistant = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
         full = tokenizer.apply_chat_template(
-            [{"role": "assistant", "content": "x"}] + messages, add_generation_prompt=True, tokenize=False
+            assistant + [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=False
         )
-        head = tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], tokenize=False)
-        if full.startswith(head):
-            return list(tokenizer(full[len(head) :], add_special_tokens=False)["input_ids"])
+        if full.count(marker) == 1:
+            return list(tokenizer(full.split(marker, 1)[1], add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n\n" + user_text, add_special_tokens=False)["input_ids"])

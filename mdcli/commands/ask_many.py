@@ -13,9 +13,11 @@ from mdcli.commands.common import (
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document,
     read_questions_file, render, sampling_params,
 )
+from mdcli.errors import UsageError
 
 
 def ask_many(
+    ctx: typer.Context,
     document: Annotated[str, typer.Argument(help="Document file, or - for stdin.", show_default=False)],
     question: Annotated[
         Optional[list[str]], typer.Option("--question", "-q", help="A question (repeatable).", show_default=False)
@@ -29,6 +31,19 @@ def ask_many(
         typer.Option("--template", help="User-turn template with $document and $question.", show_default=False),
     ] = None,
     system: SystemOpt = None,
+    recipe: Annotated[
+        Optional[str],
+        typer.Option(
+            "--recipe", help="Start from an ask-many recipe (file or built-in name); flags you give win.",
+            show_default=False,
+        ),
+    ] = None,
+    save_recipe: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--save-recipe", help="Write these settings as a recipe YAML, then run as usual.", show_default=False
+        ),
+    ] = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -57,9 +72,17 @@ def ask_many(
     question about the text above." and "Question: <question>"), chat-templated when the model has
     one. Exact: with greedy decoding each answer is token for token what the model gives for that
     question alone.
+
+    --save-recipe FILE writes the equivalent recipe (the document becomes `context: {input: true}`)
+    and still runs; `mdcli run FILE --input DOC` then gives the same tokens. --recipe FILE starts
+    from a saved or built-in ask-many recipe.
     """
     with errors(debug):
         from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
+
+        if recipe is not None or save_recipe is not None:
+            _run_with_recipe(ctx, recipe, save_recipe)
+            return
 
         questions = list(question or []) + read_questions_file(questions_file)
         job = AskMany(
@@ -82,3 +105,81 @@ def ask_many(
             lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens
         )
         render(events, mode, quiet, header=header(lm))
+
+
+# -- --recipe and --save-recipe --------------------------------------------------------------------
+
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")
+
+
+def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None) -> None:
+    """ask-many through a recipe: the --recipe file (if any) with the flags you typed on top.
+
+    Without --recipe every flag counts, defaults included, so the saved file pins them all. With
+    --recipe only flags given on the command line override the file. The recipe is written before
+    anything runs, and the run uses exactly the recipe that was written."""
+    from mdcli.recipes import ask_many_recipe, dump_recipe, sampling_from_flags
+    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
+
+    p = ctx.params
+    base = _base_recipe(recipe_name) if recipe_name is not None else None
+
+    def flag(name: str):
+        """The flag's value if it counts (see above), else None (keep the recipe's)."""
+        return p[name] if base is None or _given(ctx, name) else None
+
+    document_text = read_document(p["document"])
+    questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
+    if base is None:  # the same checks and messages as a plain ask-many
+        AskMany(document=document_text, questions=questions, template=p["template"] or DEFAULT_TEMPLATE).validate()
+    plan = ask_many_recipe(
+        base,
+        questions=questions or None,
+        template=flag("template") or (None if base is not None else DEFAULT_TEMPLATE),
+        system=flag("system"),
+        chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
+        sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
+        source=recipe_name or "ask-many flags",
+    )
+    if save_to is not None:
+        _write_recipe(save_to, dump_recipe(plan))
+    mode = Output.jsonl if p["jsonl"] else p["output"]
+    lm = load(
+        p["model"], p["device"], p["dtype"], p["attn"], p["load_in_4bit"], p["load_in_8bit"], p["device_map"],
+        p["trust_remote_code"], mode, p["quiet"],
+    )
+
+    from mdcli.api import run_specs
+    from mdcli.recipes import compile_recipe, resolved_seed
+
+    specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
+    events = run_specs(
+        lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"]
+    )
+    render(events, mode, p["quiet"], header=header(lm))
+
+
+def _base_recipe(name: str):
+    from mdcli.recipes import AskManyRecipe, load_recipe
+
+    base = load_recipe(name)
+    if not isinstance(base, AskManyRecipe):
+        raise UsageError(f"--recipe {name} is a '{base.strategy}' recipe", fix=f"run it with: mdcli run {name}")
+    return base
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user typed this option (or set its environment variable), not its default.
+
+    Compared by name: typer may carry its own copy of click's ParameterSource enum."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _write_recipe(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise UsageError(
+            f"cannot write the recipe to '{path}': {error.strerror}", fix="check the folder exists and is writable"
+        ) from error

@@ -1,0 +1,71 @@
+"""`mdcli explain`: draw a recipe's forest and its attention mask, without running the model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from mdcli.commands.common import ChunkOpt, DebugOpt, ModelOpt, NoChatOpt, RemoteCodeOpt, SystemOpt, errors
+from mdcli.commands.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
+
+TokensOpt = Annotated[
+    bool, typer.Option("--tokens", help="Draw the mask token by token, with token text (forests up to 48 tokens).")
+]
+
+
+def explain(
+    recipe: RecipeArg,
+    input: InputOpt = None,
+    var: VarOpt = None,
+    tokens: TokensOpt = False,
+    model: ModelOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    system: SystemOpt = None,
+    no_chat_template: NoChatOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Show how a recipe's branches share one cache: the tree of shared prompt prefixes (token
+    counts, positions, follow-ups) and the attention mask that keeps every branch exact.
+
+    Only the tokenizer is loaded. Positions are depths in the tree (the RoPE position ids the
+    engine gives), slots are physical places in the cache. Follow-ups are listed but not placed:
+    they fork after their parent's answer, whose length is known only when it runs.
+    """
+    with errors(debug):
+        from mdcli.recipes import Sampling, check_run_inputs, parse_vars
+
+        values = parse_vars(var or [])
+        plan = load_with_overrides(
+            recipe, values, system=system, no_chat_template=no_chat_template, sampling=Sampling()
+        )
+        input_text = recipe_input(plan, input)
+        check_run_inputs(plan, input_text=input_text, vars=values)
+        tokenizer = load_tokenizer(model, trust_remote_code)
+
+        from mdcli.explain import plan_layout, render_explanation
+        from mdcli.recipes import compile_recipe
+        from mdcli.render.base import color_disabled
+        from mdcli.render.live import make_console
+
+        roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
+        layout = plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
+        console = make_console(sys.stdout, color=not color_disabled("NO_COLOR" in os.environ))
+        render_explanation(
+            console, roots, layout, lambda token: tokenizer.decode([token]),
+            title=f"{plan.source} ({plan.strategy})", tokens=tokens,
+        )
+
+
+def load_tokenizer(model: str | None, trust_remote_code: bool):
+    """Just the tokenizer of `model` (default: the embedded one), found the way load_model finds it.
+
+    Uses loading's own source resolution and tokenizer loader (private helpers: loading.py has no
+    public tokenizer-only entry point yet), so errors read exactly as for a full load."""
+    from mdcli.loading import _load_tokenizer, _resolve_source, quiet_loading
+
+    with quiet_loading(True):
+        return _load_tokenizer(_resolve_source(model, None), trust_remote_code)

@@ -1,0 +1,72 @@
+"""`mdcli recipes list | show NAME | validate FILE...`: the built-in recipes, and checking files."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from mdcli.commands.common import DebugOpt, errors
+
+app = typer.Typer(
+    name="recipes",
+    help="Built-in recipes and recipe checking (see docs/recipes.md for the format).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.command("list")
+def list_recipes(debug: DebugOpt = False) -> None:
+    """List the built-in recipes: name and what it does. Run one with `mdcli run NAME`."""
+    with errors(debug):
+        from mdcli.recipes import builtin_descriptions
+
+        rows = builtin_descriptions()
+        width = max((len(name) for name, _ in rows), default=0)
+        for name, description in rows:
+            typer.echo(f"{name.ljust(width)}  {description}")
+
+
+@app.command("show")
+def show(
+    name: Annotated[str, typer.Argument(help="A built-in recipe name (or a recipe file).", show_default=False)],
+    debug: DebugOpt = False,
+) -> None:
+    """Print a recipe's YAML, e.g. to copy a built-in and change it."""
+    with errors(debug):
+        from mdcli.recipes import read_recipe_source
+
+        text, _, _ = read_recipe_source(name)
+        typer.echo(text, nl=not text.endswith("\n"))
+
+
+@app.command("validate")
+def validate(
+    files: Annotated[list[str], typer.Argument(help="Recipe files (or built-in names).", show_default=False)],
+    debug: DebugOpt = False,
+) -> None:
+    """Check recipes without running them: exit 0 if all are valid, else 2 with one line per bad file.
+
+    Variables that the command line would give (--var) must be declared under `vars:` (a null value
+    means "required at run time") for a file to validate on its own.
+    """
+    with errors(debug):
+        from mdcli.errors import RecipeError
+        from mdcli.recipes import load_recipe
+
+        bad = 0
+        for file in files:
+            try:
+                recipe = load_recipe(file)
+            except RecipeError as error:
+                bad += 1
+                message = error.problem if error.fix is None else f"{error.problem}; {error.fix}"
+                print(f"mdcli: error: {message}", file=sys.stderr)
+                continue
+            typer.echo(f"ok: {recipe.source} ({recipe.strategy})")
+        if bad:
+            raise typer.Exit(2)

@@ -1,0 +1,148 @@
+"""`mdcli run`: decode a recipe (a YAML file or a built-in name)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from mdcli.commands.common import (
+    AttnOpt,
+    ChunkOpt,
+    DebugOpt,
+    DeviceMapOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EightBitOpt,
+    FourBitOpt,
+    JsonlOpt,
+    MaxNewOpt,
+    MinPOpt,
+    ModelOpt,
+    NoChatOpt,
+    Output,
+    OutputOpt,
+    QuietOpt,
+    RemoteCodeOpt,
+    SeedOpt,
+    StopOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    errors,
+    header,
+    load,
+    read_document,
+    render,
+)
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a built-in recipe.", show_default=False)]
+InputOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--input", "-i", help="The text for a recipe with `context: {input: true}` (a file, or - for stdin).",
+        show_default=False,
+    ),
+]
+VarOpt = Annotated[
+    list[str] | None,
+    typer.Option("--var", help="Set a recipe variable: --var name=value (repeatable).", show_default=False),
+]
+
+
+def run(
+    recipe: RecipeArg,
+    input: InputOpt = None,
+    var: VarOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    load_in_4bit: FourBitOpt = False,
+    load_in_8bit: EightBitOpt = False,
+    device_map: DeviceMapOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    # None = not given: the recipe's value stands
+    max_new_tokens: MaxNewOpt = None,  # type: ignore[assignment]
+    temperature: TemperatureOpt = None,  # type: ignore[assignment]
+    top_p: TopPOpt = None,  # type: ignore[assignment]
+    top_k: TopKOpt = None,  # type: ignore[assignment]
+    min_p: MinPOpt = None,  # type: ignore[assignment]
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    system: SystemOpt = None,
+    no_chat_template: NoChatOpt = False,
+    output: OutputOpt = Output.auto,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
+
+    The recipe's sampling settings are the defaults; sampling flags given here win over the
+    recipe everywhere, per-branch settings included. See docs/recipes.md for the format and
+    `mdcli recipes list` for the built-in recipes.
+    """
+    with errors(debug):
+        from mdcli.recipes import check_run_inputs, parse_vars, sampling_from_flags
+
+        values = parse_vars(var or [])
+        plan = load_with_overrides(
+            recipe, values, system=system, no_chat_template=no_chat_template,
+            sampling=sampling_from_flags(
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                max_new_tokens=max_new_tokens, stop=stop,
+            ),
+        )
+        input_text = recipe_input(plan, input)
+        check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
+        mode = Output.jsonl if jsonl else output
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+
+        from mdcli.api import run_specs
+        from mdcli.recipes import compile_recipe, resolved_seed
+
+        specs = compile_recipe(plan, lm.tokenizer, input_text=input_text, vars=values)
+        events = run_specs(
+            lm, specs, strategy=plan.strategy, seed=resolved_seed(plan), max_forward_tokens=max_forward_tokens
+        )
+        render(events, mode, quiet, header=header(lm))
+
+
+def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_template, sampling):
+    """The recipe with the command line's explicit settings on top (shared by run and explain)."""
+    from mdcli.recipes import load_recipe, with_sampling
+
+    plan = load_recipe(recipe, var_names=values)
+    updates = {}
+    if system is not None:
+        updates["system"] = system
+    if no_chat_template:
+        updates["chat_template"] = False
+    if updates:
+        plan = plan.model_copy(update=updates)
+    return with_sampling(plan, sampling)
+
+
+def recipe_input(plan, source: str | None) -> str | None:
+    """The --input text, read only when given or when the recipe reads its context from input
+    (then text piped to stdin counts as `--input -`)."""
+    if source is not None:
+        return read_document(source)
+    if plan.context is None or not plan.context.input:
+        return None
+    from mdcli.errors import RecipeError, UsageError
+
+    missing = RecipeError(
+        f"{plan.source}: context.input: the recipe reads its context from --input",
+        fix="give --input FILE, or pipe the text to stdin",
+    )
+    if sys.stdin is None or sys.stdin.isatty():
+        raise missing
+    try:
+        return read_document("-")
+    except UsageError:
+        raise missing from None
