@@ -4,12 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "ask_many", "load_model", "run_specs"]
+__all__ = ["__version__", "ask_many", "beam_search", "load_model", "margins", "run_specs", "think"]
 
 
 def __getattr__(name: str):
     # Lazy: `import mdcli` (and `mdcli --help`) must not import torch.
-    if name in ("ask_many", "run_specs"):
+    if name in ("ask_many", "beam_search", "margins", "run_specs", "think"):
         from mdcli import api
 
         return getattr(api, name)

@@ -91,3 +91,228 @@ def ask_many(
     specs = job.branches(model.tokenizer)
     seed = job.sampling.seed
     return run_specs(model, specs, strategy="ask-many", seed=seed, **engine_options)
+
+
+def margins(
+    model: LoadedModel,
+    documents: str | list[str],
+    query: str,
+    *,
+    names: list[str] | None = None,
+    context: str | None = None,
+    segment_tokens: int | None = None,
+    keep: str = "relevant",
+    classify: bool = True,
+    with_segments: bool = False,
+    prompts=None,
+    chat_template: bool = True,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int | None = None,
+    classify_tokens: int | None = None,
+    answer_tokens: int | None = None,
+    memory_budget_bytes: int | None = None,
+    **engine_options,
+) -> Iterator[Event]:
+    """Writing in the Margins: a margin per segment (all at once), each classified relevant or
+    not (all at once), then one answer from the relevant margins. `context`: "chain" (each margin
+    reads segments 1..i; the default for one document) or "independent" (each reads its segment
+    alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
+    templates are documented in mdcli/strategies/margins.py."""
+    from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
+    from mdcli.strategies.margins import (
+        DEFAULT_ANSWER_TOKENS,
+        DEFAULT_CLASSIFY_TOKENS,
+        DEFAULT_MARGIN_TOKENS,
+        Margins,
+        MarginsPrompts,
+        run_margins,
+    )
+
+    job = Margins(
+        documents=[documents] if isinstance(documents, str) else list(documents),
+        query=query,
+        names=names,
+        layout=context,  # type: ignore[arg-type]
+        segment_tokens=segment_tokens or DEFAULT_SEGMENT_TOKENS,
+        keep=keep,  # type: ignore[arg-type]
+        classify=classify,
+        with_segments=with_segments,
+        prompts=prompts or MarginsPrompts(),
+        chat_template=chat_template,
+        sampling=sampling or SamplingParams(),
+        margin_tokens=max_new_tokens or DEFAULT_MARGIN_TOKENS,
+        classify_tokens=classify_tokens or DEFAULT_CLASSIFY_TOKENS,
+        answer_tokens=answer_tokens or DEFAULT_ANSWER_TOKENS,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    job.validate()
+    return run_margins(model, job, **engine_options)
+
+
+# -- beam search (issue 4) -----------------------------------------------------------------------
+
+
+def beam_search(
+    model: LoadedModel,
+    prompt: str,
+    questions: list[str] | tuple[str, ...] = (),
+    *,
+    width: int = 4,
+    num_return: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    max_new_tokens: int = 64,
+    system: str | None = None,
+    template: str | None = None,
+    chat_template: bool = True,
+    max_forward_tokens: int = 1024,
+    compact_ratio: float | None = None,
+) -> Iterator[Event]:
+    """Beam search with the rules and scores of `generate(num_beams=width, do_sample=False)`,
+    every beam a leaf of one shared cache.
+
+    Without `questions`, `prompt` is the prompt text: one beam set. With them, `prompt` is a
+    document and each question gets its own beam set (the ask-many template), all stepping in
+    the same forward. Options are checked, and a width that cannot fit in memory refused, here,
+    before anything runs; the events come when the returned iterator is consumed.
+    """
+    from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams
+
+    params = BeamParams(
+        width=width,
+        num_return=num_return,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,  # type: ignore[arg-type]
+        max_new_tokens=max_new_tokens,
+    )
+    params.validate()
+    prompts = _beam_prompts(model.tokenizer, prompt, list(questions), system, template, chat_template)
+    _check_beam_fits(model, [len(p.prompt_ids) for p in prompts], params)
+    ratio = DEFAULT_COMPACT_RATIO if compact_ratio is None else compact_ratio
+    return _run_beam(model, prompts, params, max_forward_tokens=max_forward_tokens, compact_ratio=ratio)
+
+
+def _beam_prompts(tokenizer, prompt: str, questions: list[str], system, template, chat_template: bool):
+    """Token ids per beam set: the prompt alone, or the document with each question."""
+    from mdcli.errors import UsageError
+    from mdcli.prompts import fill_template, prompt_token_ids
+    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
+    from mdcli.strategies.beam import BeamPrompt
+
+    if not prompt.strip():
+        raise UsageError("the prompt is empty", fix="give some text, a file, or - for stdin")
+    if not questions:
+        return [BeamPrompt("beam", prompt_token_ids(tokenizer, prompt, system=system, chat_template=chat_template))]
+    prompts = []
+    for number, question in enumerate(questions, 1):
+        if not question.strip():
+            raise UsageError(f"question {number} is empty", fix="remove it or write the question")
+        text = fill_template(template or DEFAULT_TEMPLATE, "question", document=prompt, question=question)
+        prompts.append(BeamPrompt(question, prompt_token_ids(tokenizer, text, system=system, chat_template=chat_template)))
+    return prompts
+
+
+def _check_beam_fits(model: LoadedModel, prompt_lengths: list[int], params) -> None:
+    """Refuse, before any forward, a width whose cache and scores cannot fit in free memory."""
+    from mdcli.errors import UsageError
+    from mdcli.strategies.beam import available_memory_bytes, beam_memory_bytes, kv_bytes_per_token
+
+    dtype_bytes = model.dtype.itemsize
+    needed = beam_memory_bytes(
+        kv_per_token=kv_bytes_per_token(model.model.config, dtype_bytes),
+        prompt_lengths=prompt_lengths,
+        width=params.width,
+        max_new_tokens=params.max_new_tokens,
+        vocab_size=model.model.get_output_embeddings().weight.shape[0],
+        dtype_bytes=dtype_bytes,
+    )
+    free = available_memory_bytes(model.device)
+    if free is not None and needed > free:
+        raise UsageError(
+            f"--width {params.width} needs about {needed / 2**30:,.1f} GiB for the KV cache and scores "
+            f"({len(prompt_lengths)} beam set(s), {params.max_new_tokens} new tokens), but only "
+            f"{free / 2**30:,.1f} GiB is free on {model.device}",
+            fix="lower --width or --max-new-tokens",
+        )
+
+
+def _run_beam(model: LoadedModel, prompts, params, *, max_forward_tokens: int, compact_ratio: float) -> Iterator[Event]:
+    from mdcli.engine import Engine
+    from mdcli.strategies.beam import BeamSearch, ignored_generation_settings
+
+    engine = Engine(
+        model.model,
+        sliding_window=model.sliding_window,
+        mixed_layer_types=model.mixed_layer_types,
+        max_forward_tokens=max_forward_tokens,
+    )
+    tokenizer = model.tokenizer
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    search = BeamSearch(
+        engine,
+        prompts,
+        params,
+        sorted(model.eos_token_ids),
+        decode=decode,
+        context_length=model.context_length,
+        compact_ratio=compact_ratio,
+    )
+    yield start_event(model, "beam", None, search.announce())
+    yield from ignored_generation_settings(getattr(model.model, "generation_config", None))
+    started = time.perf_counter()
+    yield from search.run()
+    yield Done(stats=search.stats(time.perf_counter() - started))
+
+
+def think(
+    model: LoadedModel,
+    question: str,
+    *,
+    paths: int = 4,
+    plan: bool = False,
+    max_paths: int = 8,
+    merge: str | None = None,
+    vote: bool = False,
+    answer_pattern: str | None = None,
+    path_instructions: list[str] | tuple[str, ...] = (),
+    system: str | None = None,
+    chat_template: bool = True,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 256,
+    plan_tokens: int = 128,
+    conclusion_tokens: int = 256,
+    stop: tuple[str, ...] = (),
+    **engine_options,
+) -> Iterator[Event]:
+    """Parallel chains of thought: `paths` independent paths (or, with `plan=True`, one path per
+    item of an outline the model writes first) decode together over the question's cache, then
+    `merge` ("reencode": exact conclusion, "attend": approximate Multiverse-style conclusion,
+    "none"; default reencode, or none when voting) and/or `vote` (majority over each path's
+    extracted answer, reported in a Note with data {"answers": {...}, "winner": ...}).
+
+    Arguments are checked here, before the first event is asked for.
+    """
+    from mdcli.strategies.think import Think, run_think
+
+    job = Think(
+        question=question,
+        paths=paths,
+        plan=plan,
+        max_paths=max_paths,
+        merge=merge if merge is not None else ("none" if vote else "reencode"),
+        vote=vote,
+        answer_pattern=answer_pattern,
+        path_instructions=tuple(path_instructions),
+        system=system,
+        chat_template=chat_template,
+        sampling=sampling or SamplingParams(),
+        max_new_tokens=max_new_tokens,
+        plan_tokens=plan_tokens,
+        conclusion_tokens=conclusion_tokens,
+        stop=tuple(stop),
+    )
+    job.validate()
+    return run_think(model, job, **engine_options)

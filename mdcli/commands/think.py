@@ -1,0 +1,182 @@
+"""`mdcli think`: parallel chains of thought (Map / Process / Reduce) on an unmodified model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mdcli.commands.common import (
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render,
+    sampling_params, stderr_line,
+)
+from mdcli.errors import UsageError
+
+# Plain literals (not imports from the strategy) keep `mdcli --help` free of torch.
+_QUESTION_FILE_SUFFIXES = (".txt", ".md", ".text")
+
+
+class MergeMode(str, Enum):
+    reencode = "reencode"
+    attend = "attend"
+    none = "none"
+
+
+def think(
+    question: Annotated[
+        str,
+        typer.Argument(help="The question: text, a file holding it, or - for stdin.", show_default=False),
+    ],
+    paths: Annotated[
+        Optional[int],
+        typer.Option(
+            "--paths",
+            "-k",
+            help="Independent paths (default 4, or one per --path-instruction). With --plan: how many "
+            "plain paths to run if the outline cannot be parsed.",
+            show_default=False,
+        ),
+    ] = None,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="The model first writes a numbered outline; one path per item.")
+    ] = False,
+    max_paths: Annotated[int, typer.Option("--max-paths", help="Most outline items used as paths (--plan).")] = 8,
+    merge: Annotated[
+        Optional[MergeMode],
+        typer.Option(
+            "--merge",
+            help="How the conclusion reads the paths. reencode (default, exact): their texts go into one "
+            "prompt after the cached question. attend (approximate): it attends to every path's cache "
+            "directly, Multiverse-style. none: no conclusion (the default with --vote).",
+            show_default=False,
+        ),
+    ] = None,
+    vote: Annotated[
+        bool,
+        typer.Option("--vote", help="Self-consistency: extract each path's final answer and report the majority."),
+    ] = False,
+    answer_pattern: Annotated[
+        Optional[str],
+        typer.Option(
+            "--answer-pattern",
+            help="Regex for a path's answer with --vote (last match; group 'answer', else group 1, else the "
+            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number.",
+            show_default=False,
+        ),
+    ] = None,
+    path_instruction: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--path-instruction",
+            help="An instruction for one path, e.g. 'Work backwards.' (repeatable; dealt out to the paths in turn).",
+            show_default=False,
+        ),
+    ] = None,
+    plan_tokens: Annotated[int, typer.Option("--plan-tokens", help="Most tokens for the outline (--plan).")] = 128,
+    conclusion_tokens: Annotated[int, typer.Option("--conclusion-tokens", help="Most tokens for the conclusion.")] = 256,
+    system: SystemOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    load_in_4bit: FourBitOpt = False,
+    load_in_8bit: EightBitOpt = False,
+    device_map: DeviceMapOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    max_new_tokens: MaxNewOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    no_chat_template: NoChatOpt = False,
+    output: OutputOpt = Output.auto,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Think along several paths at once, then conclude.
+
+    Map: --paths K independent paths from the question (made diverse by --temperature with --seed,
+    or by --path-instruction), or --plan: the model writes a numbered outline and each item becomes
+    a path. Process: every path decodes together over the question's shared cache. Reduce: a
+    conclusion that reads every path (--merge reencode, exact; --merge attend, approximate), and/or
+    --vote, a majority over the paths' final answers.
+
+    With greedy decoding every path, and the reencode conclusion, is token for token what the model
+    writes for that prompt alone. A --vote that finds no answer says so on stderr and still exits 0:
+    the paths were produced; there was just nothing to count.
+    """
+    with errors(debug):
+        from mdcli.strategies.think import Think
+
+        instructions = tuple(path_instruction or ())
+        job = Think(
+            question=read_question(question),
+            paths=paths if paths is not None else (len(instructions) or 4),
+            plan=plan,
+            max_paths=max_paths,
+            merge=resolve_merge(merge, vote),
+            vote=vote,
+            answer_pattern=answer_pattern,
+            path_instructions=instructions,
+            system=system,
+            chat_template=not no_chat_template,
+            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
+            max_new_tokens=max_new_tokens,
+            plan_tokens=plan_tokens,
+            conclusion_tokens=conclusion_tokens,
+            stop=tuple(stop or ()),
+        )
+        job.validate()
+        mode = Output.jsonl if jsonl else output
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+
+        from mdcli.strategies.think import run_think
+
+        events = run_think(lm, job, max_forward_tokens=max_forward_tokens)
+        if mode == Output.jsonl:
+            events = say_when_no_vote(events)
+        render(events, mode, quiet, header=header(lm))
+
+
+def read_question(source: str) -> str:
+    """The question: '-' reads stdin, an existing file is read, anything else is the question itself.
+
+    A lone word ending in .txt/.md that names no file is refused rather than asked: it is far more
+    likely a mistyped path than a question.
+    """
+    if source == "-":
+        return read_document("-")
+    path = Path(source)
+    looks_like_a_path = "\n" not in source and len(source) < 4096
+    if looks_like_a_path and path.is_file():
+        return read_document(source)
+    if looks_like_a_path and " " not in source and path.suffix.lower() in _QUESTION_FILE_SUFFIXES:
+        raise UsageError(f"question file '{source}' does not exist", fix="check the path, or quote the question text")
+    if not source.strip():
+        raise UsageError("the question is empty", fix="give the question as text, a file, or - for stdin")
+    return source
+
+
+def resolve_merge(merge: MergeMode | None, vote: bool) -> str:
+    """reencode by default; a vote alone needs no conclusion (ask for one with --merge)."""
+    if merge is None:
+        return "none" if vote else "reencode"
+    return merge.value
+
+
+def say_when_no_vote(events: Iterable) -> Iterator:
+    """JSONL keeps stdout for events, so a vote that found no answer is also said on stderr
+    (the plain and live renderers already print every note there)."""
+    for event in events:
+        if getattr(event, "kind", None) == "vote" and event.data.get("winner") is None:
+            stderr_line(f"vote: {event.message.splitlines()[0]}")
+        yield event
