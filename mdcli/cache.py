@@ -40,7 +40,6 @@ def _growing_layer_class():
     global _GROWING_LAYER
     if _GROWING_LAYER is not None:
         return _GROWING_LAYER
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):

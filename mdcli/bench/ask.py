@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
 
     from mdcli.loading import LoadedModel
 
@@ -220,10 +219,10 @@ def _kv_bytes_per_token(model: LoadedModel) -> int:
     from mdcli.architectures import text_config
 
     cfg = text_config(model.model.config)
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
     element = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 4
     return 2 * layers * kv_heads * head_dim * element
 

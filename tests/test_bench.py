@@ -1,0 +1,46 @@
+"""The benchmark compares equal work: every approach produces the forest's tokens, and the
+report records the machine. (Speed itself is recorded in BENCHMARKS.md, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from mdcli.bench import random_model
+from mdcli.bench.ask import APPROACHES, Case, run_case
+from mdcli.cli import app
+
+
+def test_every_approach_generates_the_forests_tokens_on_a_random_model():
+    lm = random_model("tiny")
+    for case in (Case(1, 40, 5), Case(3, 120, 6)):
+        results = run_case(lm, case)
+        assert [r.approach for r in results] == list(APPROACHES)
+        for result in results:
+            assert result.matches_forest, result.approach
+            assert all(len(t) == case.new_tokens for t in result.tokens)
+
+
+def test_the_forest_holds_one_copy_of_the_document_and_the_copies_hold_one_per_branch():
+    lm = random_model("tiny")
+    results = {r.approach: r for r in run_case(lm, Case(4, 200, 4), ("forest", "prefix-copy"))}
+    assert results["prefix-copy"].kv_bytes > 3 * results["forest"].kv_bytes
+
+
+def test_bench_command_writes_json_with_machine_facts_and_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--branches", "1,2", "--context", "50",
+                                      "--new-tokens", "3", "--no-warmup", "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["machine"]["torch_threads"] == 1 and "load_average_1m" in report["machine"]
+    assert len(report["results"]) == 2 * len(APPROACHES)
+    assert all(r["same_tokens_as_forest"] for r in report["results"])
+    assert all(r["forest_speedup"] > 0 for r in report["results"])
+
+
+def test_bench_rejects_an_unknown_approach_in_one_line():
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy"
