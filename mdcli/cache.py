@@ -16,11 +16,37 @@ Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transforme
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from transformers import Cache
+
+
+@contextmanager
+def native_gqa_attention() -> Iterator[None]:
+    """Let sdpa attend grouped-query keys natively (`enable_gqa`) while a mask is given.
+
+    transformers expands the keys/values of GQA models to every query head (`repeat_kv`, a copy of
+    the whole cache per layer per step) whenever a mask is passed on CUDA/CPU; without a mask (a
+    plain single-sequence `generate`) it already uses sdpa's native GQA. The switch it reads on
+    every call is an environment variable, so it is set only around mdcli's own forwards.
+    """
+    previous = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[_FORCE_GQA]
+        else:
+            os.environ[_FORCE_GQA] = previous
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def new_cache(*, preallocate: bool = True) -> Cache:

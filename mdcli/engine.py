@@ -99,7 +99,7 @@ class Engine:
         if self.sliding_window is not None:
             windowed = self._additive(allowed & self._inside_window(positions))
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
-        with torch.inference_mode():
+        with torch.inference_mode(), kv.native_gqa_attention():
             output = self.model(
                 input_ids=tokens[None, :],
                 position_ids=positions[None, :],
