@@ -1,0 +1,164 @@
+"""`mdcli margins`: Writing in the Margins, every margin written at once."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mdcli.commands.common import (
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
+    TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render, sampling_params,
+)
+from mdcli.errors import UsageError
+from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
+
+# Plain literals (not imports from the strategy) keep `mdcli --help` free of torch.
+_MARGIN_TOKENS = 48
+_CLASSIFY_TOKENS = 24
+_ANSWER_TOKENS = 256
+
+
+class ContextLayout(str, Enum):
+    chain = "chain"
+    independent = "independent"
+
+
+class KeepMargins(str, Enum):
+    relevant = "relevant"
+    all = "all"
+
+
+def margins(
+    documents: Annotated[
+        list[str],
+        typer.Argument(help="Document files (each its own segment group), or - for stdin.", show_default=False),
+    ],
+    query: Annotated[
+        Optional[str], typer.Option("--query", "-q", help="The question (required).", show_default=False)
+    ] = None,
+    context: Annotated[
+        Optional[ContextLayout],
+        typer.Option(
+            "--context",
+            help="chain: margin i reads segments 1..i (default for one document); "
+            "independent: margin i reads segment i alone (default for several).",
+            show_default=False,
+        ),
+    ] = None,
+    segment_tokens: Annotated[
+        int, typer.Option("--segment-tokens", min=MIN_SEGMENT_TOKENS, help="Most tokens per segment.")
+    ] = DEFAULT_SEGMENT_TOKENS,
+    keep: Annotated[
+        KeepMargins, typer.Option("--keep", help="Margins the answer reads: those classified relevant, or all.")
+    ] = KeepMargins.relevant,
+    no_classify: Annotated[
+        bool, typer.Option("--no-classify", help="Skip the YES/NO classification; the answer reads every margin.")
+    ] = False,
+    with_segments: Annotated[
+        bool, typer.Option("--with-segments", help="Give the answer each kept margin's source segment too.")
+    ] = False,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens per margin.")
+    ] = _MARGIN_TOKENS,
+    classify_tokens: Annotated[
+        int, typer.Option("--classify-tokens", min=1, help="Most tokens per YES/NO classification.")
+    ] = _CLASSIFY_TOKENS,
+    answer_tokens: Annotated[
+        int, typer.Option("--answer-tokens", min=1, help="Most tokens in the answer.")
+    ] = _ANSWER_TOKENS,
+    margin_template: Annotated[
+        Optional[str],
+        typer.Option("--margin-template", help="Margin prompt with $context and $query.", show_default=False),
+    ] = None,
+    classification_template: Annotated[
+        Optional[str],
+        typer.Option(
+            "--classification-template", help="Classifier prompt with $query and $margin.", show_default=False
+        ),
+    ] = None,
+    answer_template: Annotated[
+        Optional[str],
+        typer.Option("--answer-template", help="Answer prompt with $notes and $query.", show_default=False),
+    ] = None,
+    system: SystemOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    load_in_4bit: FourBitOpt = False,
+    load_in_8bit: EightBitOpt = False,
+    device_map: DeviceMapOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    no_chat_template: NoChatOpt = False,
+    output: OutputOpt = Output.auto,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
+    relevant or not (all at once), then one answer from the relevant margins.
+
+    One document: margin i reads segments 1..i, as in the paper (the document enters the cache
+    once). Several documents: margin i reads its segment alone. Exact: with greedy decoding every
+    margin, classification and answer is token for token what the model gives that prompt alone.
+    JSONL adds "classification" notes and an "answer-sources" note listing the segments used.
+    """
+    with errors(debug):
+        from mdcli.strategies.margins import Margins, MarginsPrompts
+
+        job = Margins(
+            documents=read_documents(documents),
+            query=query or "",
+            names=document_names(documents),
+            layout=context.value if context else None,  # type: ignore[arg-type]
+            segment_tokens=segment_tokens,
+            keep=keep.value,  # type: ignore[arg-type]
+            classify=not no_classify,
+            with_segments=with_segments,
+            prompts=prompts_with(
+                MarginsPrompts(system=system), margin_template, classification_template, answer_template
+            ),
+            chat_template=not no_chat_template,
+            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
+            margin_tokens=max_new_tokens,
+            classify_tokens=classify_tokens,
+            answer_tokens=answer_tokens,
+        )
+        job.validate()
+        mode = Output.jsonl if jsonl else output
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+
+        from mdcli.strategies.margins import run_margins
+
+        render(run_margins(lm, job, max_forward_tokens=max_forward_tokens), mode, quiet, header=header(lm))
+
+
+def read_documents(sources: list[str]) -> list[str]:
+    """Every document's text; stdin ('-') can be read only once."""
+    if sources.count("-") > 1:
+        raise UsageError("stdin (-) is given more than once", fix="pipe one document and name the others")
+    return [read_document(source) for source in sources]
+
+
+def document_names(sources: list[str]) -> list[str]:
+    """Short names for labels and notes: the file name, or "stdin"."""
+    return ["stdin" if source == "-" else Path(source).name for source in sources]
+
+
+def prompts_with(prompts, margin: str | None, classification: str | None, answer: str | None):
+    """The default prompts with any template given on the command line swapped in."""
+    from dataclasses import replace
+
+    given = {"margin": margin, "classification": classification, "answer": answer}
+    changes = {name: value for name, value in given.items() if value}
+    return replace(prompts, **changes)

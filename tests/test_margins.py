@@ -1,0 +1,344 @@
+"""`margins` is exact and reads what it claims: every margin, classification and answer equals
+`model.generate` on its prompt alone, and each margin's prompt is the documented template over
+exactly the segments its layout promises (chain: 1..i; independent: i alone)."""
+
+from __future__ import annotations
+
+import json
+from string import Template
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mdcli.api import margins
+from mdcli.cli import app
+from mdcli.errors import UsageError
+from mdcli.events import Done, Finish, Fork, Note, Start, Token
+from mdcli.loading import load_model
+from mdcli.segmenting import split_documents, token_counter
+from mdcli.strategies.margins import (
+    ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
+    NOTE_TEMPLATE, MarginResult, Margins, new_decoder, parse_verdict, radix_token_count, sources_note,
+)
+
+REPORT = (
+    "Quarterly project report.\n\n"
+    "Project Falcon built a new loading dock for the warehouse. The budget was 200,000 dollars. It went over "
+    "budget by 40,000 dollars because steel prices rose in March.\n\n"
+    "Project Heron upgraded the office network. It finished on time and under budget.\n\n"
+    "The cafeteria introduced a new menu with more vegetarian dishes. Most employees like the change.\n\n"
+    "Project Osprey replaced the payroll software. It went over budget by 25,000 dollars because the vendor "
+    "charged for extra training days.\n"
+)
+PASSAGES = [
+    "Falcon: the loading dock cost 240,000 dollars against a budget of 200,000, because steel prices rose.",
+    "Heron: the network upgrade spent 80,000 of its 95,000 dollars and finished in May.",
+    "Osprey: the payroll project overran by 25,000 dollars.\r\nThe vendor charged for extra training days.",
+]
+QUERY = "Which projects went over budget, and why?"
+SMALL = dict(max_new_tokens=6, classify_tokens=5, answer_tokens=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine, two spinning OpenMP threads per process made
+    these tests 7-20x slower (measured); the previous setting is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir("llama")), quiet=True)
+
+
+def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def announced(events) -> dict[int, list[int]]:
+    prompts = {b.id: b.prompt_token_ids for e in events if isinstance(e, Start) for b in e.branches}
+    prompts.update({e.branch.id: e.branch.prompt_token_ids for e in events if isinstance(e, Fork)})
+    return prompts
+
+
+def assert_every_branch_equals_generate(model, events) -> None:
+    prompts = announced(events)
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert sorted(f.branch for f in finishes) == sorted(prompts)
+    for finish in finishes:
+        expected = generate_alone(model, prompts[finish.branch], len(finish.token_ids))
+        assert finish.token_ids == expected, f"branch {finish.branch} ({finish.label})"
+
+
+def chat_ids(tokenizer, user_text: str) -> list[int]:
+    """The documented prompt form, rebuilt here without mdcli: chat template, default system."""
+    messages = [{"role": "user", "content": user_text}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def expected_margin_prompts(tokenizer, documents: list[str], budget: int, layout: str) -> list[list[int]]:
+    """chain: system + segments 1..i + instruction; independent: system + segment i + instruction."""
+    segments = split_documents(documents, budget, token_counter(tokenizer))
+    prompts = []
+    for i, segment in enumerate(segments):
+        if layout == "independent":
+            context = segment.text.strip()
+        else:
+            per_document: dict[int, str] = {}
+            for s in segments[: i + 1]:
+                per_document[s.document] = per_document.get(s.document, "") + s.text
+            context = DOCUMENT_SEPARATOR.join(t.strip() for t in per_document.values())
+        prompts.append(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context=context, query=QUERY)))
+    return prompts
+
+
+def of_type(events, kind):
+    return [e for e in events if isinstance(e, kind)]
+
+
+def notes(events, kind: str) -> list[Note]:
+    return [e for e in events if isinstance(e, Note) and e.kind == kind]
+
+
+# -- exactness and layout, on the real model and a tiny random one ------------------------------
+
+
+@pytest.mark.parametrize("which", ["embedded", "tiny"])
+def test_chain_margins_read_segments_one_to_i_and_every_branch_is_exact(which, embedded, tiny):
+    lm = embedded if which == "embedded" else tiny
+    events = list(margins(lm, REPORT, QUERY, segment_tokens=32, **SMALL))
+    start = events[0]
+    expected = expected_margin_prompts(lm.tokenizer, [REPORT], 32, "chain")
+    assert len(start.branches) == len(expected) >= 4
+    assert [b.prompt_token_ids for b in start.branches] == expected
+    assert [b.label for b in start.branches] == [f"segment {i}/{len(expected)}" for i in range(1, len(expected) + 1)]
+    assert_every_branch_equals_generate(lm.model, events)
+    assert isinstance(events[-1], Done)
+
+
+@pytest.mark.parametrize("which", ["embedded", "tiny"])
+def test_independent_margins_read_their_own_passage_and_every_branch_is_exact(which, embedded, tiny):
+    lm = embedded if which == "embedded" else tiny
+    events = list(margins(lm, PASSAGES, QUERY, names=["a.txt", "b.txt", "c.txt"], segment_tokens=24, **SMALL))
+    start = events[0]
+    expected = expected_margin_prompts(lm.tokenizer, PASSAGES, 24, "independent")
+    assert [b.prompt_token_ids for b in start.branches] == expected
+    assert start.branches[-1].label.endswith("(c.txt)")
+    text_of = [lm.tokenizer.decode(b.prompt_token_ids) for b in start.branches]
+    assert "Falcon" in text_of[0] and "Heron" not in text_of[0] and "Osprey" not in text_of[0]
+    assert_every_branch_equals_generate(lm.model, events)
+
+
+def test_chain_prompts_extend_each_other_so_the_cache_holds_the_document_once(embedded):
+    tokenizer = embedded.tokenizer
+    document = REPORT * 3
+    job = Margins(documents=[document], query=QUERY, segment_tokens=64, margin_tokens=1)
+    segments = job.segments(tokenizer)
+    specs = job.margin_specs(tokenizer, segments)
+    prompts = [s.prompt_ids for s in specs]
+    for i in range(len(prompts) - 1):
+        shared = 0
+        while prompts[i][shared] == prompts[i + 1][shared]:
+            shared += 1
+        # prompt i+1 starts with prompt i up to (within a token or two) the end of segment i
+        assert job.margin_context(segments, i)[:-12] in tokenizer.decode(prompts[i][:shared])
+    decoder = new_decoder(embedded)
+    decoder.announce(specs)
+    list(decoder.decode())
+    prefilled = decoder.stats(0.0).prefill_tokens
+    document_tokens = len(tokenizer(document, add_special_tokens=False)["input_ids"])
+    instruction = len(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context="", query=QUERY)))
+    assert prefilled == radix_token_count(prompts)
+    assert prefilled <= document_tokens + len(prompts) * instruction
+    assert prefilled < sum(len(p) for p in prompts) / 2
+
+
+# -- the three phases and their events ---------------------------------------------------------
+
+
+def test_events_announce_classify_and_source_the_answer(tiny):
+    events = list(margins(tiny, REPORT, QUERY, segment_tokens=32, keep="all", **SMALL))
+    margin_ids = [b.id for b in events[0].branches]
+    forks = of_type(events, Fork)
+    total = len(margin_ids)
+    assert [f.branch.label for f in forks] == [f"relevance {i}/{total}" for i in range(1, total + 1)] + ["answer"]
+    classified = notes(events, "classification")
+    assert [n.data["segment"] for n in classified] == list(range(1, len(margin_ids) + 1))
+    assert [n.data["margin_branch"] for n in classified] == margin_ids
+    for note in classified:
+        assert set(note.data) == {"branch", "margin_branch", "segment", "document", "relevant", "parsed", "reason"}
+        if not note.data["parsed"]:
+            assert note.data["relevant"] is True and "kept as relevant" in note.message
+    answer = forks[-1].branch
+    sources_index = next(i for i, e in enumerate(events) if isinstance(e, Note) and e.kind == "answer-sources")
+    assert isinstance(events[sources_index + 1], Finish) and events[sources_index + 1].branch == answer.id
+    assert events[sources_index].data == {
+        "branch": answer.id, "segments": list(range(1, len(margin_ids) + 1)), "margin_branches": margin_ids,
+    }
+    done = events[-1]
+    tokens = sum(len(f.token_ids) for f in of_type(events, Finish))
+    assert done.stats.generated_tokens == tokens == len(of_type(events, Token))
+    assert done.stats.prompt_tokens == sum(len(p) for p in announced(events).values())
+
+
+def test_the_answer_prompt_is_the_documented_template_over_the_kept_margins(tiny):
+    events = list(margins(tiny, REPORT, QUERY, segment_tokens=32, classify=False, **SMALL))
+    assert not notes(events, "classification")
+    margin_finishes = [f for f in of_type(events, Finish) if f.label.startswith("segment")]
+    blocks = [Template(NOTE_TEMPLATE).substitute(label=f.label, margin=f.text.strip()) for f in margin_finishes]
+    answer_text = Template(ANSWER_TEMPLATE).substitute(notes=NOTE_SEPARATOR.join(blocks), query=QUERY)
+    expected = chat_ids(tiny.tokenizer, answer_text)
+    [fork] = of_type(events, Fork)
+    assert fork.branch.prompt_token_ids == expected
+    assert_every_branch_equals_generate(tiny.model, events)
+
+
+def test_classification_prompt_is_the_papers_and_with_segments_adds_the_source(tiny):
+    events = list(margins(tiny, PASSAGES, QUERY, with_segments=True, keep="all", **SMALL))
+    margin_finishes = {f.branch: f for f in of_type(events, Finish) if f.label.startswith("segment")}
+    forks = of_type(events, Fork)
+    first = next(iter(margin_finishes.values()))
+    classify_text = Template(CLASSIFICATION_TEMPLATE).substitute(query=QUERY, margin=first.text.strip())
+    expected = chat_ids(tiny.tokenizer, classify_text)
+    assert forks[0].branch.prompt_token_ids == expected
+    answer_text = tiny.tokenizer.decode(forks[-1].branch.prompt_token_ids)
+    for passage in PASSAGES:
+        assert passage.strip() in answer_text
+
+
+def test_irrelevant_margins_are_left_out_of_the_answer_unless_keep_all(tiny):
+    # The embedded 135M model never answers the paper's prompt in the YES#/NO# format (everything is
+    # kept as relevant), so exclusion is checked on margins classified here by parse_verdict.
+    segments = split_documents(PASSAGES, 64, token_counter(tiny.tokenizer))
+    replies = ["YES#names Falcon", "NO#only Heron, on budget", "yes#Osprey overran"]
+    results = []
+    for number, (segment, reply) in enumerate(zip(segments, replies), 1):
+        verdict = parse_verdict(reply)
+        results.append(MarginResult(number, segment, f"segment {number}/3", branch=number - 1,
+                                    text=f"margin {number}", relevant=verdict.relevant))
+    relevant_only = Margins(documents=PASSAGES, query=QUERY)
+    kept = relevant_only.kept(results)
+    assert [m.number for m in kept] == [1, 3]
+    prompt = relevant_only.answer_prompt(kept)
+    assert "[segment 1/3] margin 1" in prompt and "margin 2" not in prompt and "[segment 3/3] margin 3" in prompt
+    assert sources_note(7, kept).data == {"branch": 7, "segments": [1, 3], "margin_branches": [0, 2]}
+    assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, keep="all").kept(results)] == [1, 2, 3]
+    assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, classify=False).kept(results)] == [1, 2, 3]
+    assert NO_NOTES in relevant_only.answer_prompt([])
+
+
+@pytest.mark.parametrize(
+    ("reply", "relevant", "parsed", "reason"),
+    [
+        ("YES#It names the projects.", True, True, "It names the projects."),
+        ("NO#Not related.", False, True, "Not related."),
+        ("  ```text\nyes # mentions Falcon\n```", True, True, "mentions Falcon"),
+        ("**NO**#nothing about budgets", False, True, "nothing about budgets"),
+        ("Answer: Yes, it does.", True, True, "it does."),
+        ("The verdict is NO#the piece is about food", False, True, "the piece is about food"),
+        ("Nope", True, False, "Nope"),
+        ("YES#maybe NO#maybe not", True, True, "maybe NO#maybe not"),
+        ("I think yes# or no#", True, False, "I think yes# or no#"),
+        ("", True, False, ""),
+    ],
+)
+def test_verdicts_are_read_robustly_and_default_to_relevant(reply, relevant, parsed, reason):
+    verdict = parse_verdict(reply)
+    assert (verdict.relevant, verdict.parsed, verdict.reason) == (relevant, parsed, reason)
+
+
+# -- refusals and notes ------------------------------------------------------------------------
+
+
+def test_a_cache_larger_than_memory_is_refused_before_any_forward(tiny):
+    run = margins(tiny, PASSAGES * 4, QUERY, memory_budget_bytes=100_000)
+    with pytest.raises(UsageError, match=r"12 margins need about .* of KV cache"):
+        next(run)
+
+
+def test_a_chain_longer_than_the_context_suggests_independent(tiny):
+    long_document = "The quick brown fox jumps over the lazy dog. " * 260  # > 2,048 tokens
+    with pytest.raises(UsageError, match="context") as error:
+        next(margins(tiny, long_document, QUERY, segment_tokens=512))
+    assert "--context independent" in error.value.fix
+    assert isinstance(next(margins(tiny, long_document, QUERY, segment_tokens=512, context="independent")), Start)
+
+
+def test_a_sentence_longer_than_a_segment_is_split_and_said_so(tiny):
+    run_on = " ".join(["budget"] * 120) + "."
+    events = list(margins(tiny, run_on, QUERY, segment_tokens=40, classify=False, max_new_tokens=1, answer_tokens=1))
+    splits = notes(events, "segment-split")
+    assert splits and all(n.data["ends_at"] == "word" for n in splits)
+    assert len(splits) == len(events[0].branches) - 1
+
+
+@pytest.mark.parametrize(
+    ("documents", "query", "options", "needle"),
+    [
+        (["  \n"], QUERY, {}, "empty"),
+        ([REPORT], "  ", {}, "query is missing"),
+        ([REPORT], QUERY, {"segment_tokens": 8}, "too small"),
+        ([REPORT], QUERY, {"context": "tree"}, "unknown context layout"),
+        ([REPORT], QUERY, {"keep": "some"}, "--keep"),
+    ],
+)
+def test_bad_input_is_a_usage_error_before_the_model_runs(tiny, documents, query, options, needle):
+    with pytest.raises(UsageError, match=needle):
+        margins(tiny, documents, query, **options)
+
+
+# -- the command line --------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def cli(*args: str, input: str | None = None):
+    return runner.invoke(app, ["margins", *args], input=input, env={"HF_HUB_OFFLINE": "1"})
+
+
+def test_cli_jsonl_streams_margins_classifications_and_the_answer(tiny_dir, tmp_path):
+    paths = []
+    for i, passage in enumerate(PASSAGES):
+        paths.append(tmp_path / f"doc{i + 1}.txt")
+        paths[-1].write_text(passage)
+    result = cli(*map(str, paths), "-q", QUERY, "-m", str(tiny_dir("llama")), "--jsonl",
+                 "-n", "3", "--classify-tokens", "3", "--answer-tokens", "3")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0]["type"] == "start" and lines[0]["strategy"] == "margins"
+    assert [b["label"] for b in lines[0]["branches"]] == [f"segment {i}/3 (doc{i}.txt)" for i in (1, 2, 3)]
+    kinds = [line.get("kind") for line in lines if line["type"] == "note"]
+    assert kinds.count("classification") == 3 and kinds.count("answer-sources") == 1
+    assert lines[-1]["type"] == "done" and lines[-2]["type"] == "finish" and lines[-2]["label"] == "answer"
+
+
+def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):
+    model = str(tiny_dir("llama"))
+    ok = cli("-", "-q", QUERY, "-m", model, "-o", "plain", "--no-classify", "-n", "2", "--answer-tokens", "2",
+             "--quiet", input=REPORT)
+    assert ok.exit_code == 0, ok.output
+    assert "## answer" in ok.stdout
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    for args, needle in [
+        ((str(empty), "-q", QUERY), "empty"),
+        (("-", "-q", "  "), "query is missing"),
+        (("-", "-"), "more than once"),
+    ]:
+        result = cli(*args, "-m", model, input=REPORT)
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("mdcli: error: ") and needle in line
+    assert cli("-", "-q", QUERY, "--segment-tokens", "4", input=REPORT).exit_code == 2
