@@ -208,7 +208,8 @@ def _beam_prompts(tokenizer, prompt: str, questions: list[str], system, template
         if not question.strip():
             raise UsageError(f"question {number} is empty", fix="remove it or write the question")
         text = fill_template(template or DEFAULT_TEMPLATE, "question", document=prompt, question=question)
-        prompts.append(BeamPrompt(question, prompt_token_ids(tokenizer, text, system=system, chat_template=chat_template)))
+        ids = prompt_token_ids(tokenizer, text, system=system, chat_template=chat_template)
+        prompts.append(BeamPrompt(question, ids))
     return prompts
 
 

@@ -1,0 +1,123 @@
+"""`mdcli beam`: beam search as one tree in one cache, identical to Hugging Face's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mdcli.commands.common import (
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
+    NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SystemOpt, errors, header, load, read_document,
+    read_questions_file, render,
+)
+
+
+def beam(
+    prompt: Annotated[
+        str,
+        typer.Argument(
+            help="The prompt text; or a file (or - for stdin): its text, or with -q a document to question.",
+            show_default=False,
+        ),
+    ],
+    question: Annotated[
+        Optional[list[str]],
+        typer.Option("--question", "-q", help="A question about the document: one beam set each (repeatable).",
+                     show_default=False),
+    ] = None,
+    questions_file: Annotated[
+        Optional[Path],
+        typer.Option("--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False),
+    ] = None,
+    width: Annotated[int, typer.Option("--width", "-w", help="Beams kept per prompt (num_beams).")] = 4,
+    num_return: Annotated[int, typer.Option("--num-return", help="Hypotheses returned per prompt, best first.")] = 1,
+    length_penalty: Annotated[
+        float, typer.Option("--length-penalty", help="Score = logprob / length**penalty (>0 favours longer).")
+    ] = 1.0,
+    early_stopping: Annotated[
+        str,
+        typer.Option(
+            "--early-stopping",
+            help="true: stop once `width` hypotheses end; false: HF's heuristic; never: until no beam can improve.",
+        ),
+    ] = "false",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens per hypothesis.")] = 64,
+    template: Annotated[
+        Optional[str],
+        typer.Option("--template", help="With -q: user-turn template with $document and $question.", show_default=False),
+    ] = None,
+    system: SystemOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    load_in_4bit: FourBitOpt = False,
+    load_in_8bit: EightBitOpt = False,
+    device_map: DeviceMapOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    no_chat_template: NoChatOpt = False,
+    output: OutputOpt = Output.auto,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Beam search, every beam a leaf of ONE shared KV cache: the sequences and scores of
+    transformers' generate(num_beams=W, do_sample=False).
+
+    Each step is one forward over every live beam of every prompt; a beam that forks costs one
+    token, a beam that loses leaves at once. With a document and several -q, each question gets
+    its own beam set over the document's cache.
+    """
+    with errors(debug):
+        from mdcli.strategies.beam import BeamParams, parse_early_stopping
+
+        params = BeamParams(
+            width=width,
+            num_return=num_return,
+            length_penalty=length_penalty,
+            early_stopping=parse_early_stopping(early_stopping),
+            max_new_tokens=max_new_tokens,
+        )
+        params.validate()
+        questions = list(question or []) + read_questions_file(questions_file)
+        text = prompt
+        if _is_input_file(prompt):
+            text = read_document(prompt)
+            if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
+                text = text.rstrip("\r\n")
+        mode = Output.jsonl if jsonl else output
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+
+        from mdcli.api import beam_search
+
+        events = beam_search(
+            lm,
+            text,
+            questions,
+            width=params.width,
+            num_return=params.num_return,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            max_new_tokens=params.max_new_tokens,
+            system=system,
+            template=template,
+            chat_template=not no_chat_template,
+            max_forward_tokens=max_forward_tokens,
+        )
+        render(events, mode, quiet, header=header(lm))
+
+
+def _is_input_file(argument: str) -> bool:
+    """'-' (stdin) or an existing path is read; anything else is the prompt text itself."""
+    if argument == "-":
+        return True
+    if "\n" in argument or len(argument) > 4096:
+        return False
+    try:
+        return Path(argument).exists()
+    except (OSError, ValueError):
+        return False
+
