@@ -216,7 +216,8 @@ def _beam_prompts(tokenizer, prompt: str, questions: list[str], system, template
 def _check_beam_fits(model: LoadedModel, prompt_lengths: list[int], params) -> None:
     """Refuse, before any forward, a width whose cache and scores cannot fit in free memory."""
     from mdcli.errors import UsageError
-    from mdcli.strategies.beam import available_memory_bytes, beam_memory_bytes, kv_bytes_per_token
+    from mdcli.memory import available_memory_bytes, kv_bytes_per_token
+    from mdcli.strategies.beam import beam_memory_bytes
 
     dtype_bytes = model.dtype.itemsize
     needed = beam_memory_bytes(

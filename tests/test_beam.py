@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from mdcli.cli import app
 from mdcli.events import Done, Finish, Fork, Prune, Start, Token
 from mdcli.render.base import BranchBook
-from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch, kv_bytes_per_token
+from mdcli.memory import kv_bytes_per_token
+from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 
 NEW_TOKENS = 10
@@ -368,7 +369,7 @@ def test_generation_config_settings_that_generate_would_apply_are_named():
 
 
 def test_the_benchmark_compares_identical_sequences(embedded):
-    from mdcli.bench_beam import bench_beam
+    from mdcli.bench.beam import bench_beam
 
     [row] = bench_beam(embedded, prompt_tokens=40, widths=(3,), new_tokens=4)
     assert row["identical"] and row["score_difference"] < 1e-4

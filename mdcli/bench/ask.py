@@ -215,16 +215,9 @@ def _pad_id(model: LoadedModel) -> int:
 
 
 def _kv_bytes_per_token(model: LoadedModel) -> int:
-    """Bytes of keys and values one token occupies in a cache, over all layers."""
-    from mdcli.architectures import text_config
+    from mdcli.memory import kv_bytes_per_token
 
-    cfg = text_config(model.model.config)
-    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
-    element = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 4
-    return 2 * layers * kv_heads * head_dim * element
+    return kv_bytes_per_token(model.model.config, model.dtype.itemsize)
 
 
 def _common_prefix_length(prompts: list[list[int]]) -> int:

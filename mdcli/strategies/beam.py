@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
 from mdcli.decoding import prefill_prompts
@@ -104,16 +104,6 @@ class BeamPrompt:
 # -- memory ---------------------------------------------------------------------------------
 
 
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Keys and values of one token in every layer: layers * 2 * kv_heads * head_dim * bytes."""
-    config = getattr(config, "text_config", None) or config
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers * 2 * kv_heads * head_dim * dtype_bytes
-
-
 def beam_memory_bytes(
     *, kv_per_token: int, prompt_lengths: Sequence[int], width: int, max_new_tokens: int, vocab_size: int, dtype_bytes: int
 ) -> int:
@@ -129,28 +119,6 @@ def beam_memory_bytes(
     scores = 3 * sets * width * vocab_size * 4
     mask = sets * width * tokens * (dtype_bytes + 1)
     return kv + scores + mask
-
-
-def available_memory_bytes(device) -> int | None:
-    """Memory free where the cache lives: CUDA's free bytes; on Linux MemAvailable (free plus
-    reclaimable page cache), else free pages from sysconf; None when unknown."""
-    import os
-
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 _PROCESSOR_SETTINGS = (

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 from mdcli.decoding import BranchSpec, Decoder
 from mdcli.errors import UsageError
 from mdcli.events import Done, Event, Finish, Fork, Note
+from mdcli.memory import available_memory_bytes, kv_bytes_per_token
 from mdcli.prompts import fill_template, prompt_token_ids
 from mdcli.sampling import SamplingParams
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, Segment, check_segment_tokens, split_documents, token_counter
@@ -330,34 +331,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def kv_bytes_per_token(model) -> int:
-    """layers x 2 (keys, values) x kv_heads x head_dim x bytes per element."""
-    config = getattr(model.config, "text_config", None) or model.config
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    return layers * 2 * kv_heads * head_dim * dtype.itemsize
-
-
-def free_memory_bytes(device) -> int | None:
-    """Free memory where the cache will live: CUDA's free bytes, or MemAvailable on Linux."""
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_fits(model: LoadedModel, job: Margins, specs: list[BranchSpec], prefill_tokens: int) -> None:
     """Refuse, before any forward, a run whose prompts exceed the context or whose cache would not
     fit in memory. The margin phase holds the largest cache: its prefill plus every margin."""
@@ -377,10 +350,10 @@ def check_fits(model: LoadedModel, job: Margins, specs: list[BranchSpec], prefil
                 fix=fix,
             )
     tokens = prefill_tokens + len(specs) * job.margin_tokens
-    needed = tokens * kv_bytes_per_token(model.model)
+    needed = tokens * kv_bytes_per_token(model.model.config, model.dtype.itemsize)
     budget = job.memory_budget_bytes
     if budget is None:
-        free = free_memory_bytes(model.device)
+        free = available_memory_bytes(model.device)
         budget = None if free is None else int(free * MEMORY_SHARE)
     if budget is not None and needed > budget:
         raise UsageError(

@@ -1,6 +1,6 @@
 """Benchmark of `mdcli think`: 8 paths x 128 tokens from a ~300-token question, on CPU.
 
-    python -m mdcli.bench_think [--model M] [--paths 8] [--new-tokens 128] [--threads 1]
+    python -m mdcli.bench.think [--model M] [--paths 8] [--new-tokens 128] [--threads 1]
 
 Side by side, in one process, same sampling settings (temperature 0.8, top-p 0.9):
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mdcli.bench_think", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.think", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--paths", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -206,7 +206,7 @@ def _environment(lm, args, prompt_tokens: int, load_before, load_after) -> str:
 
     lines = [
         (
-            f"- command: `python -m mdcli.bench_think --paths {args.paths} --new-tokens {args.new_tokens} "
+            f"- command: `python -m mdcli.bench.think --paths {args.paths} --new-tokens {args.new_tokens} "
             f"--conclusion-tokens {args.conclusion_tokens} --threads {args.threads}`"
         ),
         (

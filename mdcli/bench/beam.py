@@ -1,6 +1,6 @@
 """Benchmark: mdcli beam (one tree in one cache) against `model.generate(num_beams=W)`.
 
-    python -m mdcli.bench_beam            # the embedded SmolLM2, prints a Markdown table
+    python -m mdcli.bench.beam            # the embedded SmolLM2, prints a Markdown table
 
 Both approaches run in this one process, side by side for each width, on the same 1,000-token
 prompt with EOS disabled so that both take exactly `new_tokens` steps, and must return the same
@@ -100,7 +100,8 @@ def benchmark_prompt(tokenizer, length: int) -> list[int]:
 def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, compact_ratio: float) -> dict:
     from mdcli.engine import Engine
     from mdcli.events import Finish
-    from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch, kv_bytes_per_token
+    from mdcli.memory import kv_bytes_per_token
+    from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
 
     engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
     tokenizer = lm.tokenizer
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mdcli.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m mdcli.bench_beam", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.beam", description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--widths", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--new-tokens", type=int, default=64)

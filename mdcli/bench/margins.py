@@ -1,7 +1,7 @@
 """Benchmark: the margins stage of `mdcli margins` against the paper's sequential algorithm.
 
-    python -m mdcli.bench_margins                      # ~4,000-token report, 8 segments, 48-token margins
-    python -m mdcli.bench_margins --sweep 256,512,1024,2048   # how the segment size changes time and recall
+    python -m mdcli.bench.margins                      # ~4,000-token report, 8 segments, 48-token margins
+    python -m mdcli.bench.margins --sweep 256,512,1024,2048   # how the segment size changes time and recall
 
 Both sides run the same model on the same margin prompts (token ids built by
 strategies.margins, chain layout), greedy, fp32, CPU, `torch.set_num_threads(1)`:
@@ -237,7 +237,7 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mdcli.bench_margins", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.margins", description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--margin-tokens", type=int, default=48)
