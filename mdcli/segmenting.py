@@ -41,7 +41,7 @@ Boundary = Literal["end", "paragraph", "sentence", "word", "character"]
 
 MIN_SEGMENT_TOKENS = 16
 DEFAULT_SEGMENT_TOKENS = 512
-"""Chosen by measurement (BENCHMARKS.md, "Writing in the Margins"; `python -m mdcli.bench_margins
+"""Chosen by measurement (BENCHMARKS.md, "Writing in the Margins"; `python -m mdcli.bench.margins
 --sweep`): on a 4,000-token report and the embedded SmolLM2-135M, the margins stage cost 30-40 s
 at 512, 1,024 and 2,048 tokens per segment (prefill-bound, so larger segments save nothing) but
 47-55 s at 256 and 103 s at 128, while how many planted facts the margins recovered did not
