@@ -54,16 +54,35 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(outside_nucleus(scores, params.top_p), float("-inf"))
     if params.min_p > 0:
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return scores
+
+
+def outside_nucleus(scores: torch.Tensor, top_p: float, *, candidates: int = 256) -> torch.Tensor:
+    """[V] bool: tokens outside the smallest set of most likely tokens whose mass reaches top_p.
+
+    A token is dropped when the tokens ranked before it already reach top_p (the first always
+    stays), as in Hugging Face's TopPLogitsWarper. Sorting the whole vocabulary per branch per step
+    is the slow part, so the nucleus is first looked for among the `candidates` most likely tokens:
+    if their mass reaches top_p the nucleus lies inside them and the answer is the same as with a
+    full sort; otherwise the full sort decides.
+    """
+    import torch
+
+    probs = scores.softmax(-1)
+    top = min(candidates, probs.shape[-1])
+    top_probs, top_ids = probs.topk(top)
+    cumulative = top_probs.cumsum(-1)
+    if top < probs.shape[-1] and float(cumulative[-1]) < top_p:
+        top_probs, top_ids = probs.sort(descending=True)
+        cumulative = top_probs.cumsum(-1)
+    kept = int(((cumulative - top_probs) < top_p).sum())
+    drop = torch.ones_like(probs, dtype=torch.bool)
+    drop[top_ids[:kept]] = False
+    return drop
 
 
 class Sampler:
