@@ -83,7 +83,8 @@ class Engine:
         n_cache = len(self.forest)
         layout = layout_chains(rows.to(self.device), [len(c) for c in chains], n_cache, start_depths)
         tokens = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=self.device)  # [M]
-        out = self._run_model(tokens, layout.positions, layout.allowed, layout.ends if logits else None)
+        linear = len(chains) == 1 and start_depths is None and bool(layout.allowed[0, :n_cache].all())
+        out = self._run_model(tokens, layout.positions, layout.allowed, layout.ends if logits else None, linear)
         self.forest.append(tokens, layout.positions, layout.parents)
         self.peak_tokens = max(self.peak_tokens, len(self.forest))
         new_rows = layout.allowed[layout.ends]  # [C, N + M]: each chain end's ancestors and itself
@@ -91,12 +92,17 @@ class Engine:
             ChainResult(row=new_rows[i], logits=None if out is None else out[i]) for i in range(len(chains))
         ]
 
-    def _run_model(self, tokens, positions, allowed, keep_logits) -> torch.Tensor | None:
-        """tokens, positions: [M]; allowed: [M, N + M] bool; keep_logits: [C] indices or None."""
+    def _run_model(self, tokens, positions, allowed, keep_logits, linear=False) -> torch.Tensor | None:
+        """tokens, positions: [M]; allowed: [M, N + M] bool; keep_logits: [C] indices or None.
+
+        `linear`: one chain that sees the whole cache, i.e. an ordinary causal continuation (a
+        document's prefill): the model builds its own causal mask, which lets sdpa use its
+        causal kernel instead of reading an explicit mask.
+        """
         import torch
 
-        mask = self._additive(allowed)  # [1, 1, M, N + M]
-        if self.sliding_window is not None:
+        mask = None if linear else self._additive(allowed)  # [1, 1, M, N + M]
+        if self.sliding_window is not None and not linear:
             windowed = self._additive(allowed & self._inside_window(positions))
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
         with torch.inference_mode(), kv.native_gqa_attention():
