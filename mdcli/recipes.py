@@ -36,6 +36,7 @@ from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_DOCUMENT_TEMP
 
 if TYPE_CHECKING:
     from mdcli.decoding import BranchSpec
+    from mdcli.events import Event
 
 RECIPE_VERSION = 1
 BUILTIN_PACKAGE = "mdcli.recipes_builtin"
@@ -124,8 +125,58 @@ class TreeRecipe(RecipeBase):
     branches: list[Branch]
 
 
-STRATEGY_MODELS: tuple[type[RecipeBase], ...] = (AskManyRecipe, TreeRecipe)
-Recipe = AskManyRecipe | TreeRecipe
+class BeamRecipe(RecipeBase):
+    """beam: exact beam search (generate(num_beams=width)). `prompt` is the whole prompt (it may
+    use $context and $vars); or `questions` (+ optional `template`), one beam set per question
+    over the context. Greedy by nature: of `sampling`, only max_new_tokens applies (default 64)."""
+
+    strategy: Literal["beam"]
+    prompt: str | None = None
+    questions: list[str] | None = None
+    template: str | None = None
+    width: int = Field(4, ge=1)
+    num_return: int = Field(1, ge=1)
+    length_penalty: float = 1.0
+    early_stopping: Any = False  # true | false | "never", checked in check_recipe (one clear message)
+
+
+class MarginsRecipe(RecipeBase):
+    """margins: Writing in the Margins over the context (the document). `sampling.max_new_tokens`
+    bounds each margin; the classification and answer have their own limits."""
+
+    strategy: Literal["margins"]
+    query: str
+    layout: Literal["chain", "independent"] | None = None
+    segment_tokens: int | None = Field(None, ge=1)
+    keep: Literal["all", "relevant"] = "relevant"
+    classify: bool = True
+    with_segments: bool = False
+    margin_template: str | None = None
+    classification_template: str | None = None
+    answer_template: str | None = None
+    classify_tokens: int | None = Field(None, ge=1)
+    answer_tokens: int | None = Field(None, ge=1)
+
+
+class ThinkRecipe(RecipeBase):
+    """think: parallel chains of thought over one question (which may use $context), then a
+    merged conclusion and/or a vote."""
+
+    strategy: Literal["think"]
+    question: str
+    paths: int = Field(4, ge=1)
+    plan: bool = False
+    max_paths: int = Field(8, ge=1)
+    merge: Literal["reencode", "attend", "none"] | None = None
+    vote: bool = False
+    answer_pattern: str | None = None
+    path_instructions: list[str] = Field(default_factory=list)
+    plan_tokens: int = Field(128, ge=1)
+    conclusion_tokens: int = Field(256, ge=1)
+
+
+STRATEGY_MODELS: tuple[type[RecipeBase], ...] = (AskManyRecipe, TreeRecipe, BeamRecipe, MarginsRecipe, ThinkRecipe)
+Recipe = AskManyRecipe | TreeRecipe | BeamRecipe | MarginsRecipe | ThinkRecipe
 _RECIPE_ADAPTER: TypeAdapter = TypeAdapter(
     Annotated[Union[STRATEGY_MODELS], Field(discriminator="strategy")]  # noqa: UP007 - built from a tuple
 )
@@ -318,7 +369,7 @@ _FIELD_HINTS = {
     "label": "`label: a-short-name`",
     "prompt": "`prompt: <the user-turn text>`",
     "branches": "`branches:` with a list of branches (each with label and prompt)",
-    "strategy": "`strategy: ask-many` (or tree)",
+    "strategy": "`strategy: ask-many` (or tree, beam, margins, think)",
 }
 _RANGE_FIXES = {
     "temperature": "use 0 for greedy decoding or a positive number",
@@ -326,6 +377,8 @@ _RANGE_FIXES = {
     "top_k": "use 0 (off) or a positive whole number",
     "min_p": "use a number in [0, 1); 0 turns it off",
     "max_new_tokens": "use a whole number of at least 1",
+    "width": "use a whole number of at least 1 (the number of beams)",
+    "num_return": "use a whole number of at least 1 (and at most width)",
 }
 _TYPE_WORDS = {
     "string_type": "text",
@@ -451,7 +504,7 @@ class TemplateSite:
 
     path: tuple
     text: str
-    role: Literal["root", "child", "question", "template"]
+    role: Literal["root", "child", "question", "template", "query"]
 
 
 def check_recipe(recipe: Recipe, var_names: set[str]) -> None:
@@ -460,6 +513,12 @@ def check_recipe(recipe: Recipe, var_names: set[str]) -> None:
     _check_declared_vars(recipe)
     if isinstance(recipe, AskManyRecipe):
         _check_ask_many_source(recipe)
+    if isinstance(recipe, BeamRecipe):
+        _check_beam(recipe)
+    if isinstance(recipe, MarginsRecipe):
+        _check_margins(recipe)
+    if isinstance(recipe, ThinkRecipe):
+        _check_think(recipe)
     if getattr(recipe, "branches", None) is not None:
         _check_branch_list(recipe.branches, ("branches",), nested=not isinstance(recipe, AskManyRecipe))
     sites = list(template_sites(recipe))
@@ -514,6 +573,66 @@ def _check_ask_many_source(recipe: AskManyRecipe) -> None:
             )
 
 
+def _check_beam(recipe: BeamRecipe) -> None:
+    if recipe.prompt is None and recipe.questions is None:
+        raise _Problem(("prompt",), "missing", "add `prompt:` (the prompt text), or `questions:` (a list)")
+    if recipe.prompt is not None and recipe.questions is not None:
+        raise _Problem(("questions",), "prompt and questions are both given", "keep one of them")
+    if recipe.template is not None and recipe.questions is None:
+        raise _Problem(("template",), "only applies to `questions:`", "remove it, or use questions instead of prompt")
+    if recipe.prompt is not None and not recipe.prompt.strip():
+        raise _Problem(("prompt",), "is empty", "write the prompt text")
+    if recipe.questions is not None:
+        _check_questions(recipe.questions)
+        if recipe.context is None:
+            raise _Problem(
+                ("context",), "beam questions are asked about a context, but the recipe has none",
+                "add `context: {input: true}` (or text: / file:), or use `prompt:` instead",
+            )
+    if recipe.num_return > recipe.width:
+        raise _Problem(
+            ("num_return",), f"{recipe.num_return} is more than width {recipe.width}",
+            "use num_return <= width (beam search keeps width hypotheses)",
+        )
+    if not (isinstance(recipe.early_stopping, bool) or recipe.early_stopping == "never"):
+        raise _Problem(("early_stopping",), f"{_short(recipe.early_stopping)} is not allowed", "use true, false or never")
+
+
+def _check_margins(recipe: MarginsRecipe) -> None:
+    if recipe.context is None:
+        raise _Problem(("context",), "missing: margins reads a document", "add `context: {input: true}` (or text: / file:)")
+    if not recipe.query.strip():
+        raise _Problem(("query",), "is empty", "write the question to answer from the document")
+    fields = {"margin_template": "margin", "classification_template": "classification", "answer_template": "answer"}
+    for field, name in fields.items():
+        text = getattr(recipe, field)
+        if text is None:
+            continue
+        try:
+            dataclasses.replace(_default_margins_prompts(), **{name: text}).check()
+        except UsageError as error:
+            raise _Problem((field,), error.problem, error.fix or "see docs/recipes.md") from None
+
+
+def _default_margins_prompts():
+    from mdcli.strategies.margins import MarginsPrompts
+
+    return MarginsPrompts()
+
+
+def _check_think(recipe: ThinkRecipe) -> None:
+    if not recipe.question.strip():
+        raise _Problem(("question",), "is empty", "write the question to think about")
+    for index, instruction in enumerate(recipe.path_instructions):
+        if not instruction.strip():
+            raise _Problem(("path_instructions", index), "is empty", "write the instruction or remove it")
+    if recipe.answer_pattern is not None:
+        try:
+            re.compile(recipe.answer_pattern)
+        except re.error as error:
+            raise _Problem(("answer_pattern",), f"is not a valid regular expression: {error}", "fix the pattern") from None
+
+
 def _check_questions(questions: list[str]) -> None:
     if not questions:
         raise _Problem(("questions",), "the question list is empty", "add at least one question")
@@ -564,6 +683,17 @@ def template_sites(recipe: Recipe) -> Iterator[TemplateSite]:
         yield TemplateSite(("template",), recipe.template or ask_many_default_template(), "template")
     for index, branch in enumerate(getattr(recipe, "branches", None) or []):
         yield from _branch_sites(branch, ("branches", index), "root")
+    if isinstance(recipe, BeamRecipe):
+        if recipe.prompt is not None:
+            yield TemplateSite(("prompt",), recipe.prompt, "root")
+        if recipe.questions is not None:
+            for index, question in enumerate(recipe.questions):
+                yield TemplateSite(("questions", index), question, "question")
+            yield TemplateSite(("template",), recipe.template or ask_many_default_template(), "template")
+    if isinstance(recipe, MarginsRecipe):
+        yield TemplateSite(("query",), recipe.query, "query")
+    if isinstance(recipe, ThinkRecipe):
+        yield TemplateSite(("question",), recipe.question, "root")
 
 
 def _branch_sites(branch: Branch, path: tuple, role: Literal["root", "child"]) -> Iterator[TemplateSite]:
@@ -583,6 +713,8 @@ def _check_template(site: TemplateSite, recipe: Recipe, var_names: set[str]) -> 
             )
         if name == "context" and site.role == "question":
             raise _Problem(site.path, "a question cannot use $context", "put $context in `template:` instead")
+        if name == "context" and site.role == "query":
+            raise _Problem(site.path, "the query cannot use $context", "write the question itself; margins reads the context")
         if name == "question" and site.role != "template":
             raise _Problem(site.path, "$question is only filled in an ask-many template", "write the text itself here")
         if name not in RESERVED_VARIABLES and name not in recipe.vars and name not in var_names:
@@ -731,6 +863,11 @@ def compile_recipe(
     Roots are whole prompts (prompts.prompt_token_ids: chat template, system, the context through
     $context); children are continuation turns after their parent's answer
     (prompts.continuation_token_ids). Raises RecipeError."""
+    if not isinstance(recipe, (AskManyRecipe, TreeRecipe)):
+        raise RecipeError(
+            f"{recipe.source}: strategy: a {recipe.strategy} recipe has no branch list to compile",
+            fix=f"run it with: mdcli run {recipe.source.removesuffix(' (built-in)').removesuffix('.yaml')}",
+        )
     try:
         values = _variable_values(recipe, vars or {})
         context = _context_text(recipe, input_text)
@@ -742,6 +879,87 @@ def compile_recipe(
     if isinstance(recipe, AskManyRecipe) and recipe.questions is not None:
         return _question_specs(recipe, tokenizer, values, base)
     return [_root_spec(branch, recipe, tokenizer, values, base) for branch in recipe.branches]
+
+
+def recipe_events(
+    recipe: Recipe, model, *, input_text: str | None = None, vars: dict[str, str] | None = None,
+    max_forward_tokens: int = 1024,
+) -> Iterator[Event]:
+    """The events of running `recipe` (sampling overrides already applied with with_sampling):
+    ask-many and tree compile to branch specs; beam, margins and think call their API function.
+    Arguments are checked here, before the first event is asked for. Raises RecipeError/UsageError."""
+    from mdcli import api
+
+    if isinstance(recipe, (AskManyRecipe, TreeRecipe)):
+        specs = compile_recipe(recipe, model.tokenizer, input_text=input_text, vars=vars)
+        return api.run_specs(
+            model, specs, strategy=recipe.strategy, seed=resolved_seed(recipe), max_forward_tokens=max_forward_tokens
+        )
+    try:
+        values = _variable_values(recipe, vars or {})
+        context = _context_text(recipe, input_text)
+    except _Problem as problem:
+        raise _error(recipe.source, problem.path, problem.problem, problem.fix) from None
+    if context is not None:
+        values["context"] = context
+    settings = _Settings().then(recipe.sampling)
+    if isinstance(recipe, BeamRecipe):
+        return _beam_events(recipe, model, values, context, max_forward_tokens)
+    if isinstance(recipe, MarginsRecipe):
+        return _margins_events(recipe, model, values, context, settings, max_forward_tokens)
+    if isinstance(recipe, ThinkRecipe):
+        return api.think(
+            model, fill(recipe.question, values), paths=recipe.paths, plan=recipe.plan, max_paths=recipe.max_paths,
+            merge=recipe.merge, vote=recipe.vote, answer_pattern=recipe.answer_pattern,
+            path_instructions=list(recipe.path_instructions),
+            system=recipe.system, chat_template=recipe.chat_template, sampling=_sampling_params(settings),
+            max_new_tokens=settings.max_new_tokens, plan_tokens=recipe.plan_tokens,
+            conclusion_tokens=recipe.conclusion_tokens, stop=settings.stop, max_forward_tokens=max_forward_tokens,
+        )
+    raise UsageError(f"{recipe.source}: strategy {recipe.strategy} cannot run", fix="see docs/recipes.md")
+
+
+def _sampling_params(settings: _Settings):
+    from mdcli.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+        min_p=settings.min_p, seed=settings.seed,
+    )
+
+
+def _beam_events(recipe: BeamRecipe, model, values: dict[str, str], context: str | None, max_forward_tokens: int):
+    from mdcli import api
+
+    options = {
+        "width": recipe.width, "num_return": recipe.num_return, "length_penalty": recipe.length_penalty,
+        "early_stopping": recipe.early_stopping, "max_new_tokens": recipe.sampling.max_new_tokens or 64,
+        "system": recipe.system, "chat_template": recipe.chat_template, "max_forward_tokens": max_forward_tokens,
+    }
+    if recipe.questions is None:
+        return api.beam_search(model, fill(recipe.prompt, values), **options)
+    # the API's template is in ask-many form ($document, $question): fill the recipe's own
+    # variables now (escaped, so a `$` in a value stays literal) and leave those two to the API
+    escaped = {name: escape_dollars(value) for name, value in values.items()}
+    template = fill(recipe.template or ask_many_default_template(),
+                    {**escaped, "context": "$document", "question": "$question"})
+    questions = [fill(question, values) for question in recipe.questions]
+    return api.beam_search(model, context, questions, template=template, **options)
+
+
+def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings: _Settings, max_forward_tokens: int):
+    from mdcli import api
+    from mdcli.strategies.margins import MarginsPrompts
+
+    overrides = {name: getattr(recipe, f"{name}_template") for name in ("margin", "classification", "answer")}
+    prompts = MarginsPrompts(system=recipe.system, **{k: v for k, v in overrides.items() if v is not None})
+    return api.margins(
+        model, context, fill(recipe.query, values), context=recipe.layout, segment_tokens=recipe.segment_tokens,
+        keep=recipe.keep, classify=recipe.classify, with_segments=recipe.with_segments, prompts=prompts,
+        chat_template=recipe.chat_template, sampling=_sampling_params(settings),
+        max_new_tokens=recipe.sampling.max_new_tokens, classify_tokens=recipe.classify_tokens,
+        answer_tokens=recipe.answer_tokens, max_forward_tokens=max_forward_tokens,
+    )
 
 
 def check_run_inputs(recipe: Recipe, *, input_text: str | None = None, vars: dict[str, str] | None = None) -> None:

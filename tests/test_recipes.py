@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from mdcli.api import run_specs
 from mdcli.cli import app
 from mdcli.errors import RecipeError
-from mdcli.events import Finish, Fork, Start
+from mdcli.events import Done, Finish, Fork, Start
 from mdcli.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.recipes import (
     AskManyRecipe,
@@ -29,10 +29,12 @@ from mdcli.recipes import (
     Sampling,
     TreeRecipe,
     builtin_names,
+    check_run_inputs,
     compile_recipe,
     dump_recipe,
     load_recipe,
     load_recipe_text,
+    recipe_events,
     resolved_seed,
     with_sampling,
 )
@@ -118,7 +120,7 @@ def builtin_run(embedded):
     def run(name: str) -> list:
         if name not in runs:
             recipe = with_sampling(load_recipe(name), Sampling(max_new_tokens=NEW_TOKENS))
-            runs[name] = run_recipe(embedded, recipe, input_text=STORY)
+            runs[name] = list(recipe_events(recipe, embedded, input_text=STORY))
         return runs[name]
 
     return run
@@ -131,6 +133,9 @@ NEW_TOKENS = 10
 def test_every_builtin_recipe_runs_on_the_embedded_model(builtin_run, name):
     events = builtin_run(name)
     finishes = [e for e in events if isinstance(e, Finish)]
+    if load_recipe(name).strategy not in ("ask-many", "tree"):  # beam, margins, think: their own events
+        assert isinstance(events[0], Start) and isinstance(events[-1], Done) and finishes
+        return
     announced = events[0].branches + [e.branch for e in events if isinstance(e, Fork)]
     assert len(finishes) == len(announced) == _count_branches(load_recipe(name))
     assert all(0 < len(f.token_ids) <= NEW_TOKENS for f in finishes)
@@ -272,7 +277,7 @@ def test_every_example_in_the_recipe_reference_is_a_valid_recipe(tmp_path):
     write(tmp_path, "report.txt", STORY)  # the file an example reads
     assert len(examples) >= 4
     strategies = {load_recipe_text(example, base_dir=tmp_path).strategy for example in examples}
-    assert strategies == {"ask-many", "tree"}
+    assert strategies == {"ask-many", "tree", "beam", "margins", "think"}
 
 
 def test_dumped_recipes_load_back_to_the_same_recipe():
@@ -318,7 +323,22 @@ BAD_RECIPES = [
      "ask-many, tree"),
     ("parameter-for-the-wrong-strategy",
      "version: 1\nstrategy: tree\nquestions: [who]\nbranches: [{label: a, prompt: hi}]\n",
-     "questions", "'questions' is a setting of strategy ask-many, not tree", "remove it"),
+     "questions", "'questions' is a setting of strategy ask-many / beam, not tree", "remove it"),
+    ("beam-width-zero", "version: 1\nstrategy: beam\nprompt: hi\nwidth: 0\n", "width", "0 is out of range",
+     "at least 1"),
+    ("beam-early-stopping", "version: 1\nstrategy: beam\nprompt: hi\nearly_stopping: soon\n", "early_stopping",
+     "'soon' is not allowed", "true, false or never"),
+    ("beam-num-return-over-width", "version: 1\nstrategy: beam\nprompt: hi\nwidth: 2\nnum_return: 3\n",
+     "num_return", "more than width 2", "num_return <= width"),
+    ("beam-setting-in-think", "version: 1\nstrategy: think\nquestion: hi\nwidth: 2\n", "width",
+     "'width' is a setting of strategy beam, not think", "strategy: beam"),
+    ("margins-without-context", "version: 1\nstrategy: margins\nquery: who?\n", "context", "margins reads a document",
+     "input: true"),
+    ("margins-bad-template",
+     "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: who?\nanswer_template: \"$query only\"\n",
+     "answer_template", "has no $notes", "add $notes"),
+    ("think-ignores-context", "version: 1\nstrategy: think\ncontext: {input: true}\nquestion: hi\n",
+     "question", "does not use $context", "put $context in it"),
     ("children-in-ask-many",
      "version: 1\nstrategy: ask-many\nbranches:\n  - label: a\n    prompt: hi\n    children: [{label: b, prompt: x}]\n",
      "branches[0].children", "cannot have children", "strategy: tree"),
@@ -467,7 +487,14 @@ def assert_loads_or_fails_cleanly(text: str, tokenizer) -> None:
         line = str(error.problem) + "; " + str(error.fix)
         assert line.startswith("fuzz.yaml: ") and "\n" not in line
         return
-    assert isinstance(recipe, RecipeBase) and isinstance(recipe, (AskManyRecipe, TreeRecipe))
+    assert isinstance(recipe, RecipeBase)
+    if not isinstance(recipe, (AskManyRecipe, TreeRecipe)):  # beam, margins, think: no branch specs
+        try:
+            check_run_inputs(recipe, input_text=STORY if recipe.context and recipe.context.input else None,
+                             vars={name: "v" for name, value in recipe.vars.items() if value is None})
+        except RecipeError:
+            pass
+        return
     try:
         specs = compile_recipe(recipe, tokenizer, input_text=STORY if recipe.context and recipe.context.input else None,
                                vars={name: "v" for name, value in recipe.vars.items() if value is None})
@@ -548,3 +575,68 @@ def test_ask_many_recipe_supplies_defaults_and_the_flags_you_type_win(tmp_path, 
     assert (merged.sampling.max_new_tokens, merged.sampling.top_k, merged.sampling.temperature) == (2, 7, None)
     finishes = [e for e in token_events(result.stdout) if e["type"] == "finish"]
     assert [(f["label"], len(f["token_ids"])) for f in finishes] == [("When?", 2)]
+
+
+# -- beam, margins and think recipes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["beam", "margins", "think"])
+def test_each_new_builtin_runs_through_mdcli_run_as_jsonl(story_file, name):
+    result = cli("run", name, "--input", str(story_file), "-n", "8", "--jsonl")
+    assert result.exit_code == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert events[0]["type"] == "start" and events[0]["strategy"] == name
+    assert events[-1]["type"] == "done"
+    assert any(e["type"] == "finish" for e in events)
+
+
+def test_a_beam_recipe_run_equals_beam_search_with_the_same_parameters(embedded, story_file):
+    from mdcli.api import beam_search
+
+    result = cli("run", "beam", "--input", str(story_file), "-n", "8", "--jsonl")
+    assert result.exit_code == 0, result.stderr
+    finishes = [e["token_ids"] for e in token_events(result.stdout) if e["type"] == "finish"]
+    recipe = load_recipe("beam")
+    prompt = recipe.prompt.replace("$context", STORY)
+    expected = [e.token_ids for e in beam_search(
+        embedded, prompt, width=recipe.width, num_return=recipe.num_return, length_penalty=recipe.length_penalty,
+        early_stopping=recipe.early_stopping, max_new_tokens=8,
+    ) if isinstance(e, Finish)]
+    assert finishes == expected and len(finishes) == recipe.num_return
+
+
+def test_a_think_recipe_with_reencode_equals_think_with_the_same_parameters(embedded):
+    from mdcli.api import think
+    from mdcli.sampling import SamplingParams
+
+    recipe = with_sampling(load_recipe("think"), Sampling(max_new_tokens=8))
+    recipe = recipe.model_copy(update={"conclusion_tokens": 8})
+    got = [e.token_ids for e in recipe_events(recipe, embedded, input_text=STORY) if isinstance(e, Finish)]
+    expected = [e.token_ids for e in think(
+        embedded, recipe.question.replace("$context", STORY), paths=4, merge="reencode",
+        path_instructions=recipe.path_instructions, sampling=SamplingParams(), max_new_tokens=8, conclusion_tokens=8,
+    ) if isinstance(e, Finish)]
+    assert got == expected and len(got) >= 5  # four paths and the conclusion
+
+
+def test_beam_questions_use_the_recipe_template_with_context_and_vars(embedded):
+    from mdcli.api import beam_search
+
+    recipe = load_recipe_text(
+        "version: 1\nstrategy: beam\ncontext: {input: true}\nvars: {tone: plainly}\nsampling: {max_new_tokens: 4}\n"
+        "template: \"$context\\n\\nAnswer $tone: $question\"\nquestions: [\"Who is Mara?\"]\nwidth: 2\n"
+    )
+    got = [e.token_ids for e in recipe_events(recipe, embedded, input_text=STORY) if isinstance(e, Finish)]
+    expected = [e.token_ids for e in beam_search(
+        embedded, STORY, ["Who is Mara?"], width=2, max_new_tokens=4, template="$document\n\nAnswer plainly: $question",
+    ) if isinstance(e, Finish)]
+    assert got == expected and got
+
+
+def test_a_bad_beam_width_makes_run_exit_2_with_one_line_naming_the_field(tmp_path, story_file):
+    recipe = write(tmp_path, "b.yaml", "version: 1\nstrategy: beam\ncontext: {input: true}\n"
+                   "prompt: \"$context headline\"\nwidth: 0\n")
+    result = cli("run", str(recipe), "--input", str(story_file), "-n", "8", "--jsonl")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"mdcli: error: {recipe}: width: 0 is out of range"), lines

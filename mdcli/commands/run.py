@@ -102,13 +102,9 @@ def run(
         mode = Output.jsonl if jsonl else output
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
-        from mdcli.api import run_specs
-        from mdcli.recipes import compile_recipe, resolved_seed
+        from mdcli.recipes import recipe_events
 
-        specs = compile_recipe(plan, lm.tokenizer, input_text=input_text, vars=values)
-        events = run_specs(
-            lm, specs, strategy=plan.strategy, seed=resolved_seed(plan), max_forward_tokens=max_forward_tokens
-        )
+        events = recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm))
 
 
