@@ -8,7 +8,7 @@ drives the engine itself because it chooses among candidates across branches.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,11 +62,28 @@ class _Branch:
 
 @dataclass
 class DecodeCounters:
+    """What a run did, for the `done` event (shared by every loop that drives an engine)."""
+
     prompt_tokens: int = 0
+    prefill_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+
+    def stats(self, engine: Engine, seconds: float) -> Stats:
+        return Stats(
+            prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
+            generated_tokens=self.generated_tokens,
+            steps=self.steps,
+            seconds=round(seconds, 4),
+            prefill_seconds=round(self.prefill_seconds, 4),
+            decode_seconds=round(self.decode_seconds, 4),
+            peak_cache_tokens=engine.peak_tokens,
+            final_cache_tokens=len(engine),
+            compactions=engine.compactions,
+        )
 
 
 class Decoder:
@@ -88,7 +105,6 @@ class Decoder:
         self.compact_ratio = compact_ratio
         self.counters = DecodeCounters()
         self._next_id = 0
-        self._prefill_tokens = 0
         self._roots: list[_Branch] = []
 
     # -- public --------------------------------------------------------------------------------
@@ -111,19 +127,7 @@ class Decoder:
         self.counters.decode_seconds += time.perf_counter() - started
 
     def stats(self, seconds: float) -> Stats:
-        c = self.counters
-        return Stats(
-            prompt_tokens=c.prompt_tokens,
-            prefill_tokens=self._prefill_tokens,
-            generated_tokens=c.generated_tokens,
-            steps=c.steps,
-            seconds=round(seconds, 4),
-            prefill_seconds=round(c.prefill_seconds, 4),
-            decode_seconds=round(c.decode_seconds, 4),
-            peak_cache_tokens=self.engine.peak_tokens,
-            final_cache_tokens=len(self.engine),
-            compactions=self.engine.compactions,
-        )
+        return self.counters.stats(self.engine, seconds)
 
     # -- branches ------------------------------------------------------------------------------
 
@@ -174,7 +178,7 @@ class Decoder:
         results = prefill_prompts(self.engine, [b.path_ids for b in branches])
         for branch, result in zip(branches, results):
             branch.row, branch.logits = result.row, result.logits
-        self._prefill_tokens += len(self.engine) - before
+        self.counters.prefill_tokens += len(self.engine) - before
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -324,6 +328,16 @@ def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResul
             longer = [i for i in group if len(prompts[i]) > end]
             pending.extend((out.row, sub, end) for sub in _group_by_token(prompts, longer, end))
     return results  # type: ignore[return-value]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _group_by_token(prompts: list[list[int]], indices: list[int], at: int) -> list[list[int]]:

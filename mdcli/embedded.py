@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mdcli.errors import ModelLoadError
+from mdcli.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -91,7 +91,7 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
         _convert_into(gguf, target)
     except OSError as exc:  # read-only cache, disk full (the copy is about 540 MB)
         raise ModelLoadError(
-            f"cannot write the converted model to {models}: {_first_line(exc)}",
+            f"cannot write the converted model to {models}: {first_line(exc)}",
             fix="free some disk space or set MDCLI_CACHE_DIR to a writable folder",
         ) from exc
     return target
@@ -119,7 +119,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         with gguf_progress_bar_follows_transformers():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, ImportError) as exc:
-        raise ModelLoadError(f"could not read {gguf}: {_first_line(exc)}", fix=f"reinstall it: {INSTALL_FIX}") from exc
+        raise ModelLoadError(f"could not read {gguf}: {first_line(exc)}", fix=f"reinstall it: {INSTALL_FIX}") from exc
     save_dequantized(model, out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -234,8 +234,3 @@ def _remove_stale_temp_dirs(models: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             pass
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -8,6 +8,12 @@ errors (the fix is in what the user typed), 1 for runtime failures.
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class MdcliError(Exception):
     """Base class: a problem with a message fit to show the user as is."""
 

@@ -25,7 +25,7 @@ from mdcli.architectures import (
     sliding_window_layout,
 )
 from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir, gguf_progress_bar_follows_transformers
-from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError
+from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -371,7 +371,7 @@ def _load_tokenizer(source: _Source, trust_remote_code: bool) -> PreTrainedToken
 
 def _load_error(source: _Source, exc: BaseException) -> Exception:
     """One actionable line for a failed load: offline hub, custom code, or broken files."""
-    detail = _first_line(exc)
+    detail = first_line(exc)
     if "trust_remote_code" in str(exc):
         return UsageError(
             f"{source.name} needs its own Python code to load", fix="pass --trust-remote-code if you trust its author"
@@ -400,8 +400,3 @@ def _hub_offline() -> bool:
         return bool(huggingface_hub.is_offline_mode())
     except (ImportError, AttributeError):
         return False
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

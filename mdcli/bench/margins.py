@@ -127,6 +127,8 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
     import torch
     from transformers import DynamicCache
 
+    from mdcli.decoding import common_prefix_length
+
     model, eos = lm.model, lm.eos_token_ids
     cache, cached, prefilled = DynamicCache(), 0, 0
     margins: list[list[int]] = []
@@ -152,16 +154,9 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
             generate_seconds += time.perf_counter() - t1
             prefill_seconds += t1 - t0
             if i + 1 < len(prompts):  # roll back to the end of the segment: what the next prompt shares
-                cached = common_prefix(prompt, prompts[i + 1])
+                cached = common_prefix_length(prompt, prompts[i + 1])
                 cache.crop(cached - cache.get_seq_length())  # transformers 5: minus the tokens to drop
     return SideResult(margins, time.perf_counter() - started, prefill_seconds, generate_seconds, prefilled)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def segment_budget_for(tokenizer, document: str, segments: int) -> int:

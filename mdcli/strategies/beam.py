@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
-from mdcli.decoding import prefill_prompts
+from mdcli.decoding import DecodeCounters, prefill_prompts
 from mdcli.engine import Engine
 from mdcli.errors import ContextTooLongError, UsageError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Prune, Stats, Token
@@ -319,16 +319,6 @@ def _no_text(token_ids: list[int]) -> str:
     return ""
 
 
-@dataclass
-class _Counters:
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-
 class BeamSearch:
     """Beam search for several prompts at once over one engine: ONE forward per step.
 
@@ -355,7 +345,7 @@ class BeamSearch:
         self.decode = decode
         self.compact_ratio = compact_ratio
         self.context_length = context_length
-        self.counters = _Counters()
+        self.counters = DecodeCounters()
         self.sets = [
             _BeamSet(p, i, params, eos_token_ids, self._fit_to_context(p), engine.device) for i, p in enumerate(prompts)
         ]
@@ -383,19 +373,7 @@ class BeamSearch:
         self.counters.decode_seconds += time.perf_counter() - started
 
     def stats(self, seconds: float) -> Stats:
-        c = self.counters
-        return Stats(
-            prompt_tokens=c.prompt_tokens,
-            prefill_tokens=c.prefill_tokens,
-            generated_tokens=c.generated_tokens,
-            steps=c.steps,
-            seconds=round(seconds, 4),
-            prefill_seconds=round(c.prefill_seconds, 4),
-            decode_seconds=round(c.decode_seconds, 4),
-            peak_cache_tokens=self.engine.peak_tokens,
-            final_cache_tokens=len(self.engine),
-            compactions=self.engine.compactions,
-        )
+        return self.counters.stats(self.engine, seconds)
 
     # -- setup ---------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from mdcli.decoding import BranchSpec, Decoder
+from mdcli.decoding import BranchSpec, Decoder, common_prefix_length
 from mdcli.errors import UsageError
 from mdcli.events import Done, Event, Finish, Fork, Note
 from mdcli.memory import available_memory_bytes, kv_bytes_per_token
@@ -317,18 +317,9 @@ def radix_token_count(prompts: Sequence[Sequence[int]]) -> int:
     ordered = sorted(tuple(p) for p in prompts)
     total, previous = 0, ()
     for prompt in ordered:
-        total += len(prompt) - _common_prefix(prompt, previous)
+        total += len(prompt) - common_prefix_length(prompt, previous)
         previous = prompt
     return total
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def check_fits(model: LoadedModel, job: Margins, specs: list[BranchSpec], prefill_tokens: int) -> None:
