@@ -4,12 +4,12 @@ prompt alone, on the real model and on tiny random models of several architectur
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mdcli.api import ask_many, run_specs
 from mdcli.decoding import BranchSpec
 from mdcli.events import Done, Finish, Start
 from mdcli.loading import load_model
+from tests.reference import generate_alone
 
 STORY = (
     "Mara lived in a small lighthouse on the coast of Brittany. Every night she climbed the one hundred "
@@ -28,16 +28,6 @@ QUESTIONS = [
     "Why did the captain bring a gift?",
 ]
 
-
-def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-        )
-    return out[0, len(prompt_ids):].tolist()
 
 
 def assert_each_branch_equals_generate(model, events):

@@ -14,6 +14,7 @@ from mdcli.architectures import sliding_window_layout
 from mdcli.decoding import prefill_prompts
 from mdcli.engine import Engine
 from mdcli.forest import pad_rows
+from tests.reference import generate_alone
 
 VOCAB = 512
 
@@ -61,12 +62,6 @@ def alone_logits(model, sequence: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([sequence])).logits[0, -1].float()
 
-
-def alone_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
 
 
 def random_prompts(prefix_len: int, suffix_lens: list[int], seed: int = 1) -> list[list[int]]:
@@ -130,7 +125,7 @@ def test_greedy_tokens_equal_model_generate_for_every_branch(arch, attn):
     prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=arch.__len__())
     generated = greedy_forest(engine_for(model), prompts, steps=12, drop_at=3)
     for i, prompt in enumerate(prompts):
-        expected = alone_greedy(model, prompt, len(generated[i]))
+        expected = generate_alone(model, prompt, len(generated[i]))
         assert generated[i] == expected, f"branch {i}"
 
 
@@ -139,7 +134,7 @@ def test_sliding_window_models_stay_exact_far_past_the_window():
     prompts = random_prompts(30, [2, 11, 5], seed=3)
     generated = greedy_forest(engine_for(model), prompts, steps=20)
     for i, prompt in enumerate(prompts):
-        assert generated[i] == alone_greedy(model, prompt, 20)
+        assert generated[i] == generate_alone(model, prompt, 20)
 
 
 def test_prompts_sharing_deeper_prefixes_enter_the_cache_once():

@@ -21,6 +21,7 @@ from mdcli.strategies.margins import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
     NOTE_TEMPLATE, MarginResult, Margins, new_decoder, parse_verdict, radix_token_count, sources_note,
 )
+from tests.reference import generate_alone
 
 REPORT = (
     "Quarterly project report.\n\n"
@@ -54,16 +55,6 @@ def one_thread():
 def tiny(tiny_dir):
     return load_model(str(tiny_dir("llama")), quiet=True)
 
-
-def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-        )
-    return out[0, len(prompt_ids):].tolist()
 
 
 def announced(events) -> dict[int, list[int]]:

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,6 +37,7 @@ from mdcli.recipes import (
     resolved_seed,
     with_sampling,
 )
+from tests.reference import generate_alone
 
 STORY = (
     "Mara kept the lighthouse on Gull Island for thirty years. One winter night a fishing boat lost its "
@@ -62,16 +62,6 @@ def write(folder: Path, name: str, text: str) -> Path:
 def story_file(tmp_path) -> Path:
     return write(tmp_path, "story.txt", STORY)
 
-
-def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def run_recipe(lm, recipe, **compile_options):

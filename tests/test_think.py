@@ -41,6 +41,8 @@ from mdcli.strategies.think import (
     normalize_answer,
     parse_plan,
 )
+from mdcli.decoding import common_prefix_length
+from tests.reference import generate_alone
 
 QUESTION = "A shop sells pens at 3 dollars each. Tom buys 4 pens and pays with a 20 dollar bill. How much change does he get?"
 INSTRUCTIONS = ["Work it out with a short equation.", "Explain it in words first.", "Check your answer at the end."]
@@ -64,16 +66,6 @@ def tiny(tiny_dir):
 
 # -- helpers ----------------------------------------------------------------------------------
 
-
-def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-        )
-    return out[0, len(prompt_ids):].tolist()
 
 
 def announced(events) -> dict[int, object]:
@@ -111,13 +103,6 @@ def documented_conclusion(path_texts: list[str], *, intro: str) -> str:
     return CONCLUSION_TEMPLATE.replace("$intro", intro).replace("$paths", entries)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def labelled(events, prefix: str) -> list[Finish]:
     return [f for f in finishes(events).values() if f.label.startswith(prefix)]
 
@@ -150,7 +135,7 @@ def test_paths_and_reencoded_conclusion_equal_generate_on_their_prompts_alone(wh
 
     # only the conclusion's new tokens were fed: the question was not encoded again
     [merge] = notes(events, "merge")
-    question_part = common_prefix(rebuilt, infos[paths[0].branch].prompt_token_ids)
+    question_part = common_prefix_length(rebuilt, infos[paths[0].branch].prompt_token_ids)
     assert merge.data["prompt_tokens"] == len(rebuilt)
     assert merge.data["reused_tokens"] >= question_part > 20
     assert merge.data["fed_tokens"] == len(rebuilt) - merge.data["reused_tokens"]
@@ -183,7 +168,7 @@ def test_a_planned_run_is_exact_from_plan_to_conclusion(embedded):
     rebuilt = chat_ids(embedded.tokenizer, head + [{"role": "user", "content": body}])
     assert infos[conclusion.branch].prompt_token_ids == rebuilt
     [merge] = notes(events, "merge")
-    assert merge.data["reused_tokens"] >= common_prefix(rebuilt, infos[paths[0].branch].prompt_token_ids)
+    assert merge.data["reused_tokens"] >= common_prefix_length(rebuilt, infos[paths[0].branch].prompt_token_ids)
     assert merge.data["fed_tokens"] == len(rebuilt) - merge.data["reused_tokens"]
 
 
