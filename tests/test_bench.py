@@ -40,6 +40,24 @@ def test_bench_command_writes_json_with_machine_facts_and_ratios(tmp_path):
     assert all(r["forest_speedup"] > 0 for r in report["results"])
 
 
+def test_bench_can_give_the_alternatives_mdclis_kernels_and_records_which_ran(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--branches", "2", "--context", "40",
+                                      "--new-tokens", "3", "--no-warmup", "--quiet", "--baseline-kernels", "mdcli",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["machine"]["baseline_kernels"] == "mdcli"
+    assert report["machine"]["mdcli_linear_kernels"] in ("oneDNN", "torch")
+    assert all(r["same_tokens_as_forest"] for r in report["results"])
+
+
+def test_bench_rejects_unknown_baseline_kernels_in_one_line():
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--baseline-kernels", "fast"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "mdcli: error: unknown --baseline-kernels 'fast'; choose stock or mdcli"
+
+
 def test_bench_rejects_an_unknown_approach_in_one_line():
     result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
     assert result.exit_code == 2

@@ -20,6 +20,31 @@ RANDOM_SHAPES = {
 }
 
 
+BASELINE_KERNELS = ("stock", "mdcli")
+BASELINE_KERNELS_HELP = (
+    "stock: the alternatives run on torch's own kernels, as users run them; mdcli: they get mdcli's CPU "
+    "kernels too (mdcli.kernels), so the ratio shows the algorithm's gain alone"
+)
+
+
+def baseline_kernels(lm: LoadedModel, choice: str):
+    """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
+    from contextlib import nullcontext
+
+    from mdcli.kernels import cpu_linear_context
+
+    return cpu_linear_context(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
+
+
+def kernels_line(lm: LoadedModel, choice: str) -> str:
+    """One line for reports: which linear kernels each side used."""
+    from mdcli.kernels import linear_kernel_name
+
+    mine = linear_kernel_name(lm.device, lm.dtype)
+    theirs = mine if choice == "mdcli" else "torch"
+    return f"linear kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
+
+
 def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> LoadedModel:
     """A random-weight Llama of a named shape with the embedded tokenizer: GPU speed can be
     measured where no weights can be downloaded (the tokens are meaningless, the work is real)."""

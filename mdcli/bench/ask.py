@@ -9,6 +9,9 @@ equal and the tokens must agree; every run checks that and reports any differenc
 (c) batched      one `model.generate` over the left-padded prompts
 (d) prefix-copy  prefill the document once, copy its KV per question into a preallocated batch
                  cache, feed the (padded) question suffixes, decode as a batch
+
+(b)-(d) run on torch's stock kernels, as users run them; `baseline_kernels="mdcli"` gives them
+the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm alone gains.
 """
 
 from __future__ import annotations
@@ -82,10 +85,19 @@ def prompts_for(model: LoadedModel, case: Case) -> list[list[int]]:
     ]
 
 
-def run_case(model: LoadedModel, case: Case, approaches=APPROACHES) -> list[Measurement]:
+def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_kernels: str = "stock") -> list[Measurement]:
+    """baseline_kernels: "stock" runs the alternatives as users run them (torch's own kernels);
+    "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'."""
+    from contextlib import nullcontext
+
+    from mdcli.bench import baseline_kernels as alternatives_context
+
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy}
-    results = [runners[name](model, prompts, case) for name in approaches]
+    results = []
+    for name in approaches:
+        with nullcontext() if name == "forest" else alternatives_context(model, baseline_kernels):
+            results.append(runners[name](model, prompts, case))
     reference = next((r for r in results if r.approach == "forest"), None)
     for result in results:
         if reference is not None:

@@ -36,6 +36,7 @@ def bench_beam(
     threads: int = 1,
     repeats: int = 1,
     compact_ratio: float | None = None,
+    kernels: str = "stock",
 ) -> list[dict]:
     """Time and measure both approaches for each width; the best of `repeats` runs each.
 
@@ -45,6 +46,7 @@ def bench_beam(
     """
     import torch
 
+    from mdcli.bench import baseline_kernels
     from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO
 
     torch.set_num_threads(threads)
@@ -53,9 +55,10 @@ def bench_beam(
     rows = []
     for width in widths:
         ours = _fastest(_run_mdcli(lm, prompt, width, new_tokens, ratio) for _ in range(repeats))
-        theirs = _fastest(_run_generate(lm, prompt, width, new_tokens) for _ in range(repeats))
-        # generate's first step alone: its prefill of W prompt copies, to split its time like ours
-        theirs_prefill = min(_run_generate(lm, prompt, width, 1)["seconds"] for _ in range(repeats))
+        with baseline_kernels(lm, kernels):
+            theirs = _fastest(_run_generate(lm, prompt, width, new_tokens) for _ in range(repeats))
+            # generate's first step alone: its prefill of W prompt copies, to split its time like ours
+            theirs_prefill = min(_run_generate(lm, prompt, width, 1)["seconds"] for _ in range(repeats))
         rows.append(
             {
                 "width": width,
@@ -180,15 +183,17 @@ def _storage_bytes(cache) -> int:
     return total
 
 
-def markdown(rows: list[dict], lm: LoadedModel, threads: int) -> str:
+def markdown(rows: list[dict], lm: LoadedModel, threads: int, kernels: str = "stock") -> str:
     import torch
     import transformers
+
+    from mdcli.bench import kernels_line
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
         f"Model: {lm.name}, {str(lm.dtype).removeprefix('torch.')}, {lm.attn}, {lm.device}. Machine: "
         f"{os.cpu_count()} CPUs (load average {load:.1f} at the end), torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {threads} thread(s).",
+        f"transformers {transformers.__version__}, {threads} thread(s); {kernels_line(lm, kernels)}.",
         "",
         "| width | prompt | new | mdcli s (prefill) | generate s (prefill) | speedup | decode speedup "
         "| mdcli KV MiB (filled) | generate KV MiB | KV ratio | mdcli peak tokens | compactions | identical "
@@ -210,6 +215,7 @@ def markdown(rows: list[dict], lm: LoadedModel, threads: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
     from mdcli.loading import load_model
 
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.beam", description=__doc__.splitlines()[0])
@@ -218,10 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per approach and width")
+    parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
     lm = load_model(quiet=True)
-    rows = bench_beam(lm, args.prompt_tokens, tuple(args.widths), args.new_tokens, args.threads, args.repeats)
-    print(markdown(rows, lm, args.threads))
+    rows = bench_beam(lm, args.prompt_tokens, tuple(args.widths), args.new_tokens, args.threads, args.repeats,
+                      kernels=args.baseline_kernels)
+    print(markdown(rows, lm, args.threads, args.baseline_kernels))
 
 
 if __name__ == "__main__":

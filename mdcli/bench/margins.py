@@ -181,12 +181,15 @@ def margin_specs(lm, document: str, segment_tokens: int, margin_tokens: int, lay
     return segments, job.margin_specs(lm.tokenizer, segments)
 
 
-def compare(lm, document: str, segments: int, margin_tokens: int, repeats: int) -> bool:
+def compare(lm, document: str, segments: int, margin_tokens: int, repeats: int, kernels: str = "stock") -> bool:
+    from mdcli.bench import baseline_kernels
+
     budget = segment_budget_for(lm.tokenizer, document, segments)
     segs, specs = margin_specs(lm, document, budget, margin_tokens)
     prompts = [s.prompt_ids for s in specs]
     ours = min((run_mdcli(lm, specs) for _ in range(repeats)), key=lambda r: r.seconds)
-    theirs = min((run_sequential(lm, prompts, margin_tokens) for _ in range(repeats)), key=lambda r: r.seconds)
+    with baseline_kernels(lm, kernels):
+        theirs = min((run_sequential(lm, prompts, margin_tokens) for _ in range(repeats)), key=lambda r: r.seconds)
     same = sum(a == b for a, b in zip(ours.margins, theirs.margins))
     doc_tokens = sum(s.tokens for s in segs)
     print(f"document: {doc_tokens:,} tokens in {len(segs)} segments (--segment-tokens {budget}); "
@@ -232,6 +235,8 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.margins", description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--segments", type=int, default=8)
@@ -241,20 +246,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=str, default=None, help="comma-separated --segment-tokens values")
     parser.add_argument("--layout", choices=["chain", "independent"], default="chain", help="for --sweep")
     parser.add_argument("--model", type=str, default=None)
+    parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
 
     import torch
 
+    from mdcli.bench import kernels_line
     from mdcli.loading import load_model
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype="float32", device="cpu", quiet=True)
     document = bench_document(lm.tokenizer, args.doc_tokens)
-    print(f"model: {lm.name}, fp32, greedy; machine: {machine()}\n")
+    print(f"model: {lm.name}, fp32, greedy; machine: {machine()}; {kernels_line(lm, args.baseline_kernels)}\n")
     if args.sweep:
         sweep(lm, document, [int(s) for s in args.sweep.split(",")], args.margin_tokens, args.layout)
         return 0
-    return 0 if compare(lm, document, args.segments, args.margin_tokens, args.repeats) else 1
+    same = compare(lm, document, args.segments, args.margin_tokens, args.repeats, args.baseline_kernels)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ from statistics import median
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from mdcli.bench.ask import Measurement
 
 
-def machine_facts(threads: int) -> dict:
+def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict:
     import torch
     import transformers
+
+    from mdcli.kernels import linear_kernel_name
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {
@@ -25,6 +29,7 @@ def machine_facts(threads: int) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
+        "mdcli_linear_kernels": linear_kernel_name(device or torch.device("cpu"), dtype or torch.float32),
     }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)

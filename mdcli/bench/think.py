@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from mdcli.bench import baseline_kernels
     from mdcli.loading import load_model
 
     lm = load_model(args.model, device="cpu", dtype="float32", quiet=True)
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     reencode_timing, reencode_cost = _time_think(ignore_eos, args, merge="reencode")
     attend_timing, attend_cost = _time_think(ignore_eos, args, merge="attend")
     greedy_timing, _ = _time_think(ignore_eos, args, merge="none", greedy=True)
-    batched = _time_generate_batch(lm, prompt, args)
-    sequential = _time_generate_sequential(lm, prompt, args)
+    with baseline_kernels(lm, args.baseline_kernels):
+        batched = _time_generate_batch(lm, prompt, args)
+        sequential = _time_generate_sequential(lm, prompt, args)
     load_after = os.getloadavg()
 
     print(_environment(lm, args, len(prompt), load_before, load_after))
@@ -89,12 +91,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.think", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--paths", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--conclusion-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     return parser.parse_args(argv)
 
 
@@ -204,11 +209,15 @@ def _environment(lm, args, prompt_tokens: int, load_before, load_after) -> str:
     import torch
     import transformers
 
+    from mdcli.bench import kernels_line
+
     lines = [
         (
             f"- command: `python -m mdcli.bench.think --paths {args.paths} --new-tokens {args.new_tokens} "
-            f"--conclusion-tokens {args.conclusion_tokens} --threads {args.threads}`"
+            f"--conclusion-tokens {args.conclusion_tokens} --threads {args.threads} "
+            f"--baseline-kernels {args.baseline_kernels}`"
         ),
+        f"- {kernels_line(lm, args.baseline_kernels)}",
         (
             f"- model: {lm.name}, {str(lm.dtype).removeprefix('torch.')}, {lm.attn}, CPU, "
             f"torch.set_num_threads({args.threads})"

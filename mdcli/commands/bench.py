@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -9,7 +10,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.commands.common import AttnOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, errors, load
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+from mdcli.commands.common import (
+    AttnOpt,
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    QuietOpt,
+    errors,
+    load,
+)
 from mdcli.errors import UsageError
 
 APPROACH_HELP = "Comma list of forest, sequential (generate per branch), batched (padded generate), prefix-copy."
@@ -28,6 +39,10 @@ def bench(
     context: Annotated[str, typer.Option("--context", help="Comma list of document lengths in tokens.")] = "1500",
     new_tokens: Annotated[str, typer.Option("--new-tokens", help="Comma list of tokens generated per branch.")] = "64",
     approaches: Annotated[str, typer.Option("--approaches", help=APPROACH_HELP)] = "forest,sequential,batched,prefix-copy",
+    baseline_kernels: Annotated[
+        str,
+        typer.Option("--baseline-kernels", help=BASELINE_KERNELS_HELP + "."),
+    ] = "stock",
     threads: Annotated[
         Optional[int], typer.Option("--threads", min=1, help="torch threads (default 1 on CPU: comparable on shared machines).")
     ] = None,
@@ -51,12 +66,21 @@ def bench(
 
         from mdcli.bench import random_model as make_random
         from mdcli.bench.ask import APPROACHES, Case, run_case
-        from mdcli.bench.report import as_json, combine_repeats, machine_facts, markdown_table, plot, rows
+        from mdcli.bench.report import (
+            as_json,
+            combine_repeats,
+            machine_facts,
+            markdown_table,
+            plot,
+            rows,
+        )
 
         chosen = [a.strip() for a in approaches.split(",") if a.strip()]
         unknown = [a for a in chosen if a not in APPROACHES]
         if unknown:
             raise UsageError(f"unknown approach '{unknown[0]}'", fix=f"choose from {', '.join(APPROACHES)}")
+        if baseline_kernels not in BASELINE_KERNELS:
+            raise UsageError(f"unknown --baseline-kernels '{baseline_kernels}'", fix="choose stock or mdcli")
         cases = [Case(b, c, n) for c in _ints(context, "--context") for n in _ints(new_tokens, "--new-tokens")
                  for b in _ints(branches, "--branches")]
         if plot_path is not None:
@@ -67,10 +91,12 @@ def bench(
             lm = load(model, device, dtype, attn, False, False, None, False, None, quiet)
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
-        facts = machine_facts(used_threads) | {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch.")}
+        facts = machine_facts(used_threads, lm.device, lm.dtype) | {
+            "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "baseline_kernels": baseline_kernels}
+        measure = functools.partial(run_case, baseline_kernels=baseline_kernels)
         if warmup:
-            run_case(lm, Case(2, 64, 4), chosen)
-        results = _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats)
+            measure(lm, Case(2, 64, 4), chosen)
+        results = _sweep(lm, cases, chosen, repeats, quiet, measure, combine_repeats)
         table = rows(results)
         command = "mdcli " + " ".join(sys.argv[1:])
         _print_table(table, facts)

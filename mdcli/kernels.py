@@ -1,0 +1,106 @@
+"""CPU matrix kernels for mdcli's own forwards.
+
+torch sends float32 `nn.Linear` on CPU to MKL's sgemm. On AMD processors MKL runs an AVX2 path,
+while oneDNN (also inside every x86 torch wheel) picks its kernels from the CPU's features and uses
+AVX-512 where it exists. Measured on one AMD EPYC (Zen 5) core with the embedded model's 211
+weight matrices, one step of M new tokens (see BENCHMARKS.md):
+
+    M tokens      1       8      16     512 (prefill)
+    MKL        20.4    41.2    57.5    1072 ms
+    oneDNN     13.8    25.2    32.4     513 ms
+
+`onednn_linear()` routes float32 CPU linears through oneDNN while mdcli runs the model. The results
+differ from MKL's only by float32 rounding (relative 1e-6, the order of any change of summation
+order); the exactness tests compare against plain `generate` run the stock way. Anything else (GPU,
+bf16, quantized weights, autograd) keeps torch's own path, and `MDCLI_CPU_LINEAR=torch` turns the
+routing off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+OPT_OUT = "MDCLI_CPU_LINEAR"
+
+
+def cpu_linear_context(device: torch.device, dtype: torch.dtype):
+    """The context mdcli's forwards run in: oneDNN linears on float32 CPU, else nothing."""
+    import torch
+
+    if device.type != "cpu" or dtype != torch.float32 or not onednn_linear_available():
+        return nullcontext()
+    return onednn_linear()
+
+
+def linear_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """What mdcli's forwards use for linears here, for reports: "oneDNN" or "torch"."""
+    import torch
+
+    routed = device.type == "cpu" and dtype == torch.float32 and onednn_linear_available()
+    return "oneDNN" if routed else "torch"
+
+
+def onednn_linear_available() -> bool:
+    """True when routing is wanted (no opt-out) and oneDNN's linear works and agrees with torch's."""
+    if os.environ.get(OPT_OUT, "").strip().lower() in {"torch", "mkl", "default", "off", "0"}:
+        return False
+    return _onednn_linear_works()
+
+
+@cache
+def _onednn_linear_works() -> bool:
+    """Checked once: the op exists in this torch build and computes what `F.linear` computes."""
+    import torch
+    import torch.nn.functional as F
+
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (48, 64), (48,)))
+    try:
+        got = op(x, w, b, "none", [], "")
+    except RuntimeError:
+        return False
+    want = F.linear(x, w, b)
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+
+
+@contextmanager
+def onednn_linear() -> Iterator[None]:
+    """While inside: float32 CPU `F.linear` without autograd runs on oneDNN.
+
+    `nn.Linear.forward` looks `F.linear` up on every call, so replacing the module attribute
+    reaches every linear layer of a transformers model without touching the model.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    stock = F.linear
+    op = torch.ops.mkldnn._linear_pointwise
+    _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+    def linear(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter name
+        if (
+            input.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and input.device.type == "cpu"
+            and type(weight) in _PLAIN_TENSORS  # not a quantized or distributed subclass
+            and weight.layout == torch.strided
+            and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
+        ):
+            return op(input, weight, bias, "none", [], "")
+        return stock(input, weight, bias)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = stock
