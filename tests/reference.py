@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 
-def generate_alone(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+def generate_alone(model, prompt_ids: list[int], new_tokens: int, *, device=None) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
             do_sample=False,
             max_new_tokens=new_tokens,
         )
