@@ -19,6 +19,7 @@ routing off.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import cache
@@ -67,7 +68,7 @@ def _onednn_linear_works() -> bool:
     x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (48, 64), (48,)))
     try:
         got = op(x, w, b, "none", [], "")
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError):
         return False
     want = F.linear(x, w, b)
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
@@ -78,29 +79,49 @@ def onednn_linear() -> Iterator[None]:
     """While inside: float32 CPU `F.linear` without autograd runs on oneDNN.
 
     `nn.Linear.forward` looks `F.linear` up on every call, so replacing the module attribute
-    reaches every linear layer of a transformers model without touching the model.
+    reaches every linear layer of a transformers model without touching the model. Contexts may
+    nest and overlap across threads: the first to enter installs the routing, the last to leave
+    restores torch's own function.
     """
-    import torch
     import torch.nn.functional as F
 
-    stock = F.linear
-    op = torch.ops.mkldnn._linear_pointwise
-    _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-    def linear(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter name
-        if (
-            input.dtype == torch.float32
-            and weight.dtype == torch.float32
-            and input.device.type == "cpu"
-            and type(weight) in _PLAIN_TENSORS  # not a quantized or distributed subclass
-            and weight.layout == torch.strided
-            and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
-        ):
-            return op(input, weight, bias, "none", [], "")
-        return stock(input, weight, bias)
-
-    F.linear = linear
+    global _depth, _stock_linear
+    with _routing_lock:
+        if _depth == 0:
+            _stock_linear = F.linear
+            F.linear = _routed_linear
+        _depth += 1
     try:
         yield
     finally:
-        F.linear = stock
+        with _routing_lock:
+            _depth -= 1
+            if _depth == 0:
+                F.linear = _stock_linear
+
+
+_routing_lock = threading.Lock()
+_depth = 0
+_stock_linear = None
+
+
+def _routed_linear(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter name
+    import torch
+
+    if _plain_float32_cpu(input) and _plain_float32_cpu(weight) and (bias is None or _plain_float32_cpu(bias)) and not (
+        torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    ):
+        return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+    return _stock_linear(input, weight, bias)
+
+
+def _plain_float32_cpu(tensor) -> bool:
+    """A dense float32 CPU tensor, not a quantized or distributed subclass."""
+    import torch
+
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.dtype == torch.float32
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+    )

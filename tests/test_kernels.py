@@ -46,6 +46,29 @@ def test_the_routing_ends_with_its_context_even_after_an_error():
     assert ONEDNN_OP not in ops_run(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)))
 
 
+def test_nested_and_overlapping_contexts_restore_torchs_linear_once_all_have_left():
+    import threading
+
+    stock = F.linear
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with onednn_linear():
+            inside.set()
+            leave.wait(5)
+
+    worker = threading.Thread(target=other_thread)
+    with onednn_linear():
+        worker.start()
+        inside.wait(5)
+        with onednn_linear():
+            assert F.linear is not stock
+    assert F.linear is not stock  # the other thread is still inside
+    leave.set()
+    worker.join(5)
+    assert F.linear is stock
+
+
 def test_autograd_and_other_dtypes_keep_torchs_own_linear():
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(4, 8)
