@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import cache as kv
 from mdcli.forest import Forest, layout_chains, pad_rows
-from mdcli.kernels import cpu_linear_context
+from mdcli.kernels import cpu_kernels
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +106,7 @@ class Engine:
         if self.sliding_window is not None and not linear:
             windowed = self._additive(allowed & self._inside_window(positions))
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
-        with torch.inference_mode(), kv.native_gqa_attention(), cpu_linear_context(self.device, self.dtype):
+        with torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype):
             output = self.model(
                 input_ids=tokens[None, :],
                 position_ids=positions[None, :],

@@ -1,56 +1,65 @@
-"""CPU matrix kernels for mdcli's own forwards.
+"""CPU kernels for mdcli's own float32 forwards: linears and masked attention on oneDNN.
 
 torch sends float32 `nn.Linear` on CPU to MKL's sgemm. On AMD processors MKL runs an AVX2 path,
 while oneDNN (also inside every x86 torch wheel) picks its kernels from the CPU's features and uses
 AVX-512 where it exists. Measured on one AMD EPYC (Zen 5) core with the embedded model's 211
-weight matrices, one step of M new tokens (see BENCHMARKS.md):
+weight matrices, one forward of M new tokens (BENCHMARKS.md):
 
     M tokens      1       8      16     512 (prefill)
     MKL        20.4    41.2    57.5    1072 ms
     oneDNN     13.8    25.2    32.4     513 ms
 
-`onednn_linear()` routes float32 CPU linears through oneDNN while mdcli runs the model. The results
-differ from MKL's only by float32 rounding (relative 1e-6, the order of any change of summation
-order); the exactness tests compare against plain `generate` run the stock way. Anything else (GPU,
-bf16, quantized weights, autograd) keeps torch's own path, and `MDCLI_CPU_LINEAR=torch` turns the
-routing off.
+A forest's decode step is several queries attending through an explicit mask. sdpa's CPU flash
+kernel computes that at about 65 GFLOP/s; two oneDNN products per key/value head (scores =
+queries x keys, then probabilities x values), with the query heads that share a key/value head
+stacked into one matrix, are 1.4x faster over 1,700 cached tokens and 1.8x over 4,700 (8 queries,
+per layer: 412 -> 292 us and 1092 -> 602 us).
+
+`cpu_kernels(device, dtype)` installs both while mdcli runs the model, and only for plain float32
+CPU tensors without autograd; everything else (GPU, bf16, quantized weights, a single query, an
+unmasked causal prefill, attention with extras such as soft-capping or sinks) keeps transformers'
+and torch's own path. The results differ from the stock kernels' only by float32 rounding
+(relative 1e-6, what any change of summation order gives); the exactness tests compare with plain
+`generate` run the stock way, and run the engine both ways. `MDCLI_CPU_KERNELS=torch` turns it off.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_CPU_LINEAR"
+OPT_OUT = "MDCLI_CPU_KERNELS"
+MAX_GEMM_ATTENTION_QUERIES = 256  # above this (a long masked prefill), sdpa's tiled kernel uses less memory
 
 
-def cpu_linear_context(device: torch.device, dtype: torch.dtype):
-    """The context mdcli's forwards run in: oneDNN linears on float32 CPU, else nothing."""
-    import torch
-
-    if device.type != "cpu" or dtype != torch.float32 or not onednn_linear_available():
+def cpu_kernels(device: torch.device, dtype: torch.dtype):
+    """The context mdcli's forwards run in: oneDNN linears and attention on float32 CPU, else nothing."""
+    if kernel_name(device, dtype) == "torch":
         return nullcontext()
-    return onednn_linear()
+    stack = ExitStack()
+    stack.enter_context(onednn_linear())
+    stack.enter_context(onednn_attention())
+    return stack
 
 
-def linear_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
-    """What mdcli's forwards use for linears here, for reports: "oneDNN" or "torch"."""
+def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """What mdcli's forwards use here, for reports: "oneDNN" or "torch"."""
     import torch
 
-    routed = device.type == "cpu" and dtype == torch.float32 and onednn_linear_available()
+    routed = device.type == "cpu" and dtype == torch.float32 and onednn_available()
     return "oneDNN" if routed else "torch"
 
 
-def onednn_linear_available() -> bool:
+def onednn_available() -> bool:
     """True when routing is wanted (no opt-out) and oneDNN's linear works and agrees with torch's."""
-    if os.environ.get(OPT_OUT, "").strip().lower() in {"torch", "mkl", "default", "off", "0"}:
+    if os.environ.get(OPT_OUT, "").strip().lower() in {"torch", "stock", "default", "off", "0"}:
         return False
     return _onednn_linear_works()
 
@@ -68,51 +77,91 @@ def _onednn_linear_works() -> bool:
     x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (48, 64), (48,)))
     try:
         got = op(x, w, b, "none", [], "")
+        transposed = op(x, w.t().contiguous().t(), None, "none", [], "")  # a weight given as a strided view
     except (RuntimeError, NotImplementedError):
         return False
-    want = F.linear(x, w, b)
-    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+    return all(
+        bool(torch.allclose(a, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)) for a, bias in ((got, b), (transposed, None))
+    )
 
 
-@contextmanager
-def onednn_linear() -> Iterator[None]:
+# -- swapping a function in while any context is open -------------------------------------------
+
+
+class _Swap:
+    """Puts `replacement` in place while at least one context is open, in any thread; the first
+    context to open installs it and the last to close restores what was there."""
+
+    def __init__(self, install: Callable[[], object], restore: Callable[[object], None]) -> None:
+        self._install, self._restore = install, restore
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: object = None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = self._install()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._restore(self._saved)
+
+
+# -- linears -------------------------------------------------------------------------------------
+
+
+def onednn_linear():
     """While inside: float32 CPU `F.linear` without autograd runs on oneDNN.
 
     `nn.Linear.forward` looks `F.linear` up on every call, so replacing the module attribute
-    reaches every linear layer of a transformers model without touching the model. Contexts may
-    nest and overlap across threads: the first to enter installs the routing, the last to leave
-    restores torch's own function.
+    reaches every linear layer of a transformers model without touching the model.
     """
+    return _LINEAR_SWAP.active()
+
+
+def _install_linear() -> Callable:
     import torch.nn.functional as F
 
-    global _depth, _stock_linear
-    with _routing_lock:
-        if _depth == 0:
-            _stock_linear = F.linear
-            F.linear = _routed_linear
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _routing_lock:
-            _depth -= 1
-            if _depth == 0:
-                F.linear = _stock_linear
+    global _stock_linear
+    _stock_linear = F.linear
+    F.linear = _routed_linear
+    return _stock_linear
 
 
-_routing_lock = threading.Lock()
-_depth = 0
-_stock_linear = None
+def _restore_linear(stock) -> None:
+    import torch.nn.functional as F
+
+    F.linear = stock
+
+
+_LINEAR_SWAP = _Swap(_install_linear, _restore_linear)
+_stock_linear: Callable | None = None
 
 
 def _routed_linear(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter name
     import torch
 
-    if _plain_float32_cpu(input) and _plain_float32_cpu(weight) and (bias is None or _plain_float32_cpu(bias)) and not (
-        torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    if (
+        _plain_float32_cpu(input)
+        and _plain_float32_cpu(weight)
+        and (bias is None or _plain_float32_cpu(bias))
+        and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
     ):
-        return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+        return _onednn_matmul_t(input, weight, bias)
     return _stock_linear(input, weight, bias)
+
+
+def _onednn_matmul_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) on oneDNN. x: [..., K], w: [N, K] (any strides) -> [..., N]."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
 def _plain_float32_cpu(tensor) -> bool:
@@ -125,3 +174,89 @@ def _plain_float32_cpu(tensor) -> bool:
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
     )
+
+
+# -- masked attention ----------------------------------------------------------------------------
+
+
+def onednn_attention():
+    """While inside: transformers' "sdpa" attention runs masked multi-query float32 CPU attention
+    as oneDNN products (`_gemm_attention`) and hands every other call to the stock function."""
+    return _ATTENTION_SWAP.active()
+
+
+def _install_attention() -> tuple[bool, Callable | None]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    global _stock_sdpa
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping  # the instance every model looks "sdpa" up in
+    saved = ("sdpa" in local, local.get("sdpa"))
+    _stock_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _routed_attention
+    return saved
+
+
+def _restore_attention(saved: tuple[bool, Callable | None]) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    had_local, function = saved
+    if had_local:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = function
+    else:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+_ATTENTION_SWAP = _Swap(_install_attention, _restore_attention)
+_stock_sdpa: Callable | None = None
+# keyword arguments that change what attention computes: any of them set means the stock path
+_ATTENTION_EXTRAS = ("softcap", "s_aux", "sinks", "position_bias", "cache", "output_attentions")
+
+
+def _routed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    if _gemm_attention_applies(query, key, value, attention_mask, dropout, kwargs):
+        return _gemm_attention(query, key, value, attention_mask, scaling), None
+    return _stock_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                       is_causal=is_causal, **kwargs)
+
+
+def _gemm_attention_applies(query, key, value, mask, dropout, extras: dict) -> bool:
+    import torch
+
+    if mask is None or dropout or any(extras.get(name) for name in _ATTENTION_EXTRAS):
+        return False
+    if not all(_plain_float32_cpu(t) for t in (query, key, value, mask)) or torch.is_grad_enabled():
+        return False
+    batch, heads, queries, _ = query.shape
+    return (
+        batch == 1
+        and key.shape[0] == value.shape[0] == 1
+        and 2 <= queries <= MAX_GEMM_ATTENTION_QUERIES
+        and heads % key.shape[1] == 0
+        and key.shape[1] == value.shape[1]
+        and mask.shape == (1, 1, queries, key.shape[2])
+    )
+
+
+def _gemm_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, one key/value head at a time.
+
+    query: [1, H, M, D]; key: [1, G, N, D]; value: [1, G, N, Dv]; mask: [1, 1, M, N] additive.
+    Query head h reads key/value head h // (H / G), as transformers' `repeat_kv` pairs them, so the
+    H / G query heads of a group are stacked into one [H/G * M, D] matrix against that group's keys.
+    Returns [1, M, H, Dv], the layout transformers' attention functions return.
+    """
+    import torch
+
+    _, heads, queries, dim = query.shape
+    groups, dim_v = key.shape[1], value.shape[-1]
+    per_group = heads // groups
+    scale = dim**-0.5 if scaling is None else scaling
+    stacked = query[0].reshape(groups, per_group * queries, dim)  # [G, H/G * M, D]
+    rows = mask[0, 0].repeat(per_group, 1) if per_group > 1 else mask[0, 0]  # [H/G * M, N]
+    out = query.new_empty(groups, per_group * queries, dim_v)  # [G, H/G * M, Dv]
+    for g in range(groups):
+        scores = _onednn_matmul_t(stacked[g], key[0, g])  # [H/G * M, N]
+        scores.mul_(scale).add_(rows)
+        probabilities = torch.softmax(scores, dim=-1)
+        out[g] = _onednn_matmul_t(probabilities, value[0, g].t())  # [H/G * M, Dv]
+    return out.reshape(heads, queries, dim_v).transpose(0, 1).unsqueeze(0).contiguous()  # [1, M, H, Dv]

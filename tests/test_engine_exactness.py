@@ -98,11 +98,11 @@ def greedy_forest(engine: Engine, prompts: list[list[int]], steps: int, *, drop_
     return generated
 
 
-@pytest.mark.parametrize("cpu_linear", ["onednn", "torch"])  # mdcli's default, and the opt-out
+@pytest.mark.parametrize("cpu_kernels", ["onednn", "torch"])  # mdcli's default, and the opt-out
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_branch_matches_its_sequence_run_alone_step_by_step(arch, attn, cpu_linear, monkeypatch):
-    monkeypatch.setenv("MDCLI_CPU_LINEAR", cpu_linear)
+def test_every_branch_matches_its_sequence_run_alone_step_by_step(arch, attn, cpu_kernels, monkeypatch):
+    monkeypatch.setenv("MDCLI_CPU_KERNELS", cpu_kernels)
     model = tiny_model(arch, attn)
     prompts = random_prompts(37, [3, 9, 1, 5])
     engine = engine_for(model, max_forward_tokens=16)  # forces a chunked prefill too

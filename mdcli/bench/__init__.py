@@ -31,18 +31,18 @@ def baseline_kernels(lm: LoadedModel, choice: str):
     """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
     from contextlib import nullcontext
 
-    from mdcli.kernels import cpu_linear_context
+    from mdcli.kernels import cpu_kernels
 
-    return cpu_linear_context(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
+    return cpu_kernels(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
 
 
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
-    from mdcli.kernels import linear_kernel_name
+    from mdcli.kernels import kernel_name
 
-    mine = linear_kernel_name(lm.device, lm.dtype)
+    mine = kernel_name(lm.device, lm.dtype)
     theirs = mine if choice == "mdcli" else "torch"
-    return f"linear kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
+    return f"CPU kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
 
 
 def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> LoadedModel:

@@ -18,7 +18,7 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
     import torch
     import transformers
 
-    from mdcli.kernels import linear_kernel_name
+    from mdcli.kernels import kernel_name
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {
@@ -29,7 +29,7 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "mdcli_linear_kernels": linear_kernel_name(device or torch.device("cpu"), dtype or torch.float32),
+        "mdcli_kernels": kernel_name(device or torch.device("cpu"), dtype or torch.float32),
     }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
