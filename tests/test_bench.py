@@ -62,3 +62,12 @@ def test_bench_rejects_an_unknown_approach_in_one_line():
     result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
     assert result.exit_code == 2
     assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy"
+
+
+def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():
+    from mdcli.bench.kernels import attention_table, linear_table
+
+    linear_row = linear_table([2], repeats=1).splitlines()[-1].split("|")
+    attention_row = attention_table([(4, 40)], repeats=1).splitlines()[-1].split("|")
+    assert linear_row[1].strip() == "2" and float(linear_row[5]) < 1e-5
+    assert attention_row[1].strip() == "4 x 40" and float(attention_row[5]) < 1e-5

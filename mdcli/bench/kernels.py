@@ -1,0 +1,116 @@
+"""Benchmark: torch's stock CPU kernels against the oneDNN ones mdcli's forwards use (mdcli.kernels).
+
+    python -m mdcli.bench.kernels            # one thread, the embedded model's shapes
+
+Linears: the embedded model's 211 weight matrices (SmolLM2-135M: 30 layers of q/k/v/o and MLP,
+plus the 49,152-row output head) with random float32 weights, one forward of M tokens, F.linear
+against oneDNN. Attention: one layer's masked attention (9 query heads over 3 key/value heads, head
+size 64, every query seeing a random 60% of the cache and itself), sdpa with native GQA (as mdcli's
+engine called it before) against the oneDNN products. Both sides compute the same values; the table shows the largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+LAYERS, VOCAB = 30, 49152
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def linear_table(token_counts: list[int], repeats: int) -> str:
+    import torch
+    import torch.nn.functional as F
+
+    from mdcli.kernels import onednn_linear
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator) for _ in range(LAYERS) for shape in SMOLLM2_LAYER]
+    weights.append(torch.randn(VOCAB, 576, generator=generator))
+    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | ratio | max relative difference |",
+             "|---:|---:|---:|---:|---:|"]
+    for m in token_counts:
+        inputs = {size: torch.randn(m, size, generator=generator) for size in (576, 1536)}
+
+        def run_all() -> list:
+            return [F.linear(inputs[w.shape[1]], w) for w in weights]
+
+        with torch.inference_mode():
+            stock = median_seconds(run_all, repeats)
+            want = run_all()
+            with onednn_linear():
+                fast = median_seconds(run_all, repeats)
+                got = run_all()
+        difference = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+        lines.append(f"| {m} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {stock / fast:.2f}x | {difference:.1e} |")
+    return "\n".join(lines)
+
+
+def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mdcli.cache import native_gqa_attention
+    from mdcli.kernels import onednn_attention
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = 3
+
+    generator = torch.Generator().manual_seed(0)
+    lines = ["| queries x cached tokens | sdpa, us | oneDNN products, us | ratio | max difference |",
+             "|---|---:|---:|---:|---:|"]
+    for queries, keys in shapes:
+        q = torch.randn(1, 9, queries, 64, generator=generator)
+        k, v = (torch.randn(1, 3, keys, 64, generator=generator) for _ in range(2))
+        allowed = torch.rand(queries, keys, generator=generator) < 0.6
+        allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
+        mask = torch.zeros(queries, keys).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        module = Module()
+        with torch.inference_mode(), native_gqa_attention():  # sdpa as mdcli's engine runs it, GQA native
+            sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            stock = median_seconds(lambda: sdpa(module, q, k, v, mask), repeats)
+            want = sdpa(module, q, k, v, mask)[0]
+            with onednn_attention():
+                routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+                fast = median_seconds(lambda: routed(module, q, k, v, mask), repeats)
+                got = routed(module, q, k, v, mask)[0]
+        lines.append(f"| {queries} x {keys:,} | {stock * 1e6:.0f} | {fast * 1e6:.0f} | {stock / fast:.2f}x | "
+                     f"{float((got - want).abs().max()):.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from mdcli.bench.margins import machine
+    from mdcli.kernels import onednn_available
+
+    torch.set_num_threads(args.threads)
+    if not onednn_available():
+        raise SystemExit("oneDNN kernels are unavailable or turned off (MDCLI_CPU_KERNELS) on this machine")
+    print(f"machine: {machine()}; median of {args.repeats}\n")
+    print("Linears, the embedded model's 211 weight matrices, one forward of M tokens:\n")
+    print(linear_table([1, 8, 16, 512], args.repeats))
+    print("\nMasked attention, one layer (9 query heads, 3 key/value heads, head size 64):\n")
+    print(attention_table([(8, 1724), (8, 4700), (2, 1724), (1, 1724)], args.repeats * 4))
+
+
+if __name__ == "__main__":
+    main()
