@@ -71,3 +71,35 @@ def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():
     attention_row = attention_table([(4, 40)], repeats=1).splitlines()[-1].split("|")
     assert linear_row[1].strip() == "2" and float(linear_row[5]) < 1e-5
     assert attention_row[1].strip() == "4 x 40" and float(attention_row[5]) < 1e-5
+
+
+def test_bench_reports_what_a_decode_step_reads_and_its_share_of_a_given_peak(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--branches", "2", "--context", "40",
+                                      "--new-tokens", "3", "--no-warmup", "--quiet", "--approaches", "forest,sequential",
+                                      "--peak-bandwidth", "100", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    forest, sequential = json.loads(out.read_text())["results"]
+    assert forest["step_read_gbps"] > 0
+    assert forest["step_bandwidth_fraction"] == round(forest["step_read_gbps"] / 100, 3)
+    assert sequential["step_read_gbps"] is None
+
+
+def test_weight_bytes_count_a_tied_embedding_once(embedded):
+    from mdcli.bench.ask import weight_bytes
+
+    model = embedded.model  # SmolLM2 ties its output head to the input table
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
+    assert weight_bytes(model) == sum(unique.values())
+
+
+def test_weight_bytes_skip_an_untied_input_table():
+    from mdcli.bench.ask import weight_bytes
+
+    lm = random_model("tiny")  # untied: the input table is not read whole by a step
+    model = lm.model
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.get_input_embeddings().weight
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert weight_bytes(model) == every - table.numel() * table.element_size() + buffers

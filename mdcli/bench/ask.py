@@ -60,6 +60,7 @@ class Measurement:
     kv_bytes: int
     tokens: list[list[int]] = field(repr=False)
     step_seconds: float | None = None  # decode time per step (forest only)
+    step_bytes: int | None = None  # weights + KV a decode step reads, at the mean cache length (forest only)
     matches_forest: bool | None = None
 
     @property
@@ -126,8 +127,24 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurem
             stats = event.stats
     seconds = time.perf_counter() - started
     kv = _kv_bytes_per_token(model) * stats.peak_cache_tokens
+    mean_cache_tokens = (stats.prefill_tokens + stats.peak_cache_tokens) / 2  # the cache grows linearly while decoding
+    step_bytes = weight_bytes(model.model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
     return Measurement("forest", case, seconds, kv, [tokens[i] for i in range(len(prompts))],
-                       step_seconds=stats.decode_seconds / max(1, stats.steps))
+                       step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every tensor once (tied embeddings are one matrix), but
+    not an input embedding of its own, of which a step reads one row per token."""
+    embedding = model.get_input_embeddings().weight.untyped_storage()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.untyped_storage().data_ptr() == embedding.data_ptr()
+    storages = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if tied or storage.data_ptr() != embedding.data_ptr():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # -- (b) generate per question --------------------------------------------------------------------

@@ -49,8 +49,13 @@ def combine_repeats(runs: list[list[Measurement]]) -> list[Measurement]:
     return combined
 
 
-def rows(results: list[Measurement]) -> list[dict]:
-    """One row per measurement with its ratio to the forest in the same case."""
+def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -> list[dict]:
+    """One row per measurement with its ratio to the forest in the same case.
+
+    For the forest also the memory traffic of a decode step: the bytes it must read (every weight
+    once, and the whole KV cache at its mean length) over the step time, and that as a fraction of
+    `peak_bandwidth_gbps` when the machine's peak is given: how far a step is from the
+    memory-bandwidth limit."""
     forest_time = {}
     forest_kv = {}
     for m in results:
@@ -72,6 +77,8 @@ def rows(results: list[Measurement]) -> list[dict]:
                 "forest_speedup": round(m.seconds / forest_time[key], 2) if key in forest_time else None,
                 "kv_vs_forest": round(m.kv_bytes / forest_kv[key], 2) if key in forest_time and forest_kv[key] else None,
                 "step_ms": round(m.step_seconds * 1000, 2) if m.step_seconds is not None else None,
+                "step_read_gbps": _read_gbps(m),
+                "step_bandwidth_fraction": _fraction(_read_gbps(m), peak_bandwidth_gbps),
                 "same_tokens_as_forest": m.matches_forest,
             }
         )
@@ -81,12 +88,14 @@ def rows(results: list[Measurement]) -> list[dict]:
 def markdown_table(table: list[dict]) -> str:
     header = (
         "| branches | context | new | approach | seconds | tok/s | KV MiB | forest is x faster | KV x forest "
-        "| step ms | same tokens |\n|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
+        "| step ms | step reads GB/s | of peak | same tokens |\n"
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     body = "".join(
         f"| {r['branches']} | {r['context_tokens']} | {r['new_tokens']} | {r['approach']} | {r['seconds']:.2f} "
         f"| {r['tokens_per_second']:.1f} | {r['kv_mib']:.1f} | {_num(r['forest_speedup'])} | {_num(r['kv_vs_forest'])} "
-        f"| {_num(r['step_ms'])} | {_yes(r['same_tokens_as_forest'])} |\n"
+        f"| {_num(r['step_ms'])} | {_num(r['step_read_gbps'])} | {_percent(r['step_bandwidth_fraction'])} "
+        f"| {_yes(r['same_tokens_as_forest'])} |\n"
         for r in table
     )
     return header + body
@@ -125,6 +134,20 @@ def as_json(facts: dict, table: list[dict], command: str) -> dict:
 
 def _key(m: Measurement) -> tuple:
     return tuple(asdict(m.case).values())
+
+
+def _read_gbps(m: Measurement) -> float | None:
+    if m.step_bytes is None or not m.step_seconds:
+        return None
+    return round(m.step_bytes / m.step_seconds / 1e9, 1)
+
+
+def _fraction(gbps: float | None, peak: float | None) -> float | None:
+    return None if gbps is None or not peak else round(gbps / peak, 3)
+
+
+def _percent(value) -> str:
+    return "" if value is None else f"{100 * value:.0f}%"
 
 
 def _num(value) -> str:

@@ -46,6 +46,11 @@ def bench(
     threads: Annotated[
         Optional[int], typer.Option("--threads", min=1, help="torch threads (default 1 on CPU: comparable on shared machines).")
     ] = None,
+    peak_bandwidth: Annotated[
+        Optional[float],
+        typer.Option("--peak-bandwidth", min=0.001, help="The device's peak memory bandwidth in GB/s (e.g. 3350 for "
+                     "an H100 SXM): the table then says how close a decode step comes to it."),
+    ] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per measurement; the median is reported.")] = 1,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One small untimed run first.")] = True,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
@@ -92,12 +97,13 @@ def bench(
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
         facts = machine_facts(used_threads, lm.device, lm.dtype) | {
-            "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "baseline_kernels": baseline_kernels}
+            "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "baseline_kernels": baseline_kernels,
+            "peak_bandwidth_gbps": peak_bandwidth}
         measure = functools.partial(run_case, baseline_kernels=baseline_kernels)
         if warmup:
             measure(lm, Case(2, 64, 4), chosen)
         results = _sweep(lm, cases, chosen, repeats, quiet, measure, combine_repeats)
-        table = rows(results)
+        table = rows(results, peak_bandwidth)
         command = "mdcli " + " ".join(sys.argv[1:])
         _print_table(table, facts)
         if json_path:
@@ -131,15 +137,24 @@ def _print_table(table: list[dict], facts: dict) -> None:
 
     out = Table(title=f"{facts['model']} · {facts['dtype']} · {facts['torch_threads']} thread(s) · load {facts['load_average_1m']}")
     # forest x: how many times faster the forest was than this row's approach
-    for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "same"):
+    for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "GB/s", "same"):
         out.add_column(name, justify="left" if name == "approach" else "right")
     for r in table:
         out.add_row(str(r["branches"]), str(r["context_tokens"]), str(r["new_tokens"]), r["approach"], f"{r['seconds']:.2f}",
                     f"{r['tokens_per_second']:.1f}", f"{r['kv_mib']:.1f}",
                     "" if r["forest_speedup"] is None else f"{r['forest_speedup']:.2f}",
                     "" if r["step_ms"] is None else f"{r['step_ms']:.1f}",
+                    _bandwidth_cell(r),
                     {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]])
     Console().print(out)
+
+
+def _bandwidth_cell(row: dict) -> str:
+    """What a decode step reads per second, and the share of the peak bandwidth when known."""
+    if row["step_read_gbps"] is None:
+        return ""
+    share = row["step_bandwidth_fraction"]
+    return f"{row['step_read_gbps']:.1f}" + ("" if share is None else f" ({100 * share:.0f}%)")
 
 
 def _markdown_report(facts: dict, command: str, table: str) -> str:
