@@ -91,8 +91,9 @@ def _onednn_linear_works() -> bool:
 
 
 class _Swap:
-    """Puts `replacement` in place while at least one context is open, in any thread; the first
-    context to open installs it and the last to close restores what was there."""
+    """A process-wide switch shared by every thread: the first context to open runs `install` (which
+    puts the replacement in place and returns what it replaced), the last to close runs `restore`
+    with that."""
 
     def __init__(self, install: Callable[[], object], restore: Callable[[object], None]) -> None:
         self._install, self._restore = install, restore
