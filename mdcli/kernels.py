@@ -15,9 +15,9 @@ queries x keys, then probabilities x values), with the query heads that share a 
 stacked into one matrix, are 1.4x faster over 1,700 cached tokens and 1.8x over 4,700 (8 queries,
 per layer: 412 -> 292 us and 1092 -> 602 us).
 
-`cpu_kernels(device, dtype)` installs both while mdcli runs the model (they are process-wide
-switches, `F.linear` and transformers' "sdpa" entry, so another thread's forwards during that time
-take them too), and they act only on plain float32 CPU tensors without autograd; everything else
+`cpu_kernels(device, dtype)` installs both on x86-64 (where they were measured) while mdcli runs
+the model (they are process-wide switches, `F.linear` and transformers' "sdpa" entry, so another
+thread's forwards during that time take them too), and they act only on plain float32 CPU tensors without autograd; everything else
 (GPU, bf16, quantized weights, a single query, an unmasked causal prefill, attention with extras
 such as soft-capping or sinks) keeps transformers' and torch's own path. The results differ from
 the stock kernels' only by float32 rounding (relative 1e-6, what any change of summation order
@@ -28,6 +28,7 @@ both ways. `MDCLI_CPU_KERNELS=torch` turns it off.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -60,8 +61,11 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def onednn_available() -> bool:
-    """True when routing is wanted (no opt-out) and oneDNN's linear works and agrees with torch's."""
+    """True when routing is wanted (no opt-out), measured to pay (x86-64: elsewhere torch's own
+    BLAS, e.g. Accelerate on Apple silicon, was never compared) and oneDNN agrees with torch."""
     if os.environ.get(OPT_OUT, "").strip().lower() in {"torch", "stock", "default", "off", "0"}:
+        return False
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
         return False
     return _onednn_linear_works()
 

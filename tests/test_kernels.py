@@ -165,6 +165,13 @@ def test_attention_it_does_not_cover_goes_to_the_stock_function(case):
 # -- the engine -----------------------------------------------------------------------------------
 
 
+def test_only_x86_64_machines_get_the_routing(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    assert kernel_name(torch.device("cpu"), torch.float32) == "torch"
+
+
 @pytest.mark.parametrize("setting, expected", [("", True), ("torch", False)])
 def test_engine_forwards_use_onednn_unless_opted_out(setting, expected, monkeypatch):
     monkeypatch.setenv(OPT_OUT, setting)
