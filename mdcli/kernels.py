@@ -20,10 +20,9 @@ the model (they are process-wide switches, `F.linear` and transformers' "sdpa" e
 thread's forwards during that time take them too), and they act only on plain float32 CPU tensors
 without autograd; everything else (GPU, bf16, quantized weights, a single query, an unmasked causal
 prefill, attention with extras such as soft-capping or sinks) keeps transformers' and torch's own
-path. The results differ from
-the stock kernels' only by float32 rounding (relative 1e-6, what any change of summation order
-gives); the exactness tests compare with plain `generate` run the stock way, and run the engine
-both ways. `MDCLI_CPU_KERNELS=torch` turns it off.
+path. The results differ from the stock kernels' only by float32 rounding (relative 1e-6, what any
+change of summation order gives); the exactness tests compare with plain `generate` run the stock
+way, and run the engine both ways. `MDCLI_CPU_KERNELS=torch` turns it off.
 """
 
 from __future__ import annotations
