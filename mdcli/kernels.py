@@ -215,8 +215,8 @@ def _restore_attention(saved: tuple[bool, Callable | None]) -> None:
 
 _ATTENTION_SWAP = _Swap(_install_attention, _restore_attention)
 _stock_sdpa: Callable | None = None
-# keyword arguments that change what attention computes: any of them set means the stock path
-_ATTENTION_EXTRAS = ("softcap", "s_aux", "sinks", "position_bias", "cache", "output_attentions")
+# keyword arguments that change what attention computes: any of them given means the stock path
+_ATTENTION_EXTRAS = ("softcap", "s_aux", "sinks", "position_bias", "cache")
 
 
 def _routed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -229,7 +229,9 @@ def _routed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 def _gemm_attention_applies(query, key, value, mask, dropout, extras: dict) -> bool:
     import torch
 
-    if mask is None or dropout or any(extras.get(name) for name in _ATTENTION_EXTRAS):
+    if mask is None or dropout or extras.get("output_attentions"):
+        return False
+    if any(extras.get(name) is not None for name in _ATTENTION_EXTRAS):  # may be tensors: no truth test
         return False
     if not all(_plain_float32_cpu(t) for t in (query, key, value, mask)) or torch.is_grad_enabled():
         return False

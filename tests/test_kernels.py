@@ -138,7 +138,7 @@ def test_masked_attention_on_onednn_equals_sdpa_to_float32_rounding(heads, kv_he
     assert float((got - want).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["one query", "no mask", "softcap", "autograd", "bf16"])
+@pytest.mark.parametrize("case", ["one query", "no mask", "softcap", "sinks", "autograd", "bf16"])
 def test_attention_it_does_not_cover_goes_to_the_stock_function(case):
     q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     mask, extras = forest_mask(3, 10, seed=0), {}
@@ -148,6 +148,8 @@ def test_attention_it_does_not_cover_goes_to_the_stock_function(case):
         mask = None
     elif case == "softcap":
         extras["softcap"] = 30.0
+    elif case == "sinks":  # a tensor per head, as gpt-oss passes them
+        extras["s_aux"] = torch.zeros(4)
     elif case == "bf16":
         q, k, v, mask = (t.bfloat16() for t in (q, k, v, mask))
     module = Attention(2)
