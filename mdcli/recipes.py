@@ -868,13 +868,7 @@ def compile_recipe(
             f"{recipe.source}: strategy: a {recipe.strategy} recipe has no branch list to compile",
             fix=f"run it with: mdcli run {recipe.source.removesuffix(' (built-in)').removesuffix('.yaml')}",
         )
-    try:
-        values = _variable_values(recipe, vars or {})
-        context = _context_text(recipe, input_text)
-    except _Problem as problem:
-        raise _error(recipe.source, problem.path, problem.problem, problem.fix) from None
-    if context is not None:
-        values["context"] = context
+    values, _ = _values_and_context(recipe, input_text, vars)
     base = _Settings().then(recipe.sampling)
     if isinstance(recipe, AskManyRecipe) and recipe.questions is not None:
         return _question_specs(recipe, tokenizer, values, base)
@@ -895,13 +889,7 @@ def recipe_events(
         return api.run_specs(
             model, specs, strategy=recipe.strategy, seed=resolved_seed(recipe), max_forward_tokens=max_forward_tokens
         )
-    try:
-        values = _variable_values(recipe, vars or {})
-        context = _context_text(recipe, input_text)
-    except _Problem as problem:
-        raise _error(recipe.source, problem.path, problem.problem, problem.fix) from None
-    if context is not None:
-        values["context"] = context
+    values, context = _values_and_context(recipe, input_text, vars)
     settings = _Settings().then(recipe.sampling)
     if isinstance(recipe, BeamRecipe):
         return _beam_events(recipe, model, values, context, max_forward_tokens)
@@ -965,11 +953,22 @@ def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings
 def check_run_inputs(recipe: Recipe, *, input_text: str | None = None, vars: dict[str, str] | None = None) -> None:
     """What compile_recipe checks before it needs a tokenizer: variables and the context source.
     Commands call it before loading the model, so a missing --input fails in a blink."""
+    _values_and_context(recipe, input_text, vars)
+
+
+def _values_and_context(
+    recipe: Recipe, input_text: str | None, vars: dict[str, str] | None
+) -> tuple[dict[str, str], str | None]:
+    """The recipe's variable values (with $context set when it has one) and its context text.
+    Raises RecipeError naming the field."""
     try:
-        _variable_values(recipe, vars or {})
-        _context_text(recipe, input_text)
+        values = _variable_values(recipe, vars or {})
+        context = _context_text(recipe, input_text)
     except _Problem as problem:
         raise _error(recipe.source, problem.path, problem.problem, problem.fix) from None
+    if context is not None:
+        values["context"] = context
+    return values, context
 
 
 def _variable_values(recipe: Recipe, given: dict[str, str]) -> dict[str, str]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mdcli.bench.kernels import random_forest_mask
 from mdcli.kernels import OPT_OUT, cpu_kernels, kernel_name, onednn_attention, onednn_available, onednn_linear
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 
@@ -101,12 +102,7 @@ def test_the_opt_out_and_non_float32_models_get_no_routing(monkeypatch):
 
 
 def forest_mask(queries: int, keys: int, seed: int) -> torch.Tensor:
-    """[1, 1, M, N] additive: each query sees a random subset of keys, and always the last M (itself)."""
-    generator = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(queries, keys, generator=generator) < 0.6
-    allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
-    mask = torch.zeros(queries, keys).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    return mask[None, None]
+    return random_forest_mask(queries, keys, torch.Generator().manual_seed(seed))
 
 
 class Attention(torch.nn.Module):

@@ -250,10 +250,8 @@ def _kv_bytes_per_token(model: LoadedModel) -> int:
 
 
 def _common_prefix_length(prompts: list[list[int]]) -> int:
-    first, end = prompts[0], min(len(p) for p in prompts) - 1  # leave every suffix >= 1 token
-    for other in prompts[1:]:
-        i = 0
-        while i < end and other[i] == first[i]:
-            i += 1
-        end = i
-    return end
+    """Tokens all prompts share, leaving every prompt at least one token of its own."""
+    from mdcli.decoding import common_prefix_length
+
+    shortest = min(len(p) for p in prompts) - 1
+    return min([shortest, *(common_prefix_length(prompts[0], other) for other in prompts[1:])])

@@ -15,6 +15,10 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, VOCAB = 30, 49152
@@ -28,6 +32,16 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def random_forest_mask(queries: int, keys: int, generator) -> torch.Tensor:
+    """[1, 1, M, N] additive float32 mask: each query sees a random 60% of the keys, and always the
+    last M keys (the new tokens themselves, query i key N - M + i), as a forest step's rows do."""
+    import torch
+
+    allowed = torch.rand(queries, keys, generator=generator) < 0.6
+    allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
+    return torch.zeros(queries, keys).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
 def linear_table(token_counts: list[int], repeats: int) -> str:
@@ -74,9 +88,7 @@ def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
     for queries, keys in shapes:
         q = torch.randn(1, 9, queries, 64, generator=generator)
         k, v = (torch.randn(1, 3, keys, 64, generator=generator) for _ in range(2))
-        allowed = torch.rand(queries, keys, generator=generator) < 0.6
-        allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
-        mask = torch.zeros(queries, keys).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        mask = random_forest_mask(queries, keys, generator)
         module = Module()
         with torch.inference_mode(), native_gqa_attention():  # sdpa as mdcli's engine runs it, GQA native
             sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]

@@ -169,17 +169,7 @@ def _time_generate_batch(lm, prompt: list[int], args) -> Timing:
 
     started = time.perf_counter()
     torch.manual_seed(SEED)
-    with torch.inference_mode():
-        out = lm.model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=True,
-            temperature=TEMPERATURE,
-            top_p=TOP_P,
-            num_return_sequences=args.paths,
-            min_new_tokens=args.new_tokens,
-            max_new_tokens=args.new_tokens,
-        )
+    out = _generate_sampled(lm, prompt, args, num_return_sequences=args.paths)
     seconds = time.perf_counter() - started
     return Timing(f"HF generate(num_return_sequences={args.paths})", seconds, out[:, len(prompt):].numel())
 
@@ -190,19 +180,27 @@ def _time_generate_sequential(lm, prompt: list[int], args) -> Timing:
     started = time.perf_counter()
     tokens = 0
     torch.manual_seed(SEED)
-    with torch.inference_mode():
-        for _ in range(args.paths):
-            out = lm.model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=True,
-                temperature=TEMPERATURE,
-                top_p=TOP_P,
-                min_new_tokens=args.new_tokens,
-                max_new_tokens=args.new_tokens,
-            )
-            tokens += out.shape[1] - len(prompt)
+    for _ in range(args.paths):
+        out = _generate_sampled(lm, prompt, args)
+        tokens += out.shape[1] - len(prompt)
     return Timing(f"HF generate, {args.paths} sequential calls", time.perf_counter() - started, tokens)
+
+
+def _generate_sampled(lm, prompt: list[int], args, **extra):
+    """HF `generate` with the bench's sampling settings and exactly `args.new_tokens` new tokens."""
+    import torch
+
+    with torch.inference_mode():
+        return lm.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            min_new_tokens=args.new_tokens,
+            max_new_tokens=args.new_tokens,
+            **extra,
+        )
 
 
 def _environment(lm, args, prompt_tokens: int, load_before, load_after) -> str:
