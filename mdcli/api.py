@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mdcli.decoding import BranchSpec, Decoder
 from mdcli.events import Done, Event, Start
+from mdcli.kernels import kernel_choice
 from mdcli.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ def run_specs(
 
 def start_event(model: LoadedModel, strategy: str, seed: int | None, branches) -> Start:
     return Start(
+        kernels=str(kernel_choice(model.device, model.dtype)),
         model=model.name,
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),

@@ -38,6 +38,7 @@ class Start:
     strategy: str
     seed: int | None
     branches: list[BranchInfo]
+    kernels: str = "torch"  # which CPU kernels mdcli's forwards use and why (mdcli.kernels.KernelChoice)
     type: Literal["start"] = "start"
 
 

@@ -15,14 +15,18 @@ queries x keys, then probabilities x values), with the query heads that share a 
 stacked into one matrix, are 1.4x faster over 1,700 cached tokens and 1.8x over 4,700 (8 queries,
 per layer: 412 -> 292 us and 1092 -> 602 us).
 
-`cpu_kernels(device, dtype)` installs both on x86-64 (where they were measured) while mdcli runs
-the model (they are process-wide switches, `F.linear` and transformers' "sdpa" entry, so another
-thread's forwards during that time take them too), and they act only on plain float32 CPU tensors
-without autograd; everything else (GPU, bf16, quantized weights, a single query, an unmasked causal
-prefill, attention with extras such as soft-capping or sinks) keeps transformers' and torch's own
-path. The results differ from the stock kernels' only by float32 rounding (relative 1e-6, what any
-change of summation order gives); the exactness tests compare with plain `generate` run the stock
-way, and run the engine both ways. `MDCLI_CPU_KERNELS=torch` turns it off.
+`cpu_kernels(device, dtype)` installs both where they were measured to pay: x86-64 CPUs with AVX-512
+(torch's reported CPU capability). On a Zen 3 core with AVX2 only the same routing was measured
+slower than torch's own kernels (prefill of a 1,819-token forest 9.18 s vs 8.40 s, 8-branch step
+160 vs 154 ms), so there mdcli keeps torch's. `kernel_choice` says which ran and why; reports and
+the `start` event carry it. `MDCLI_CPU_KERNELS=torch|onednn` forces either (`auto`, the default,
+decides by the CPU). They are process-wide switches (`F.linear` and transformers' "sdpa" entry),
+installed only while mdcli runs the model, so another thread's forwards during that time take them
+too; they act only on plain float32 CPU tensors without autograd; everything else (GPU, bf16,
+quantized weights, a single query, an unmasked causal prefill, attention with extras such as
+soft-capping or sinks) keeps transformers' and torch's own path. The results differ from the stock
+kernels' only by float32 rounding (relative 1e-6, what any change of summation order gives); the
+exactness tests compare with plain `generate` run the stock way, and run the engine both ways.
 """
 
 from __future__ import annotations
@@ -32,19 +36,36 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
+
+from mdcli.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_CPU_KERNELS"
+OPT_OUT = "MDCLI_CPU_KERNELS"  # auto (default) | torch | onednn
 MAX_GEMM_ATTENTION_QUERIES = 256  # above this (a long masked prefill), sdpa's tiled kernel uses less memory
+
+_FORCE_TORCH = {"torch", "stock", "default", "off", "0"}
+_FORCE_ONEDNN = {"onednn", "mkldnn", "on", "1"}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which kernels mdcli's forwards use on this device, dtype and CPU, and why."""
+
+    name: str  # "oneDNN" | "torch"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
-    """The context mdcli's forwards run in: oneDNN linears and attention on float32 CPU, else nothing."""
-    if kernel_name(device, dtype) == "torch":
+    """The context mdcli's forwards run in: oneDNN linears and attention where chosen, else nothing."""
+    if kernel_choice(device, dtype).name == "torch":
         return nullcontext()
     stack = ExitStack()
     stack.enter_context(onednn_linear())
@@ -54,19 +75,60 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype):
 
 def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     """What mdcli's forwards use here, for reports: "oneDNN" or "torch"."""
+    return kernel_choice(device, dtype).name
+
+
+def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """Route float32 CPU forwards to oneDNN only where that was measured to win (AVX-512 on x86-64),
+    unless MDCLI_CPU_KERNELS forces a side."""
     import torch
 
-    routed = device.type == "cpu" and dtype == torch.float32 and onednn_available()
-    return "oneDNN" if routed else "torch"
+    if device.type != "cpu" or dtype != torch.float32:
+        return KernelChoice("torch", "not a float32 CPU model")
+    setting = kernel_setting()
+    if setting == "torch":
+        return KernelChoice("torch", f"{OPT_OUT}=torch")
+    if not _onednn_linear_works():
+        return KernelChoice("torch", "no working oneDNN in this torch build")
+    if setting == "onednn":
+        return KernelChoice("oneDNN", f"forced by {OPT_OUT}=onednn")
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return KernelChoice("torch", "not x86-64, where oneDNN was measured")
+    capability = cpu_capability()
+    if "AVX512" not in capability:
+        return KernelChoice("torch", f"{capability} without AVX-512: oneDNN measured slower there")
+    return KernelChoice("oneDNN", "AVX-512: measured faster there")
+
+
+def kernel_setting() -> str:
+    """MDCLI_CPU_KERNELS as "auto", "torch" or "onednn"; anything else is a usage error."""
+    raw = os.environ.get(OPT_OUT, "").strip().lower()
+    if raw in {"", "auto"}:
+        return "auto"
+    if raw in _FORCE_TORCH:
+        return "torch"
+    if raw in _FORCE_ONEDNN:
+        return "onednn"
+    raise UsageError(f"{OPT_OUT}={raw!r} is not a kernel choice", fix=f"set {OPT_OUT} to auto, torch or onednn")
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
+    (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def onednn_available() -> bool:
-    """True when routing is wanted (no opt-out), measured to pay (x86-64: elsewhere torch's own
-    BLAS, e.g. Accelerate on Apple silicon, was never compared) and oneDNN agrees with torch."""
-    if os.environ.get(OPT_OUT, "").strip().lower() in {"torch", "stock", "default", "off", "0"}:
-        return False
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return False
+    """True when mdcli's float32 CPU forwards would be routed to oneDNN on this machine."""
+    import torch
+
+    return kernel_choice(torch.device("cpu"), torch.float32).name == "oneDNN"
+
+
+def onednn_works() -> bool:
+    """The oneDNN linear exists in this torch build and agrees with torch (whatever the routing)."""
     return _onednn_linear_works()
 
 

@@ -35,6 +35,8 @@ def test_bench_command_writes_json_with_machine_facts_and_ratios(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["machine"]["torch_threads"] == 1 and "load_average_1m" in report["machine"]
+    assert report["machine"]["cpu"] and report["machine"]["avx512"] in (True, False)  # every table names the host
+    assert report["machine"]["mdcli_kernels"] in ("oneDNN", "torch") and report["machine"]["mdcli_kernels_reason"]
     assert len(report["results"]) == 2 * len(APPROACHES)
     assert all(r["same_tokens_as_forest"] for r in report["results"])
     assert all(r["forest_speedup"] > 0 for r in report["results"])

@@ -98,7 +98,7 @@ def greedy_forest(engine: Engine, prompts: list[list[int]], steps: int, *, drop_
     return generated
 
 
-@pytest.mark.parametrize("cpu_kernels", ["onednn", "torch"])  # mdcli's default, and the opt-out
+@pytest.mark.parametrize("cpu_kernels", ["onednn", "torch"])  # both routings, whatever this CPU defaults to
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_branch_matches_its_sequence_run_alone_step_by_step(arch, attn, cpu_kernels, monkeypatch):

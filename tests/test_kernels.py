@@ -13,13 +13,22 @@ from torch.profiler import profile
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mdcli.bench.kernels import random_forest_mask
-from mdcli.kernels import OPT_OUT, cpu_kernels, kernel_name, onednn_attention, onednn_available, onednn_linear
+from mdcli import kernels
+from mdcli.errors import UsageError
+from mdcli.kernels import OPT_OUT, cpu_kernels, kernel_choice, kernel_name, onednn_attention, onednn_linear, onednn_works
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 FLASH_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
+pytestmark = pytest.mark.skipif(not onednn_works(), reason="this torch build has no oneDNN linear")
+
+
+@pytest.fixture(autouse=True)
+def routing_forced_on(monkeypatch):
+    """The routing's mechanics are tested on every host; whether it is chosen by default depends on
+    the CPU (AVX-512) and is tested on its own below."""
+    monkeypatch.setenv(OPT_OUT, "onednn")
 
 
 def ops_run(fn) -> set[str]:
@@ -98,6 +107,40 @@ def test_the_opt_out_and_non_float32_models_get_no_routing(monkeypatch):
         assert ONEDNN_OP not in ops_run(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)))
 
 
+@pytest.mark.parametrize("capability, machine, setting, expected", [
+    ("AVX512", "x86_64", "", "oneDNN"),  # measured faster there: the default
+    ("AVX512", "x86_64", "auto", "oneDNN"),
+    ("AVX2", "x86_64", "", "torch"),  # measured slower on an AVX2-only Zen 3: torch's own kernels
+    ("AVX2", "x86_64", "onednn", "oneDNN"),  # forced
+    ("AVX512", "x86_64", "torch", "torch"),  # opted out
+    ("AVX512", "arm64", "", "torch"),  # never measured off x86-64
+    ("DEFAULT", "x86_64", "", "torch"),
+])
+def test_routing_is_chosen_by_what_pays_on_this_cpu(capability, machine, setting, expected, monkeypatch):
+    import platform
+
+    monkeypatch.setattr(kernels, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setenv(OPT_OUT, setting)
+    choice = kernel_choice(torch.device("cpu"), torch.float32)
+    assert choice.name == expected
+    assert choice.reason  # the header and bench say why
+
+
+def test_the_reason_names_the_cpu_feature_or_the_setting(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv(OPT_OUT, "auto")
+    assert str(kernel_choice(torch.device("cpu"), torch.float32)).startswith("torch (AVX2 without AVX-512")
+    monkeypatch.setenv(OPT_OUT, "torch")
+    assert f"{OPT_OUT}=torch" in str(kernel_choice(torch.device("cpu"), torch.float32))
+
+
+def test_an_unknown_kernel_setting_is_a_usage_error_naming_the_choices(monkeypatch):
+    monkeypatch.setenv(OPT_OUT, "fastest")
+    with pytest.raises(UsageError, match="auto, torch or onednn"):
+        kernel_choice(torch.device("cpu"), torch.float32)
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 
@@ -163,15 +206,8 @@ def test_attention_it_does_not_cover_goes_to_the_stock_function(case):
 # -- the engine -----------------------------------------------------------------------------------
 
 
-def test_only_x86_64_machines_get_the_routing(monkeypatch):
-    import platform
-
-    monkeypatch.setattr(platform, "machine", lambda: "arm64")
-    assert kernel_name(torch.device("cpu"), torch.float32) == "torch"
-
-
-@pytest.mark.parametrize("setting, expected", [("", True), ("torch", False)])
-def test_engine_forwards_use_onednn_unless_opted_out(setting, expected, monkeypatch):
+@pytest.mark.parametrize("setting, expected", [("onednn", True), ("torch", False)])
+def test_engine_forwards_use_onednn_when_chosen(setting, expected, monkeypatch):
     monkeypatch.setenv(OPT_OUT, setting)
     model = tiny_model("llama", "sdpa")
     engine = engine_for(model)

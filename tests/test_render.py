@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 import json
 import re
 
@@ -29,7 +30,7 @@ from mdcli.render import (
     PlainRenderer,
     choose_renderer,
 )
-from mdcli.render.base import answer_block, interrupted_finishes, summary_line
+from mdcli.render.base import answer_block, describe_start, interrupted_finishes, summary_line
 from mdcli.render.live import MIN_PANEL_HEIGHT, plan_grid, tail_lines
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -223,6 +224,12 @@ def test_summary_line_reads_like_the_documented_example():
         summary_line(book, stats)
         == "8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens"
     )
+
+
+def test_the_header_names_the_cpu_kernels_and_why_on_cpu_only():
+    on_cpu = replace(start("q"), kernels="oneDNN (AVX-512: measured faster there)")
+    assert describe_start(on_cpu).endswith("· kernels oneDNN (AVX-512: measured faster there)")
+    assert "kernels" not in describe_start(replace(on_cpu, device="cuda:0", dtype="bfloat16"))
 
 
 def test_answer_block_has_a_heading_only_when_there_are_several_answers():

@@ -38,11 +38,12 @@ def baseline_kernels(lm: LoadedModel, choice: str):
 
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
-    from mdcli.kernels import kernel_name
+    from mdcli.hostinfo import cpu_line
+    from mdcli.kernels import kernel_choice
 
-    mine = kernel_name(lm.device, lm.dtype)
-    theirs = mine if choice == "mdcli" else "torch"
-    return f"CPU kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
+    mine = kernel_choice(lm.device, lm.dtype)
+    theirs = mine.name if choice == "mdcli" else "torch"
+    return f"CPU: {cpu_line()}; kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
 
 
 def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> LoadedModel:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import random
 import sys
 import time
@@ -230,7 +229,9 @@ def machine() -> str:
     import torch
     import transformers
 
-    return (f"{platform.processor() or platform.machine()}, nproc {os.cpu_count()}, torch {torch.__version__}, "
+    from mdcli.hostinfo import cpu_line
+
+    return (f"{cpu_line()}, nproc {os.cpu_count()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}, torch threads {torch.get_num_threads()}")
 
 

@@ -18,10 +18,14 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
     import torch
     import transformers
 
-    from mdcli.kernels import kernel_name
+    from mdcli.hostinfo import cpu_model, has_avx512
+    from mdcli.kernels import kernel_choice
 
+    kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {
+        "cpu": cpu_model(),
+        "avx512": has_avx512(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads,
         "load_average_1m": round(load[0], 2),
@@ -29,7 +33,8 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "mdcli_kernels": kernel_name(device or torch.device("cpu"), dtype or torch.float32),
+        "mdcli_kernels": kernels.name,
+        "mdcli_kernels_reason": kernels.reason,
     }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)

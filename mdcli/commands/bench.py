@@ -135,7 +135,9 @@ def _print_table(table: list[dict], facts: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(title=f"{facts['model']} · {facts['dtype']} · {facts['torch_threads']} thread(s) · load {facts['load_average_1m']}")
+    cpu = f"{facts['cpu']}, AVX-512 {'yes' if facts['avx512'] else 'no'}"
+    out = Table(title=f"{facts['model']} · {facts['dtype']} · {facts['torch_threads']} thread(s) · load "
+                      f"{facts['load_average_1m']}\n{cpu} · kernels {facts['mdcli_kernels']} ({facts['mdcli_kernels_reason']})")
     # forest x: how many times faster the forest was than this row's approach
     for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "GB/s", "same"):
         out.add_column(name, justify="left" if name == "approach" else "right")

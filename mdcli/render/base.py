@@ -164,8 +164,11 @@ def interrupted_finishes(book: BranchBook) -> list[Finish]:
 
 
 def describe_start(start: Start) -> str:
-    """The default header: what runs, where, and why in that precision."""
-    return f"{start.model} · {start.device} · {start.dtype} ({start.dtype_reason}) · {start.strategy}"
+    """The default header: what runs, where, why in that precision, and (on CPU) on which kernels."""
+    header = f"{start.model} · {start.device} · {start.dtype} ({start.dtype_reason}) · {start.strategy}"
+    if start.device.startswith("cpu"):
+        header += f" · kernels {start.kernels}"
+    return header
 
 
 def answer_block(label: str, text: str, *, headered: bool) -> str:
