@@ -98,13 +98,25 @@ def run_search(model, prompts: list[list[int]], params: BeamParams, eos: list[in
     return per_prompt, events, search
 
 
+SCORE_TOLERANCE = 1e-4  # scores are sums of float32 logprobs: a different batch or kernel moves the last bits
+
+
+def assert_same_results(ours, other) -> None:
+    """Same sequences token for token; the same scores to float32 summation order (a search run in a
+    different batch composition, or on another host's kernels, rounds differently: 4e-6 was seen
+    on an AVX2 host)."""
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in other]
+    for (_, score), (_, other_score) in zip(ours, other):
+        assert abs(score - other_score) < SCORE_TOLERANCE, (score, other_score)
+
+
 def assert_same_as_generate(ours, reference, fill: int) -> None:
     assert len(ours) == len(reference), (ours, reference)
     longest = max(len(tokens) for tokens, _ in ours)
     for (tokens, score), (row, hf_score) in zip(ours, reference):
         assert len(row) == longest  # generate crops to the longest returned sequence
         assert tokens + [fill] * (longest - len(tokens)) == row, (ours, reference)
-        assert abs(score - hf_score) < 1e-4, (score, hf_score)
+        assert abs(score - hf_score) < SCORE_TOLERANCE, (score, hf_score)
 
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -214,7 +226,7 @@ def test_several_prompts_at_once_equal_each_searched_alone(tiny):
     together, _, search = run_search(model, prompts, params, ranked[:1])
     for prompt, ours in zip(prompts, together):
         [alone], _, _ = run_search(model, [prompt], params, ranked[:1])
-        assert ours == alone
+        assert_same_results(ours, alone)
         assert_same_as_generate(ours, hf_beam(model, prompt, params, ranked[:1]), hf_fill_value(model, ranked[:1]))
     assert search.engine.forwards == 2 + search.counters.steps  # prefill: trunk, then suffixes; one per step
     assert search.counters.steps <= NEW_TOKENS - 1

@@ -158,7 +158,7 @@ def test_independent_roots_share_nothing_and_stay_exact():
     engine = engine_for(model)
     results = prefill_prompts(engine, prompts)
     for prompt, result in zip(prompts, results):
-        assert torch.allclose(result.logits, alone_logits(model, prompt), atol=1e-5)
+        assert torch.allclose(result.logits, alone_logits(model, prompt), atol=1e-4)
 
 
 def test_compaction_drops_every_slot_no_live_branch_attends_to():
@@ -192,7 +192,7 @@ def test_a_prompt_already_fully_cached_feeds_only_its_last_token():
     prefill_prompts(engine, [prompt])
     [again] = prefill_prompts(engine, [prompt])
     assert len(engine) == len(prompt) + 1
-    assert torch.allclose(again.logits, alone_logits(model, prompt), atol=1e-5)
+    assert torch.allclose(again.logits, alone_logits(model, prompt), atol=1e-4)
 
 
 def test_the_prefix_index_follows_compaction():
@@ -203,4 +203,4 @@ def test_the_prefix_index_follows_compaction():
     engine.compact(kept.row[None])
     [again] = prefill_prompts(engine, [keep + [9, 9]])
     assert len(engine) == len(keep) + 2
-    assert torch.allclose(again.logits, alone_logits(model, keep + [9, 9]), atol=1e-5)
+    assert torch.allclose(again.logits, alone_logits(model, keep + [9, 9]), atol=1e-4)
