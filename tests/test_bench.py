@@ -105,3 +105,22 @@ def test_weight_bytes_skip_an_untied_input_table():
     table = model.get_input_embeddings().weight
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert weight_bytes(model) == every - table.numel() * table.element_size() + buffers
+
+
+def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(tmp_path):
+    """Each row is a fresh process (mdcli ask-many, mdcli with one question, and the plain-transformers
+    script three ways); the report names the CPU and the branching overhead, and every approach
+    reproduced mdcli's tokens (equal work)."""
+    out = tmp_path / "whole.json"
+    result = CliRunner().invoke(app, ["bench", "--whole-process", "--branches", "2", "--context", "120",
+                                      "--new-tokens", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "AVX-512: " in result.stdout and "Branching overhead" in result.stdout
+    assert "**NO**" not in result.stdout
+    report = json.loads(out.read_text())
+    runs = {run["approach"]: run for run in report["runs"]}
+    assert list(runs) == ["mdcli, 2 questions", "mdcli, longest question alone", "sequential", "batched", "prefill-once"]
+    mdcli_tokens = runs["mdcli, 2 questions"]["token_ids"]
+    assert len(mdcli_tokens) == 2 and all(0 < len(t) <= 4 for t in mdcli_tokens)
+    for mode in ("sequential", "batched", "prefill-once"):
+        assert runs[mode]["token_ids"] == mdcli_tokens, mode

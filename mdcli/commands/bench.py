@@ -51,6 +51,13 @@ def bench(
         typer.Option("--peak-bandwidth", min=0.001, help="The device's peak memory bandwidth in GB/s (e.g. 3350 for "
                      "an H100 SXM): the table then says how close a decode step comes to it."),
     ] = None,
+    whole_process: Annotated[
+        bool,
+        typer.Option("--whole-process", help="Time complete commands instead (import, load, prefill, decode): mdcli "
+                     "ask-many against a plain-transformers script (sequential, batched, prefill-once) and against "
+                     "mdcli with the longest-answering question alone; --branches = questions (largest value), "
+                     "--context = report tokens, --new-tokens, --repeats, --json, --markdown apply."),
+    ] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per measurement; the median is reported.")] = 1,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One small untimed run first.")] = True,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
@@ -67,6 +74,9 @@ def bench(
     same number of greedy tokens; the table says whether each produced the forest's tokens.
     """
     with errors(debug):
+        if whole_process:
+            _whole_process(branches, context, new_tokens, repeats, json_path, markdown_path)
+            return
         import torch
 
         from mdcli.bench import random_model as make_random
@@ -112,6 +122,16 @@ def bench(
             plot(table, str(plot_path))
         if markdown_path:
             markdown_path.write_text(_markdown_report(facts, command, markdown_table(table)))
+
+
+def _whole_process(branches: str, context: str, new_tokens: str, repeats: int, json_path, markdown_path) -> None:
+    from mdcli.bench.whole_process import run as run_whole_process
+
+    report = run_whole_process(report_tokens=_ints(context, "--context")[0], questions=max(_ints(branches, "--branches")),
+                               new_tokens=_ints(new_tokens, "--new-tokens")[0], repeats=repeats, json_path=json_path)
+    if markdown_path:
+        markdown_path.write_text(f"Command: `mdcli {' '.join(sys.argv[1:])}`\n\n{report}")
+    print(report)
 
 
 def _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats):

@@ -1,0 +1,184 @@
+"""Whole processes, as a user runs them: import, load, prefill, decode, print.
+
+`mdcli bench --whole-process` (or ``python -m mdcli.bench.whole_process``) times complete commands
+on one report and N questions, each in a fresh process with one thread:
+
+  mdcli           ``mdcli ask-many REPORT -q ... -n N --jsonl``
+  mdcli, 1 q      the same with only the question whose answer was longest: the branching overhead
+                  (N questions / that one question, whole process) is what asking more costs
+  sequential      a plain-transformers script, generate() once per question
+  batched         the same script, one generate() over the left-padded prompts
+  prefill-once    the same script, the shared prefix prefilled once and deep-copied per question
+
+(the script is mdcli/bench/plain_transformers.py, run as a file so its process imports only torch and
+transformers). Every approach must produce mdcli's tokens; the table says whether it did. The
+model-loaded benchmarks (`mdcli bench`) leave out import and load time; this one does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+from mdcli.bench.ask import QUESTIONS
+from mdcli.hostinfo import cpu_line
+
+PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
+PLAIN_MODES = ("sequential", "batched", "prefill-once")
+
+
+@dataclass
+class ProcessRun:
+    approach: str
+    seconds: list[float] = field(default_factory=list)  # wall clock of the whole process, per repeat
+    token_ids: list[list[int]] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # what the process reported of itself (last repeat)
+
+    @property
+    def median(self) -> float:
+        return median(self.seconds)
+
+
+def one_thread_env() -> dict[str, str]:
+    """The environment every timed process gets: one thread, no network, no colour."""
+    return os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+                         "TOKENIZERS_PARALLELISM": "false"}
+
+
+def timed(command: list[str]) -> tuple[float, str]:
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=one_thread_env(), check=False)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return seconds, done.stdout
+
+
+def mdcli_command(report: Path, questions: list[str], new_tokens: int) -> list[str]:
+    asks = [part for q in questions for part in ("-q", q)]
+    return [sys.executable, "-m", "mdcli", "ask-many", str(report), *asks, "-n", str(new_tokens), "--jsonl"]
+
+
+def run_mdcli(name: str, report: Path, questions: list[str], new_tokens: int, repeats: int) -> ProcessRun:
+    run = ProcessRun(name)
+    for _ in range(repeats):
+        seconds, stdout = timed(mdcli_command(report, questions, new_tokens))
+        run.seconds.append(seconds)
+        events = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+        finishes = {e["label"]: e["token_ids"] for e in events if e["type"] == "finish"}
+        run.token_ids = [finishes[q] for q in questions]
+        stats = events[-1]["stats"]
+        run.phases = {"prefill": stats["prefill_seconds"], "decode": stats["decode_seconds"],
+                      "steps": stats["steps"], "step_ms": round(1000 * stats["decode_seconds"] / max(1, stats["steps"]), 1)}
+    return run
+
+
+def run_plain(mode: str, model_dir: Path, report: Path, questions_file: Path, new_tokens: int,
+              repeats: int) -> ProcessRun:
+    run = ProcessRun(mode)
+    command = [sys.executable, str(PLAIN_SCRIPT), str(model_dir), str(report), str(questions_file), "--mode", mode,
+               "--max-new-tokens", str(new_tokens)]
+    for _ in range(repeats):
+        seconds, stdout = timed(command)
+        run.seconds.append(seconds)
+        result = json.loads(stdout.strip().splitlines()[-1])
+        run.token_ids = result["token_ids"]
+        run.phases = {k.removesuffix("_seconds"): v for k, v in result.items() if k.endswith("_seconds")}
+    return run
+
+
+def report_text(tokenizer, tokens: int) -> str:
+    from mdcli.bench.margins import bench_document
+
+    return bench_document(tokenizer, tokens)
+
+
+def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: int, workdir: Path,
+            approaches: tuple[str, ...] = PLAIN_MODES) -> list[ProcessRun]:
+    """Every approach in turn, mdcli first (its answers pick the longest question)."""
+    from transformers import AutoTokenizer
+
+    from mdcli.embedded import embedded_model_dir
+
+    model_dir = embedded_model_dir()  # converted once, outside the timings
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    report = workdir / "report.txt"
+    report.write_text(report_text(tokenizer, report_tokens))
+    questions_file = workdir / "questions.txt"
+    questions_file.write_text("\n".join(questions) + "\n")
+
+    runs = [run_mdcli(f"mdcli, {len(questions)} questions", report, questions, new_tokens, repeats)]
+    longest = max(range(len(questions)), key=lambda i: len(runs[0].token_ids[i]))
+    alone = run_mdcli("mdcli, longest question alone", report, [questions[longest]], new_tokens, repeats)
+    alone.phases["question"] = questions[longest]
+    runs.append(alone)
+    runs.extend(run_plain(mode, model_dir, report, questions_file, new_tokens, repeats) for mode in approaches)
+    return runs
+
+
+def markdown(runs: list[ProcessRun], questions: int, new_tokens: int, report_tokens: int, repeats: int) -> str:
+    mdcli = runs[0]
+    alone = runs[1]
+    lines = [
+        f"CPU: {cpu_line()}; one thread per process; {report_tokens:,}-token report, {questions} questions, "
+        f"up to {new_tokens} greedy tokens each; median of {repeats} whole process(es) per row.",
+        "",
+        "| approach | seconds | mdcli is x faster | same tokens as mdcli | phases (s) |",
+        "|---|---:|---:|---|---|",
+    ]
+    for run in runs:
+        same = "yes" if run is alone or run.token_ids == mdcli.token_ids else "**NO**"
+        if run is alone:
+            longest = mdcli.token_ids[[len(t) for t in mdcli.token_ids].index(max(len(t) for t in mdcli.token_ids))]
+            same = "yes" if run.token_ids == [longest] else "**NO**"
+        phases = ", ".join(f"{k} {v}" for k, v in run.phases.items() if k != "question")
+        lines.append(f"| {run.approach} | {run.median:.1f} | {run.median / mdcli.median:.2f} | {same} | {phases} |")
+    lines += ["", f"Branching overhead (whole process, {questions} questions / the longest-answering one alone, "
+                  f"\"{alone.phases['question']}\"): **{mdcli.median / alone.median:.2f}x**"]
+    return "\n".join(lines) + "\n"
+
+
+def run(report_tokens: int, questions: int, new_tokens: int, repeats: int, approaches: tuple[str, ...] = PLAIN_MODES,
+        json_path: Path | None = None) -> str:
+    """Measure and return the Markdown report (also written as JSON to `json_path`)."""
+    from mdcli.errors import UsageError
+
+    unknown = [a for a in approaches if a not in PLAIN_MODES]
+    if unknown:
+        raise UsageError(f"unknown whole-process approach {unknown[0]!r}", fix=f"choose from {', '.join(PLAIN_MODES)}")
+    if not 1 <= questions <= len(QUESTIONS):
+        raise UsageError(f"the whole-process benchmark asks 1 to {len(QUESTIONS)} questions, not {questions}",
+                         fix=f"e.g. --branches {len(QUESTIONS)}")
+    chosen = QUESTIONS[:questions]
+    with tempfile.TemporaryDirectory() as folder:
+        runs = measure(report_tokens, chosen, new_tokens, repeats, Path(folder), approaches)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"cpu": cpu_line(), "report_tokens": report_tokens, "new_tokens": new_tokens,
+                                         "runs": [vars(r) for r in runs]}, indent=2) + "\n")
+    return markdown(runs, questions, new_tokens, report_tokens, repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.whole_process", description=__doc__.splitlines()[0])
+    parser.add_argument("--report-tokens", type=int, default=1700)
+    parser.add_argument("--questions", type=int, default=8, help=f"how many of the {len(QUESTIONS)} built-in questions")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--approaches", default=",".join(PLAIN_MODES), help="plain-transformers modes to run")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    approaches = tuple(a for a in args.approaches.split(",") if a)
+    print(run(args.report_tokens, args.questions, args.new_tokens, args.repeats, approaches, args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
