@@ -106,12 +106,15 @@ class TerminalStatus:
         self._progress: RunProgress | None = None
         self._lock = threading.RLock()  # the refresh thread reads what show() was given
         self._live: Live | None = None
+        self._drawn_prefill: Progress | None = None
         self._stopped = False
 
     def show(self, progress: RunProgress) -> None:
         with self._lock:
             self._progress = progress
-        if self._live is None and not self._stopped and progress.line() is not None:
+        if self._stopped or progress.line() is None:
+            return
+        if self._live is None:
             self._live = Live(
                 console=self._console,
                 get_renderable=self._frame,
@@ -120,13 +123,17 @@ class TerminalStatus:
                 redirect_stdout=False,
                 redirect_stderr=False,
             )
-            self._live.start(refresh=True)
+            self._live.start()
+        if progress.prefill is not self._drawn_prefill:  # a forward ended: show it now, not at the next tick
+            self._drawn_prefill = progress.prefill
+            self._live.refresh()
 
     def clear(self) -> None:
         """Erase the line; the next `show` draws it again."""
         if self._live is not None:
             self._live.stop()
             self._live = None
+            self._drawn_prefill = None
 
     def stop(self) -> None:
         self.clear()
