@@ -184,9 +184,9 @@ def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: b
             renderer.handle(event)
     except KeyboardInterrupt:
         renderer.interrupted()
-        renderer.close()
         raise
-    renderer.close()
+    finally:  # also on an error mid-run: a status line or live display must not outlive it
+        renderer.close()
 
 
 class errors:
