@@ -57,11 +57,16 @@ class RunProgress:
         elif isinstance(event, (Finish, Prune)):
             self.settled += 1
 
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to say (cheaper than building the line, for every Token)."""
+        return self.prefill is not None or self.tokens > 0
+
     def line(self) -> str | None:
         """E.g. ``prefill 1,024 / 1,819 tokens`` or ``decode: 3 of 8 branches finished, 412
         tokens``; None before there is anything to say."""
-        if self.prefill is not None:
-            p = self.prefill
+        p = self.prefill  # read once: a status thread may call this while apply() runs
+        if p is not None:
             return f"{p.phase} {p.done:,} / {p.total:,} {p.unit}"
         if self.tokens == 0:
             return None
@@ -69,15 +74,16 @@ class RunProgress:
 
     def renderable(self) -> RenderableType | None:
         """The line for a terminal: a spinner, and a bar while a prefill runs."""
+        p = self.prefill  # read once, as in line()
         line = self.line()
         if line is None:
             return None
         row = Table.grid(padding=(0, 1))
         cells: list[RenderableType] = [Spinner("dots", style="cyan")]
-        if self.prefill is not None:
-            cells.append(Text(self.prefill.phase))
-            cells.append(ProgressBar(total=self.prefill.total, completed=self.prefill.done, width=BAR_WIDTH))
-            cells.append(Text(f"{self.prefill.done:,} / {self.prefill.total:,} {self.prefill.unit}", style="dim"))
+        if p is not None:
+            cells.append(Text(p.phase))
+            cells.append(ProgressBar(total=p.total, completed=p.done, width=BAR_WIDTH))
+            cells.append(Text(f"{p.done:,} / {p.total:,} {p.unit}", style="dim"))
         else:
             cells.append(Text(line, style="dim"))
         for _ in cells:
@@ -112,7 +118,7 @@ class TerminalStatus:
     def show(self, progress: RunProgress) -> None:
         with self._lock:
             self._progress = progress
-        if self._stopped or progress.line() is None:
+        if self._stopped or not progress.active:
             return
         if self._live is None:
             self._live = Live(
