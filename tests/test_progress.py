@@ -122,7 +122,7 @@ def test_choose_renderer_draws_the_status_only_where_it_cannot_break_stdout():
             mode, stdout=stdout, stderr=TerminalStringIO(), quiet=False, no_color=True, progress=False
         )
         renderer.close()
-        return renderer._progress
+        return renderer._progress.display
 
     assert isinstance(status_of("plain", io.StringIO()), TerminalStatus)
     assert isinstance(status_of("jsonl", io.StringIO()), TerminalStatus)

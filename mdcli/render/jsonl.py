@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from mdcli.events import Done, Event, Progress, event_to_dict
 from mdcli.render.base import BranchBook, interrupted_finishes
-from mdcli.render.progress import ProgressDisplay, RunProgress
+from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 
 class JsonlRenderer:
@@ -23,12 +23,11 @@ class JsonlRenderer:
         self._stdout = stdout
         self._book = BranchBook()
         self._ended = False
-        self._progress = progress
-        self._run_progress = RunProgress()
+        self._progress = ProgressFeed(progress)
 
     def handle(self, event: Event) -> None:
         self._book.apply(event)
-        self._show_progress(event)
+        self._progress.handle(event)
         if isinstance(event, Progress):
             return
         self._write(event_to_dict(event))
@@ -46,17 +45,7 @@ class JsonlRenderer:
 
     def close(self) -> None:
         """Erase the progress line, if any: every line is already flushed."""
-        if self._progress is not None:
-            self._progress.stop()
-
-    def _show_progress(self, event: Event) -> None:
-        if self._progress is None:
-            return
-        self._run_progress.apply(event)
-        if isinstance(event, Done):
-            self._progress.stop()
-        else:
-            self._progress.show(self._run_progress)
+        self._progress.stop()
 
     def _write(self, record: dict[str, Any]) -> None:
         self._stdout.write(json.dumps(record, ensure_ascii=False) + "\n")

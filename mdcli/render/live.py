@@ -32,7 +32,7 @@ from mdcli.render.base import (
     interrupted_finishes,
     summary_line,
 )
-from mdcli.render.progress import ProgressDisplay, RunProgress
+from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 REFRESH_PER_SECOND = 12
 MIN_PANEL_WIDTH = 36
@@ -133,8 +133,7 @@ class LiveRenderer:
         self._quiet = quiet
         self._book = BranchBook()
         self._notes: list[Note] = []
-        self._progress = progress
-        self._run_progress = RunProgress()
+        self._progress = ProgressFeed(progress)  # its state also feeds the frame's progress line
         self._lock = threading.RLock()  # the refresh thread reads what handle() writes
         self._final = False
         self._live = Live(
@@ -149,7 +148,8 @@ class LiveRenderer:
     def handle(self, event: Event) -> None:
         with self._lock:
             self._book.apply(event)
-            self._run_progress.apply(event)
+            if not self._final:
+                self._progress.handle(event)  # (a display here is only ThrottledLines: no thread)
             if isinstance(event, Start) and self._header is None:
                 self._header = describe_start(event)
             if isinstance(event, Note):
@@ -162,8 +162,6 @@ class LiveRenderer:
             self._end_run(event)
         elif isinstance(event, (Fork, Prune, Finish, Note)):
             self.refresh()
-        if self._progress is not None and not self._final:
-            self._progress.show(self._run_progress)
 
     def interrupted(self) -> None:
         """Stop the display, print the partial answers in full, and say they were cut short."""
@@ -174,8 +172,7 @@ class LiveRenderer:
 
     def close(self) -> None:
         """Stop the display if it is still running (for example after an exception)."""
-        if self._progress is not None:
-            self._progress.stop()
+        self._progress.stop()
         if self._started and not self._stopped:
             self._live.stop()
         self._stopped = True
@@ -234,7 +231,7 @@ class LiveRenderer:
 
     def _progress_lines(self) -> list[RenderableType]:
         """The running frame's progress line (prefill, then decode counts); none when quiet."""
-        shown = None if self._quiet else self._run_progress.renderable()
+        shown = None if self._quiet else self._progress.state.renderable()
         return [] if shown is None else [shown]
 
     def _final_frame(self) -> RenderableType:

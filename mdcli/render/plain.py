@@ -18,7 +18,7 @@ from mdcli.render.base import (
     interrupted_finishes,
     summary_line,
 )
-from mdcli.render.progress import ProgressDisplay, RunProgress
+from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 
 class PlainRenderer:
@@ -46,12 +46,12 @@ class PlainRenderer:
         self._printed = 0
         self._headered: bool | None = None
         self._ended = False
-        self._progress = progress
-        self._run_progress = RunProgress()
+        self._progress = ProgressFeed(progress)
 
     def handle(self, event: Event) -> None:
         self._book.apply(event)
-        self._show_progress(event)
+        if not self._ended:
+            self._progress.handle(event)
         if isinstance(event, Start):
             self._on_start(event)
         elif isinstance(event, (Finish, Prune)):
@@ -72,17 +72,7 @@ class PlainRenderer:
 
     def close(self) -> None:
         """Erase the progress line; every answer is already flushed."""
-        if self._progress is not None:
-            self._progress.stop()
-
-    def _show_progress(self, event: Event) -> None:
-        if self._progress is None:
-            return
-        self._run_progress.apply(event)
-        if isinstance(event, Done):
-            self._progress.stop()
-        elif not self._ended:
-            self._progress.show(self._run_progress)
+        self._progress.stop()
 
     def _on_start(self, start: Start) -> None:
         if not self._quiet:
@@ -102,8 +92,7 @@ class PlainRenderer:
         if self._ended:
             return
         self._ended = True
-        if self._progress is not None:
-            self._progress.stop()
+        self._progress.stop()
         for finish in interrupted_finishes(self._book):
             self._book.apply(finish)
         if self._headered is None:
@@ -124,8 +113,7 @@ class PlainRenderer:
     def _print_answer(self, branch: BranchState) -> None:
         if branch.status == "pruned":
             return
-        if self._progress is not None:
-            self._progress.clear()  # stdout and stderr may be the same terminal
+        self._progress.clear()  # stdout and stderr may be the same terminal
         self._stdout.write(
             answer_block(branch.label, branch.text, headered=bool(self._headered))
         )
@@ -136,7 +124,6 @@ class PlainRenderer:
             )
 
     def _chrome(self, line: str) -> None:
-        if self._progress is not None:
-            self._progress.clear()
+        self._progress.clear()
         self._stderr.write(line + "\n")
         self._stderr.flush()

@@ -28,7 +28,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from mdcli.events import Event, Finish, Fork, Progress, Prune, Start, Token
+from mdcli.events import Done, Event, Finish, Fork, Progress, Prune, Start, Token
 
 LINE_INTERVAL_SECONDS = 3.0  # --progress on a non-terminal: at most one line this often
 STATUS_REFRESH_PER_SECOND = 8
@@ -184,6 +184,32 @@ class ThrottledLines:
 
     def stop(self) -> None:
         self._stopped = True
+
+
+class ProgressFeed:
+    """A renderer's side of progress: fold each event in and hand the state to its display
+    (None: nothing shown), which stops at Done."""
+
+    def __init__(self, display: ProgressDisplay | None) -> None:
+        self.display = display
+        self.state = RunProgress()
+
+    def handle(self, event: Event) -> None:
+        self.state.apply(event)
+        if self.display is None:
+            return
+        if isinstance(event, Done):
+            self.display.stop()
+        else:
+            self.display.show(self.state)
+
+    def clear(self) -> None:
+        if self.display is not None:
+            self.display.clear()
+
+    def stop(self) -> None:
+        if self.display is not None:
+            self.display.stop()
 
 
 def choose_progress(
