@@ -116,19 +116,24 @@ class Decoder:
         self._roots = [self._new_branch(spec, spec.label, list(spec.prompt_ids), None) for spec in specs]
         return [b.info() for b in self._roots]
 
-    def decode(self, phase: str = "prefill") -> Iterator[Event]:
+    def decode(self, phase: str = "") -> Iterator[Event]:
         """Prefill the announced roots, then decode until every branch (and child) finishes.
 
-        The prefill reports `Progress(phase, ...)` before its first forward and after each one.
+        Progress: the prefill reports `Progress("<phase> prefill", tokens fed, tokens to feed)`
+        before its first forward and after each one; the decode reports `Progress("<phase>
+        decode", branches finished, branches so far, "branches")` after each step.
         """
         yield from self._cap_notes(self._roots)
         started = time.perf_counter()
-        yield from self._prefill(self._roots, phase)
+        yield from self._prefill(self._roots, f"{phase} prefill".lstrip())
         self.counters.prefill_seconds += time.perf_counter() - started
         started = time.perf_counter()
+        first_id = self._roots[0].id if self._roots else self._next_id
         active = list(self._roots)
         while active:
             active = yield from self._step(active)
+            created = self._next_id - first_id  # roots and the children spawned so far
+            yield Progress(f"{phase} decode".lstrip(), created - len(active), created, "branches")
         self.counters.decode_seconds += time.perf_counter() - started
 
     def stats(self, seconds: float) -> Stats:

@@ -52,16 +52,20 @@ def done() -> Done:
 
 
 def a_long_run() -> list:
-    """A 1,819-token prefill in two forwards, then two one-token answers."""
+    """A 1,819-token prefill in two forwards, then two two-token answers: what a Decoder sends."""
     return [
         start("Who?", "Where?"),
         Progress("prefill", 0, 1819),
         Progress("prefill", 1024, 1819),
         Progress("prefill", 1819, 1819),
         Token(0, 11, "Mara", -0.1),
-        Token(1, 12, "Brittany", -0.2),
-        Finish(0, "Who?", "Mara", [11], "stop", -0.1),
-        Finish(1, "Where?", "Brittany", [12], "stop", -0.2),
+        Token(1, 12, "Brit", -0.2),
+        Progress("decode", 0, 2, "branches"),
+        Token(0, 13, ".", -0.1),
+        Finish(0, "Who?", "Mara.", [11, 13], "stop", -0.2),
+        Token(1, 14, "tany", -0.2),
+        Finish(1, "Where?", "Brittany", [12, 14], "stop", -0.4),
+        Progress("decode", 2, 2, "branches"),
         done(),
     ]
 
@@ -88,11 +92,22 @@ def test_the_status_says_how_far_the_prefill_is_then_how_many_branches_finished(
         "prefill 0 / 1,819 tokens",
         "prefill 1,024 / 1,819 tokens",
         None,  # prefill complete, no token yet
-        "decode: 0 of 2 branches finished, 1 tokens",
+        "decode: 0 of 2 branches finished, 1 token",
         "decode: 0 of 2 branches finished, 2 tokens",
-        "decode: 1 of 2 branches finished, 2 tokens",
-        "decode: 2 of 2 branches finished, 2 tokens",
+        "decode: 0 of 2 branches finished, 2 tokens",  # the step ends
+        "decode: 0 of 2 branches finished, 3 tokens",
+        "decode: 1 of 2 branches finished, 3 tokens",
+        "decode: 1 of 2 branches finished, 4 tokens",
+        "decode: 2 of 2 branches finished, 4 tokens",
+        "decode: 2 of 2 branches finished, 4 tokens",
     ]
+
+
+def test_the_status_names_the_strategy_phase_of_the_decode():
+    progress = RunProgress()
+    for event in [start("margin 1"), Token(0, 5, "x", -1.0), Progress("classification decode", 0, 1, "branches")]:
+        progress.apply(event)
+    assert progress.line() == "classification decode: 0 of 1 branches finished, 1 token"
 
 
 # -- plain: a terminal stderr shows a transient status ------------------------------------------
@@ -110,7 +125,7 @@ def test_plain_on_a_terminal_stderr_shows_the_prefill_on_stderr_then_erases_it()
     for event in events[3:]:
         renderer.handle(event)
     renderer.close()
-    assert stdout.getvalue() == "## Who?\nMara\n\n## Where?\nBrittany\n\n"
+    assert stdout.getvalue() == "## Who?\nMara.\n\n## Where?\nBrittany\n\n"
     after_last_erase = screen_text(stderr.getvalue().rsplit(ERASE_LINE, 1)[-1])
     assert "prefill" not in after_last_erase and "decode:" not in after_last_erase
     assert "2 branches" in after_last_erase  # the summary line stays, the status went
@@ -144,21 +159,24 @@ def test_a_non_terminal_stderr_gets_no_progress_without_the_flag(mode):
     assert "1,024 / 1,819" not in stdout.getvalue() and '"progress"' not in stdout.getvalue()
 
 
-def test_progress_lines_come_at_most_once_per_interval_and_never_repeat():
+def test_progress_lines_come_as_forwards_end_at_most_once_per_interval_and_never_repeat():
     clock = Clock()
     stdout, stderr = io.StringIO(), io.StringIO()
     lines = ThrottledLines(stderr, interval=3.0, clock=clock)
     renderer = PlainRenderer(stdout, stderr, quiet=False, header="tiny", progress=lines)
-    events = a_long_run()
-    times = [100.0, 101.0, 104.5, 105.0, 108.0, 108.1, 108.2, 112.0, 112.1]  # one per event
-    for now, event in zip(times, events):
+    *run, end = a_long_run()
+    events = [*run, Progress("decode", 2, 2, "branches"), end]
+    # start, 3 prefill forwards, step 1 (2 tokens, its end), step 2 (4 events, its end), again, done
+    times = [100.0, 101.0, 104.5, 106.0, 108.0, 108.0, 108.0, 109.0, 109.0, 111.6, 111.6, 111.6, 116.0, 117.0]
+    for now, event in zip(times, events, strict=True):
         clock.now = now
         renderer.handle(event)
     progress_lines = [line for line in stderr.getvalue().splitlines() if line.startswith("mdcli: ")]
     assert progress_lines == [
-        "mdcli: prefill 1,024 / 1,819 tokens",  # 4.5 s in; the 0/1,819 at 1 s was too soon
-        "mdcli: decode: 0 of 2 branches finished, 1 tokens",  # 3.5 s later; 108.1 and 108.2 too soon
-        "mdcli: decode: 2 of 2 branches finished, 2 tokens",  # 4 s later; Done at 112.1 writes none
+        "mdcli: prefill 1,024 / 1,819 tokens",  # 4.5 s in; 0 / 1,819 at 1 s was too soon
+        # the tokens at 108.0 are mid-step: the line waits for the step's end, 3.5 s after the last
+        "mdcli: decode: 0 of 2 branches finished, 2 tokens",
+        "mdcli: decode: 2 of 2 branches finished, 4 tokens",  # 3.6 s later; the same line at 116 is not repeated
     ]
     assert "mdcli:" not in stdout.getvalue()
 
@@ -169,7 +187,7 @@ def test_progress_lines_with_the_flag_go_to_stderr_and_jsonl_stdout_stays_pure_e
     for event in a_long_run():
         renderer.handle(event)
     records = [json.loads(line) for line in stdout.getvalue().splitlines()]
-    assert [r["type"] for r in records] == ["start", "token", "token", "finish", "finish", "done"]
+    assert [r["type"] for r in records] == ["start", "token", "token", "token", "finish", "token", "finish", "done"]
     assert "mdcli: prefill 1,024 / 1,819 tokens" in stderr.getvalue().splitlines()
 
 
@@ -219,7 +237,7 @@ def test_a_prefill_in_many_forwards_reports_each_one_and_gives_the_same_tokens(t
         return list(run_specs(lm, specs, strategy="test", max_forward_tokens=max_forward_tokens))
 
     pieces, whole = run(16), run(4096)
-    progress = [e for e in pieces if isinstance(e, Progress)]
+    progress = [e for e in pieces if isinstance(e, Progress) and e.unit == "tokens"]
     fed = pieces[-1].stats.prefill_tokens
     assert fed > 3 * 16
     assert progress[0].done == 0 and progress[-1].done == fed
@@ -227,7 +245,10 @@ def test_a_prefill_in_many_forwards_reports_each_one_and_gives_the_same_tokens(t
     assert all(0 < b.done - a.done <= 16 for a, b in zip(progress, progress[1:]))
     assert len(progress) >= fed // 16 + 1
     shared = common_prefix_length(*prompts)  # one forward for the shared document, one for both tails
-    assert [e.done for e in whole if isinstance(e, Progress)] == [0, shared, fed]
+    assert [e.done for e in whole if isinstance(e, Progress) and e.unit == "tokens"] == [0, shared, fed]
+    steps = [e for e in pieces if isinstance(e, Progress) and e.unit == "branches"]
+    assert len(steps) == pieces[-1].stats.steps + 1  # one per step; the last step feeds nothing
+    assert all(e.phase == "decode" and e.total == 2 for e in steps) and steps[-1].done == 2
 
     def finishes(events):
         return [e.token_ids for e in events if isinstance(e, Finish)]

@@ -1,9 +1,10 @@
 """Progress on stderr: what a long run is doing while no answer is ready yet.
 
-Two facts are worth showing: how far a prefill has got (`Progress` events, one per forward, so
-a 1,819-token document moves "prefill 1,024 / 1,819 tokens" at the 1,024-token forward), and,
-once tokens flow, how many branches have finished ("decode: 3 of 8 branches finished, 412
-tokens"), which is derived from the Token/Finish events every renderer already receives.
+Two facts are worth showing: how far a prefill has got (`Progress` events in tokens, one per
+forward, so a 1,819-token document moves "prefill 1,024 / 1,819 tokens" at the 1,024-token
+forward), and, once tokens flow, how many branches have finished ("decode: 3 of 8 branches
+finished, 412 tokens", counted from the Token/Fork/Finish events every renderer receives and
+named after the latest decode `Progress`, which the decoding loop sends after each step).
 
 Where it goes depends on stderr, never on stdout:
 * a terminal: one transient Rich status line (`TerminalStatus`), erased before anything else is
@@ -37,25 +38,39 @@ BAR_WIDTH = 24
 
 class RunProgress:
     """The run's progress folded from its events: the current prefill while it is under way,
-    then decode counts. Cheap to update, since it sees every Token."""
+    then decode counts. Cheap to update, since it sees every Token.
+
+    `at_step_end`: the last event was a Progress, i.e. a forward has just ended; the counts are
+    then those of a whole step, not of the middle of one step's tokens.
+    """
 
     def __init__(self) -> None:
         self.prefill: Progress | None = None
+        self.decode_phase = "decode"
         self.branches = 0
         self.settled = 0
         self.tokens = 0
+        self.at_step_end = False
 
     def apply(self, event: Event) -> None:
+        self.at_step_end = isinstance(event, Progress)
         if isinstance(event, Token):
             self.tokens += 1
         elif isinstance(event, Progress):
-            self.prefill = event if event.done < event.total else None
+            self._progress(event)
         elif isinstance(event, Start):
             self.branches += len(event.branches)
         elif isinstance(event, Fork):
             self.branches += 1
         elif isinstance(event, (Finish, Prune)):
             self.settled += 1
+
+    def _progress(self, event: Progress) -> None:
+        if event.unit == "tokens":  # a prefill
+            self.prefill = event if event.done < event.total else None
+        else:  # a decode step
+            self.prefill = None
+            self.decode_phase = event.phase
 
     @property
     def active(self) -> bool:
@@ -70,7 +85,8 @@ class RunProgress:
             return f"{p.phase} {p.done:,} / {p.total:,} {p.unit}"
         if self.tokens == 0:
             return None
-        return f"decode: {self.settled:,} of {self.branches:,} branches finished, {self.tokens:,} tokens"
+        tokens = f"{self.tokens:,} token" + ("" if self.tokens == 1 else "s")
+        return f"{self.decode_phase}: {self.settled:,} of {self.branches:,} branches finished, {tokens}"
 
     def renderable(self) -> RenderableType | None:
         """The line for a terminal: a spinner, and a bar while a prefill runs."""
@@ -154,7 +170,8 @@ class TerminalStatus:
 class ThrottledLines:
     """``mdcli: prefill 1,024 / 1,819 tokens`` on a non-terminal stderr, at most one line per
     `interval` seconds (the first one `interval` seconds after the run starts, so a quick run
-    writes none), and never the same line twice in a row."""
+    writes none), only as a forward ends (so decode counts are whole steps), and never the same
+    line twice in a row."""
 
     def __init__(
         self, stream: TextIO, *, interval: float = LINE_INTERVAL_SECONDS, clock: Callable[[], float] = time.monotonic
@@ -167,7 +184,7 @@ class ThrottledLines:
         self._stopped = False
 
     def show(self, progress: RunProgress) -> None:
-        if self._stopped:
+        if self._stopped or not progress.at_step_end:
             return
         now = self._clock()
         if now - self._last_time < self._interval:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Literal, Union
 from mdcli.decoding import DecodeCounters, prefill_steps, progress_events
 from mdcli.engine import Engine
 from mdcli.errors import ContextTooLongError, UsageError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Prune, Stats, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Prune, Stats, Token
 from mdcli.forest import pad_rows
 
 if TYPE_CHECKING:
@@ -368,6 +368,7 @@ class BeamSearch:
             for beam_set in active:
                 yield from self._step(beam_set)
             active = [s for s in active if not s.done]
+            yield Progress("decode", len(self.sets) - len(active), len(self.sets), "beam sets")
             if active:
                 self._feed(active)
         self.counters.decode_seconds += time.perf_counter() - started
