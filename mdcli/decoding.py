@@ -8,19 +8,21 @@ drives the engine itself because it chooses among candidates across branches.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mdcli.detok import StreamingDetokenizer
-from mdcli.engine import ChainResult, Engine
+from mdcli.engine import ChainResult, Engine, run_to_end
 from mdcli.errors import ContextTooLongError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Stats, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
 from mdcli.forest import pad_rows
 from mdcli.sampling import Sampler, SamplingParams, choose_tokens
 
 if TYPE_CHECKING:
     import torch
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -114,16 +116,24 @@ class Decoder:
         self._roots = [self._new_branch(spec, spec.label, list(spec.prompt_ids), None) for spec in specs]
         return [b.info() for b in self._roots]
 
-    def decode(self) -> Iterator[Event]:
-        """Prefill the announced roots, then decode until every branch (and child) finishes."""
+    def decode(self, phase: str = "") -> Iterator[Event]:
+        """Prefill the announced roots, then decode until every branch (and child) finishes.
+
+        Progress: the prefill reports `Progress("<phase> prefill", tokens fed, tokens to feed)`
+        before its first forward and after each one; the decode reports `Progress("<phase>
+        decode", branches finished, branches so far, "branches")` after each step.
+        """
         yield from self._cap_notes(self._roots)
         started = time.perf_counter()
-        self._prefill(self._roots)
+        yield from self._prefill(self._roots, f"{phase} prefill".lstrip())
         self.counters.prefill_seconds += time.perf_counter() - started
         started = time.perf_counter()
+        first_id = self._roots[0].id if self._roots else self._next_id
         active = list(self._roots)
         while active:
             active = yield from self._step(active)
+            created = self._next_id - first_id  # roots and the children spawned so far
+            yield Progress(f"{phase} decode".lstrip(), created - len(active), created, "branches")
         self.counters.decode_seconds += time.perf_counter() - started
 
     def stats(self, seconds: float) -> Stats:
@@ -173,9 +183,10 @@ class Decoder:
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _prefill(self, branches: list[_Branch]) -> None:
+    def _prefill(self, branches: list[_Branch], phase: str) -> Iterator[Event]:
         before = len(self.engine)
-        results = prefill_prompts(self.engine, [b.path_ids for b in branches])
+        steps = prefill_steps(self.engine, [b.path_ids for b in branches])
+        results = yield from progress_events(phase, steps)
         for branch, result in zip(branches, results):
             branch.row, branch.logits = result.row, result.logits
         self.counters.prefill_tokens += len(self.engine) - before
@@ -293,8 +304,26 @@ def torch_index(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
+def progress_events(phase: str, steps: Generator[tuple[int, int], None, R]) -> Generator[Progress, None, R]:
+    """Turn ``(done, total)`` steps into Progress events, passing the steps' result through."""
+    while True:
+        try:
+            done, total = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        yield Progress(phase, done, total)
+
+
 def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResult]:
-    """Feed prompts as a radix tree hanging off what the cache already holds.
+    """Feed prompts as a radix tree hanging off what the cache already holds (see prefill_steps)."""
+    return run_to_end(prefill_steps(engine, prompts))
+
+
+def prefill_steps(
+    engine: Engine, prompts: list[list[int]]
+) -> Generator[tuple[int, int], None, list[ChainResult]]:
+    """Feed prompts as a radix tree hanging off what the cache already holds, yielding
+    ``(tokens fed, tokens to feed)`` before the first forward and after each one.
 
     Tokenize full prompts first, then share: BPE merges differ at the seams of separately
     tokenized pieces, so only token-level sharing keeps each branch identical to its prompt alone.
@@ -317,9 +346,13 @@ def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResul
             by_start.setdefault(starts[i], []).append(i)
         for start, group in by_start.items():
             pending.extend((row, sub, start) for sub in _group_by_token(prompts, group, start))
+    done, total = 0, sum(_trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
+    yield done, total
     while pending:
         edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in pending]
-        outs = engine.extend([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
+        steps = engine.extend_steps([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
+        outs = yield from _running_count(steps, done, total)
+        done += sum(end - start for _, _, start, end in edges)
         pending = []
         for (_, group, _, end), out in zip(edges, outs):
             for i in group:
@@ -338,6 +371,25 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def _running_count(
+    steps: Generator[int, None, R], done: int, total: int
+) -> Generator[tuple[int, int], None, R]:
+    """Per-forward token counts -> ``(tokens fed so far, tokens to feed)``."""
+    while True:
+        try:
+            done += next(steps)
+        except StopIteration as stop:
+            return stop.value
+        yield done, total
+
+
+def _trie_size(sequences: list[list[int]]) -> int:
+    """Nodes of the token trie of `sequences`: the tokens a radix prefill of them feeds."""
+    ordered = sorted(sequences)
+    shared = sum(common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:]))
+    return sum(len(s) for s in ordered) - shared
 
 
 def _group_by_token(prompts: list[list[int]], indices: list[int], at: int) -> list[list[int]]:

@@ -15,8 +15,9 @@ For every new token the engine gives the model:
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mdcli import cache as kv
 from mdcli.forest import Forest, layout_chains, pad_rows
@@ -141,6 +142,13 @@ class Engine:
         Long chains (a document) are fed piece by piece; short ones are packed together.
         Logits are computed only for each chain's last token.
         """
+        return run_to_end(self.extend_steps(rows, chains))
+
+    def extend_steps(
+        self, rows: list[torch.Tensor], chains: list[list[int]]
+    ) -> Generator[int, None, list[ChainResult]]:
+        """`extend`, yielding the number of tokens fed after each forward (for progress) and
+        returning the results."""
         import torch
 
         pending = [(i, rows[i], list(chain)) for i, chain in enumerate(chains)]
@@ -159,6 +167,7 @@ class Engine:
                     pending.append((i, out.row, rest))
                 else:
                     results[i] = out
+            yield self.max_forward_tokens - budget
         return results  # type: ignore[return-value]
 
     # -- cache housekeeping --------------------------------------------------------------------
@@ -178,6 +187,18 @@ class Engine:
 
     def cache_bytes(self) -> int:
         return kv.cache_bytes(self.cache)
+
+
+R = TypeVar("R")
+
+
+def run_to_end(steps: Generator[object, None, R]) -> R:
+    """Exhaust a generator and return its return value (for callers that want no progress)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _compute_dtype(model) -> torch.dtype:

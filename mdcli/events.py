@@ -1,8 +1,9 @@
 """Typed events: the only thing that flows from strategies to renderers.
 
-A run is a stream ``Start, (Token | Fork | Prune | Finish | Note)*, Done``. The JSONL renderer
-writes each event's `to_dict()` as one line; the README documents that contract, so field names
-here are part of the public interface (they follow vLLM/OpenAI naming where one exists).
+A run is a stream ``Start, (Token | Fork | Prune | Finish | Note | Progress)*, Done``. The JSONL
+renderer writes each event's `to_dict()` as one line (all but Progress, which is for people and
+goes to stderr); the README documents that contract, so field names here are part of the public
+interface (they follow vLLM/OpenAI naming where one exists).
 """
 
 from __future__ import annotations
@@ -98,6 +99,20 @@ class Note:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """How far a long phase has got. A prefill reports in tokens before its first forward and
+    after each one (a forward feeds at most `max_forward_tokens`), e.g. ``Progress("prefill",
+    1024, 1819)``; a decode reports branches finished after each step, e.g.
+    ``Progress("decode", 3, 8, "branches")``. Renderers show it on stderr; it changes no answer."""
+
+    phase: str
+    done: int
+    total: int
+    unit: str = "tokens"
+    type: Literal["progress"] = "progress"
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     prompt_tokens: int
     prefill_tokens: int
@@ -122,7 +137,7 @@ class Done:
     type: Literal["done"] = "done"
 
 
-Event = Union[Start, Token, Fork, Prune, Finish, Note, Done]
+Event = Union[Start, Token, Fork, Prune, Finish, Note, Progress, Done]
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:

@@ -110,6 +110,7 @@ class _ModelFreeEngine:
     (`Engine.extend`, reused as is) and the real placement (`layout_chains`)."""
 
     extend = Engine.extend
+    extend_steps = Engine.extend_steps
 
     def __init__(self, max_forward_tokens: int) -> None:
         self.forest = Forest("cpu")

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from mdcli.cli import app
-from mdcli.events import Done, Finish, Fork, Prune, Start, Token
+from mdcli.events import Done, Finish, Fork, Progress, Prune, Start, Token
 from mdcli.render.base import BranchBook
 from mdcli.memory import kv_bytes_per_token
 from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
@@ -290,7 +290,7 @@ def test_events_describe_a_tree_every_renderer_can_follow(tiny):
     assert len(finishes) == 3 * len(prompts)
     shown = [b.label for b in book.in_tree_order() if b.status == "finished"]  # how renderers list answers
     assert shown == [f"p{i} [{rank}/3]" for i in range(len(prompts)) for rank in (1, 2, 3)]
-    assert all(isinstance(e, (Start, Token, Fork, Prune, Finish, Done)) for e in events)
+    assert all(isinstance(e, (Start, Token, Fork, Prune, Finish, Progress, Done)) for e in events)
     assert len(events) < 4 * params.width * NEW_TOKENS * len(prompts)  # modest: about a token per beam-step
 
 

@@ -9,8 +9,8 @@ import typer
 
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
-    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document,
+    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document,
     read_questions_file, render, sampling_params,
 )
 from mdcli.errors import UsageError
@@ -63,6 +63,7 @@ def ask_many(
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     debug: DebugOpt = False,
 ) -> None:
@@ -97,6 +98,7 @@ def ask_many(
         )
         job.validate()
         mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
         from mdcli.api import run_specs
@@ -104,7 +106,7 @@ def ask_many(
         events = run_specs(
             lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens
         )
-        render(events, mode, quiet, header=header(lm))
+        render(events, mode, quiet, header=header(lm), progress=progress)
 
 
 # -- --recipe and --save-recipe --------------------------------------------------------------------
@@ -144,6 +146,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     if save_to is not None:
         _write_recipe(save_to, dump_recipe(plan))
     mode = Output.jsonl if p["jsonl"] else p["output"]
+    check_progress(p["quiet"], p["progress"])
     lm = load(
         p["model"], p["device"], p["dtype"], p["attn"], p["load_in_4bit"], p["load_in_8bit"], p["device_map"],
         p["trust_remote_code"], mode, p["quiet"],
@@ -156,7 +159,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     events = run_specs(
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"]
     )
-    render(events, mode, p["quiet"], header=header(lm))
+    render(events, mode, p["quiet"], header=header(lm), progress=p["progress"])
 
 
 def _base_recipe(name: str):

@@ -9,8 +9,8 @@ import typer
 
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
-    NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SystemOpt, errors, header, load, read_document,
-    read_questions_file, render,
+    NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
+    load, read_document, read_questions_file, render,
 )
 
 
@@ -61,6 +61,7 @@ def beam(
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     debug: DebugOpt = False,
 ) -> None:
@@ -89,6 +90,7 @@ def beam(
             if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
                 text = text.rstrip("\r\n")
         mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
         from mdcli.api import beam_search
@@ -107,7 +109,7 @@ def beam(
             chat_template=not no_chat_template,
             max_forward_tokens=max_forward_tokens,
         )
-        render(events, mode, quiet, header=header(lm))
+        render(events, mode, quiet, header=header(lm), progress=progress)
 
 
 def _is_input_file(argument: str) -> bool:

@@ -69,6 +69,14 @@ OutputOpt = Annotated[
 ]
 JsonlOpt = Annotated[bool, typer.Option("--jsonl", help="Same as --output jsonl: one JSON event per line.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress or summary on stderr.")]
+ProgressOpt = Annotated[
+    bool,
+    typer.Option(
+        "--progress",
+        help="Progress lines on stderr (prefill tokens, finished branches) every few seconds even when it is not "
+        "a terminal, e.g. a log file (a terminal always shows a status line).",
+    ),
+]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
@@ -152,21 +160,33 @@ def header(lm) -> str:
     return f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
 
 
-def render(events: Iterable, mode: Output, quiet: bool, header: str) -> None:
+def check_progress(quiet: bool, progress: bool) -> None:
+    """--progress asks for lines that --quiet forbids: refuse rather than drop one of them."""
+    if quiet and progress:
+        raise UsageError("--progress and --quiet contradict each other", fix="give one of them")
+
+
+def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: bool = False) -> None:
     """Feed events to the renderer; on Ctrl-C flush what was generated and exit 130."""
     from mdcli.render import choose_renderer
 
     renderer = choose_renderer(
-        mode.value, stdout=sys.stdout, stderr=sys.stderr, quiet=quiet, no_color="NO_COLOR" in os.environ, header=header
+        mode.value,
+        stdout=sys.stdout,
+        stderr=sys.stderr,
+        quiet=quiet,
+        no_color="NO_COLOR" in os.environ,
+        header=header,
+        progress=progress,
     )
     try:
         for event in events:
             renderer.handle(event)
     except KeyboardInterrupt:
         renderer.interrupted()
-        renderer.close()
         raise
-    renderer.close()
+    finally:  # also on an error mid-run: a status line or live display must not outlive it
+        renderer.close()
 
 
 class errors:

@@ -10,8 +10,8 @@ import typer
 
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
-    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render, sampling_params,
+    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
+    TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
 )
 from mdcli.errors import UsageError
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
@@ -102,6 +102,7 @@ def margins(
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     debug: DebugOpt = False,
 ) -> None:
@@ -136,11 +137,13 @@ def margins(
         )
         job.validate()
         mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
         from mdcli.strategies.margins import run_margins
 
-        render(run_margins(lm, job, max_forward_tokens=max_forward_tokens), mode, quiet, header=header(lm))
+        events = run_margins(lm, job, max_forward_tokens=max_forward_tokens)
+        render(events, mode, quiet, header=header(lm), progress=progress)
 
 
 def read_documents(sources: list[str]) -> list[str]:

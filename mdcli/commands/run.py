@@ -23,6 +23,7 @@ from mdcli.commands.common import (
     NoChatOpt,
     Output,
     OutputOpt,
+    ProgressOpt,
     QuietOpt,
     RemoteCodeOpt,
     SeedOpt,
@@ -31,6 +32,7 @@ from mdcli.commands.common import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    check_progress,
     errors,
     header,
     load,
@@ -77,6 +79,7 @@ def run(
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     debug: DebugOpt = False,
 ) -> None:
@@ -100,12 +103,13 @@ def run(
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
         from mdcli.recipes import recipe_events
 
         events = recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm))
+        render(events, mode, quiet, header=header(lm), progress=progress)
 
 
 def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_template, sampling):

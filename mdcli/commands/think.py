@@ -11,8 +11,8 @@ import typer
 
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
-    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render,
+    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render,
     sampling_params, stderr_line,
 )
 from mdcli.errors import UsageError
@@ -99,6 +99,7 @@ def think(
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     debug: DebugOpt = False,
 ) -> None:
@@ -137,6 +138,7 @@ def think(
         )
         job.validate()
         mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
 
         from mdcli.strategies.think import run_think
@@ -144,7 +146,7 @@ def think(
         events = run_think(lm, job, max_forward_tokens=max_forward_tokens)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
-        render(events, mode, quiet, header=header(lm))
+        render(events, mode, quiet, header=header(lm), progress=progress)
 
 
 def read_question(source: str) -> str:

@@ -20,7 +20,7 @@ RenderMode = Literal["auto", "live", "plain", "jsonl"]
 
 
 class Renderer(Protocol):
-    """Consumes one run's stream ``Start, (Token | Fork | Prune | Finish | Note)*, Done``."""
+    """Consumes one run's stream ``Start, (Token | Fork | Prune | Finish | Note | Progress)*, Done``."""
 
     def handle(self, event: Event) -> None:
         """Show one event."""
@@ -93,7 +93,7 @@ class BranchBook:
         self.done: Done | None = None
 
     def apply(self, event: Event) -> None:
-        """Fold one event in. Events that carry no branch state (Note) are ignored."""
+        """Fold one event in. Events that carry no branch state (Note, Progress) are ignored."""
         if isinstance(event, Start):
             self.start = event
             for info in event.branches:
@@ -212,24 +212,35 @@ def choose_renderer(
     quiet: bool,
     no_color: bool,
     header: str | None = None,
+    progress: bool = False,
 ) -> Renderer:
     """The renderer for `mode`; ``auto`` is a live display on a terminal and plain text in a
-    pipeline, where escape codes and redraws would only get in the way."""
+    pipeline, where escape codes and redraws would only get in the way.
+
+    Progress (render/progress.py) goes to stderr: a transient status line when stderr is a
+    terminal, else one line every few seconds if `progress` (--progress) asks, never with
+    `quiet`; the live display shows it in its frame (see `choose_progress`).
+    """
     # Imported here because those modules import this one for the shared helpers.
     from mdcli.render.jsonl import JsonlRenderer
     from mdcli.render.live import LiveRenderer, make_console
     from mdcli.render.plain import PlainRenderer
+    from mdcli.render.progress import choose_progress
 
+    color = not color_disabled(no_color)
     if mode == "auto":
         mode = "live" if stdout.isatty() else "plain"
+    status = choose_progress(
+        mode, stdout, stderr, quiet=quiet, requested=progress, terminal=lambda: make_console(stderr, color=color)
+    )
     if mode == "jsonl":
-        return JsonlRenderer(stdout)
+        return JsonlRenderer(stdout, progress=status)
     if mode == "plain":
-        return PlainRenderer(stdout, stderr, quiet=quiet, header=header)
-    color = not color_disabled(no_color)
+        return PlainRenderer(stdout, stderr, quiet=quiet, header=header, progress=status)
     return LiveRenderer(
         make_console(stdout, color=color),
         make_console(stderr, color=color),
         quiet=quiet,
         header=header,
+        progress=status,
     )

@@ -32,6 +32,7 @@ from mdcli.render.base import (
     interrupted_finishes,
     summary_line,
 )
+from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 REFRESH_PER_SECOND = 12
 MIN_PANEL_WIDTH = 36
@@ -112,7 +113,9 @@ class LiveRenderer:
     """Panels for running branches on `console` (stdout), chrome on `chrome` (stderr).
 
     `quiet` drops the header and the summary line; notes and the interruption mark are kept
-    because they change what the answers mean.
+    because they change what the answers mean. While the run goes on, a progress line under
+    the header (not in the final frame) says how far a prefill or the decode has got;
+    `progress` is a second place to report it (a log on a non-terminal stderr, --progress).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class LiveRenderer:
         *,
         header: str | None = None,
         quiet: bool = False,
+        progress: ProgressDisplay | None = None,
     ) -> None:
         self._console = console
         self._chrome = chrome
@@ -129,6 +133,7 @@ class LiveRenderer:
         self._quiet = quiet
         self._book = BranchBook()
         self._notes: list[Note] = []
+        self._progress = ProgressFeed(progress)  # its state also feeds the frame's progress line
         self._lock = threading.RLock()  # the refresh thread reads what handle() writes
         self._final = False
         self._live = Live(
@@ -143,6 +148,8 @@ class LiveRenderer:
     def handle(self, event: Event) -> None:
         with self._lock:
             self._book.apply(event)
+            if not self._final:
+                self._progress.handle(event)  # (a display here is only ThrottledLines: no thread)
             if isinstance(event, Start) and self._header is None:
                 self._header = describe_start(event)
             if isinstance(event, Note):
@@ -165,6 +172,7 @@ class LiveRenderer:
 
     def close(self) -> None:
         """Stop the display if it is still running (for example after an exception)."""
+        self._progress.stop()
         if self._started and not self._stopped:
             self._live.stop()
         self._stopped = True
@@ -221,6 +229,11 @@ class LiveRenderer:
             return []
         return [Text(self._header, style="bold", no_wrap=True, overflow="ellipsis")]
 
+    def _progress_lines(self) -> list[RenderableType]:
+        """The running frame's progress line (prefill, then decode counts); none when quiet."""
+        shown = None if self._quiet else self._progress.state.renderable()
+        return [] if shown is None else [shown]
+
     def _final_frame(self) -> RenderableType:
         """What stays on screen above the full answers: one status line per branch."""
         return Group(
@@ -229,7 +242,7 @@ class LiveRenderer:
 
     def _running_frame(self) -> RenderableType:
         width, height = self._console.size
-        top = self._header_lines()
+        top = [*self._header_lines(), *self._progress_lines()]
         bottom = [_note_line(note) for note in self._notes[-NOTES_SHOWN:]]
         room = height - len(top) - len(bottom) - SPARE_LINES
         shown = self._answers()

@@ -18,13 +18,15 @@ from mdcli.render.base import (
     interrupted_finishes,
     summary_line,
 )
+from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 
 class PlainRenderer:
     """Prints each finished branch as ``## label`` + text, or the bare text for a single branch.
 
     `quiet` drops the header and summary lines; notes and interruption marks still go to
-    stderr because they change what the answers mean.
+    stderr because they change what the answers mean. `progress` (see progress.py) shows how
+    far the run has got; it is cleared before anything else is written.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class PlainRenderer:
         *,
         quiet: bool = False,
         header: str | None = None,
+        progress: ProgressDisplay | None = None,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
@@ -43,9 +46,12 @@ class PlainRenderer:
         self._printed = 0
         self._headered: bool | None = None
         self._ended = False
+        self._progress = ProgressFeed(progress)
 
     def handle(self, event: Event) -> None:
         self._book.apply(event)
+        if not self._ended:
+            self._progress.handle(event)
         if isinstance(event, Start):
             self._on_start(event)
         elif isinstance(event, (Finish, Prune)):
@@ -65,7 +71,8 @@ class PlainRenderer:
         self._end_run()
 
     def close(self) -> None:
-        """Nothing to stop: every answer is already flushed."""
+        """Erase the progress line; every answer is already flushed."""
+        self._progress.stop()
 
     def _on_start(self, start: Start) -> None:
         if not self._quiet:
@@ -85,6 +92,7 @@ class PlainRenderer:
         if self._ended:
             return
         self._ended = True
+        self._progress.stop()
         for finish in interrupted_finishes(self._book):
             self._book.apply(finish)
         if self._headered is None:
@@ -105,6 +113,7 @@ class PlainRenderer:
     def _print_answer(self, branch: BranchState) -> None:
         if branch.status == "pruned":
             return
+        self._progress.clear()  # stdout and stderr may be the same terminal
         self._stdout.write(
             answer_block(branch.label, branch.text, headered=bool(self._headered))
         )
@@ -115,5 +124,6 @@ class PlainRenderer:
             )
 
     def _chrome(self, line: str) -> None:
+        self._progress.clear()
         self._stderr.write(line + "\n")
         self._stderr.flush()

@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
-from mdcli.decoding import DecodeCounters, prefill_prompts
+from mdcli.decoding import DecodeCounters, prefill_steps, progress_events
 from mdcli.engine import Engine
 from mdcli.errors import ContextTooLongError, UsageError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Prune, Stats, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Prune, Stats, Token
 from mdcli.forest import pad_rows
 
 if TYPE_CHECKING:
@@ -360,7 +360,7 @@ class BeamSearch:
         """Prefill every prompt (shared prefixes once), then step all sets until each is done."""
         yield from self._cap_notes()
         started = time.perf_counter()
-        self._prefill()
+        yield from self._prefill()
         self.counters.prefill_seconds += time.perf_counter() - started
         started = time.perf_counter()
         active = list(self.sets)
@@ -368,6 +368,7 @@ class BeamSearch:
             for beam_set in active:
                 yield from self._step(beam_set)
             active = [s for s in active if not s.done]
+            yield Progress("decode", len(self.sets) - len(active), len(self.sets), "beam sets")
             if active:
                 self._feed(active)
         self.counters.decode_seconds += time.perf_counter() - started
@@ -400,9 +401,10 @@ class BeamSearch:
                     data={"branch": s.branch, "max_new_tokens": s.max_new},
                 )
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> Iterator[Event]:
         before = len(self.engine)
-        results = prefill_prompts(self.engine, [s.prompt_ids for s in self.sets])
+        steps = prefill_steps(self.engine, [s.prompt_ids for s in self.sets])
+        results = yield from progress_events("prefill", steps)
         for beam_set, result in zip(self.sets, results):
             beam_set.start(result.row, result.logits)
             self.counters.prompt_tokens += len(beam_set.prompt_ids)

@@ -396,7 +396,7 @@ def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[
     yield start_event(model, "margins", job.sampling.seed, infos)
     yield layout_note(job, segments, specs, prefill_tokens)
     yield from split_notes(job, segments)
-    finishes = yield from _collect_finishes(decoder.decode())
+    finishes = yield from _collect_finishes(decoder.decode("margins"))
     margins = [
         MarginResult(number=i, segment=s, label=info.label, branch=info.id, text=finishes[info.id].text)
         for i, (s, info) in enumerate(zip(segments, infos), 1)
@@ -419,7 +419,7 @@ def classify_margins(decoder: Decoder, job: Margins, margins: list[MarginResult]
         margin.classification_branch = info.id
         by_branch[info.id] = margin
         yield Fork(branch=info)
-    for event in decoder.decode():
+    for event in decoder.decode("classification"):
         yield event
         if isinstance(event, Finish) and event.branch in by_branch:
             yield classification_note(by_branch[event.branch], event)
@@ -452,7 +452,7 @@ def answer(decoder: Decoder, job: Margins, kept: list[MarginResult]) -> Iterator
     """Phase 3: one branch reading the kept margins; its sources are announced before its Finish."""
     [info] = decoder.announce([job.answer_spec(decoder.tokenizer, kept)])
     yield Fork(branch=info)
-    for event in decoder.decode():
+    for event in decoder.decode("answer"):
         if isinstance(event, Finish) and event.branch == info.id:
             yield sources_note(info.id, kept)
         yield event

@@ -543,7 +543,7 @@ class ThinkRun:
         [info] = self._announce([self.job.plan_spec(self.tokenizer)])
         yield self._start([info])
         plan = None
-        for event in self.decoder.decode():
+        for event in self.decoder.decode("plan"):
             yield event
             if isinstance(event, Finish):
                 plan = event
@@ -563,7 +563,7 @@ class ThinkRun:
 
     def _decode_paths(self, paths: list[_Path]) -> Iterator[Event]:
         by_id = {path.info.id: path for path in paths}
-        for event in self.decoder.decode():
+        for event in self.decoder.decode("paths"):
             yield event
             if isinstance(event, Finish) and event.branch in by_id:
                 by_id[event.branch].finish = event
@@ -588,7 +588,7 @@ class ThinkRun:
             return
         fed_before = self.decoder.stats(0).prefill_tokens
         yield Fork(branch=info)
-        yield from self.decoder.decode()
+        yield from self.decoder.decode("conclusion")
         fed = self.decoder.stats(0).prefill_tokens - fed_before
         message = (
             f"reencode: the conclusion prompt is {len(spec.prompt_ids)} tokens; {reused} were already cached "
