@@ -33,12 +33,20 @@ OPT_OUT = "MDCLI_FORWARD"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def fast_forward_for(model) -> FastForward | None:
+def fast_forward_for(model, **options) -> FastForward | None:
     """mdcli's forward for this model, or None where transformers' own forward must run."""
     if os.environ.get(OPT_OUT, "").strip().lower() in {"transformers", "hf", "off", "0"}:
         return None
     reason = unsupported_reason(model)
-    return None if reason else FastForward(model)
+    return None if reason else FastForward(model, **options)
+
+
+def packing_wanted(model) -> bool:
+    """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN, unless turned off
+    (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the free memory."""
+    from mdcli.packing import packing_wanted as wanted
+
+    return wanted(model)
 
 
 def unsupported_reason(model) -> str | None:
@@ -106,34 +114,46 @@ class _Layer:
 
 
 class FastForward:
-    """Callable: (tokens, positions, mask, cache, keep) -> logits of the kept rows, or None."""
+    """Callable: (tokens, positions, mask, cache, keep) -> logits of the kept rows, or None.
 
-    def __init__(self, model) -> None:
+    attention: "bmm" (two batched products per step and layer, the query heads of a key/value
+    group stacked, the mask's rows repeated once per step) or "transformers" (the model's sdpa
+    entry, which mdcli.kernels may route). packed: run the projections on weights copied once into
+    oneDNN's blocked layout (see `packing_wanted`); None decides by that rule."""
+
+    def __init__(self, model, *, attention: str = "bmm", packed: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        attention = self.inner.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.scaling = attention.scaling
+        first = self.inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.attention = attention
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
+        self.packed = packing_wanted(model) if packed is None else packed
+        if self.packed:
+            from mdcli.packing import pack_layer
+
+            for layer in self.layers:
+                pack_layer(layer)
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
         type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
         indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
-        import torch
         import torch.nn.functional as F
 
-        linear = F.linear  # looked up per call: mdcli.kernels may have routed it
+        linear = _packed_linear if self.packed else F.linear  # F.linear looked up per call: mdcli.kernels may route it
         hidden = self.inner.embed_tokens.weight[tokens][None]  # [1, M, hidden]
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         m = tokens.shape[0]
+        masks = self._step_masks(mask)
         for index, layer in enumerate(self.layers):
-            layer_mask = mask.get(layer.layer_type) if isinstance(mask, dict) else mask
+            layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias).view(1, m, heads + 2 * kv_heads, dim)  # [1, M, H + 2G, D]
             qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # [1, M, H + G, D]
@@ -141,8 +161,8 @@ class FastForward:
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
-            attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H, D]
-            hidden = hidden + linear(attended.reshape(1, m, heads * dim), layer.o, layer.o_bias)
+            attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H * D]
+            hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
             hidden = hidden + linear(layer.act(gate) * up, layer.down, layer.down_bias)
@@ -150,22 +170,54 @@ class FastForward:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         head = self.model.lm_head
-        return linear(rows, head.weight, head.bias)  # [C, V]
+        return F.linear(rows, head.weight, head.bias)  # [C, V]
+
+    def _step_masks(self, mask):
+        """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that
+        share a key/value head ([H/G * M, N + M], row r * M + m = query m's row)."""
+        if self.attention != "bmm" or mask is None:
+            return mask
+        per_group = self.heads // self.kv_heads
+        if isinstance(mask, dict):
+            return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
+        return mask[0, 0].repeat(per_group, 1)
 
     def _attend(self, layer: _Layer, query, keys, values, mask):
-        """[1, M, H, D]: transformers' sdpa entry (mdcli.kernels' routed one inside its context), or
-        for a lone unmasked query the single sdpa call transformers makes for it."""
-        import torch.nn.functional as F
-
-        if mask is None:
-            out = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling,
-                                                 enable_gqa=self.heads != self.kv_heads)  # [1, H, 1, D]
-            return out.transpose(1, 2)
+        """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
+        m = query.shape[2]
+        if self.attention == "bmm":
+            return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values, mask, dropout=0.0,
-                                                 scaling=self.scaling)
-        return out
+        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values,
+                                                 None if mask is None else mask, dropout=0.0, scaling=self.scaling)
+        return out.reshape(1, m, -1)  # [1, M, H * D]
+
+
+def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
+    """softmax(q k^T * scale + mask) v with the H / G query heads of each key/value group stacked
+    into one matrix, as transformers pairs them (query head h reads group h // (H / G)).
+
+    query: [1, H, M, D]; keys, values: [1, G, N, D]; rows: [H/G * M, N] additive or None (a lone
+    query seeing everything). Returns [1, M, H * D]."""
+    import torch
+
+    _, heads, m, dim = query.shape
+    per_group = heads // groups
+    stacked = query[0].reshape(groups, per_group * m, dim)  # [G, H/G * M, D]
+    keys_t = keys[0].transpose(1, 2)  # [G, D, N]
+    if rows is None:
+        scores = torch.bmm(stacked, keys_t).mul_(scale)  # [G, H/G * M, N]
+    else:
+        scores = torch.baddbmm(rows, stacked, keys_t, alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
+    return out.view(groups, per_group, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+def _packed_linear(x, weight, bias=None):
+    from mdcli.packing import packed_linear
+
+    return packed_linear(x, weight, bias)
 
 
 def _rms_norm(x, weight, eps: float):

@@ -53,17 +53,21 @@ class ReferenceStepper:
 class EngineStepper:
     """mdcli's engine: one forward feeding one greedy token to each prompt's branch.
 
-    forward: "mdcli" (the engine's own forward where it applies, mdcli.fastforward) or
-    "transformers" (the model's forward always)."""
+    forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
+    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:packed|plain"."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
         import torch
 
         from mdcli.decoding import prefill_prompts
         from mdcli.engine import Engine
+        from mdcli.fastforward import FastForward
 
         self.engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types,
-                             own_forward=forward == "mdcli")
+                             own_forward=forward.startswith("mdcli"))
+        if forward.count(":") == 2:  # a variant, for comparing the choices fastforward makes
+            _, attention, weights = forward.split(":")
+            self.engine._fast = FastForward(lm.model, attention=attention, packed=weights == "packed")
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
@@ -266,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--branches", default="1,8")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
+    parser.add_argument("--forwards", default="transformers,mdcli",
+                        help="engine forwards to compare: transformers, mdcli, mdcli:bmm|transformers:packed|plain")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     lm = load_model(quiet=True)
@@ -275,13 +281,13 @@ def main(argv: list[str] | None = None) -> None:
           f"weights; prompt {len(prompts[0])} tokens")
     for width in widths:
         steppers = {"reference": ReferenceStepper(lm, prompts[0])}
-        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f) for f in ("transformers", "mdcli")}
+        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f) for f in args.forwards.split(",")}
         medians = median_step_seconds(steppers, args.steps)
         reference = medians["reference"]
         for name, seconds in medians.items():
             print(f"{width} branch(es), {name}: {1000 * seconds:.1f} ms = {seconds / reference:.2f}x the reference")
         if args.profile:
-            for forward in ("transformers", "mdcli"):
+            for forward in args.forwards.split(","):
                 profile = StepProfile(lm)
                 median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward)}, args.steps,
                                     observe=profile.observe)
