@@ -65,6 +65,11 @@ class Engine:
     def __len__(self) -> int:
         return len(self.forest)
 
+    @property
+    def own_forward(self) -> bool:
+        """True when decode steps run on mdcli's own forward (fastforward.py), not transformers'."""
+        return self._fast is not None
+
     # -- one forward -------------------------------------------------------------------------
 
     def forward(
