@@ -85,6 +85,22 @@ def test_bench_reports_what_a_decode_step_reads_and_its_share_of_a_given_peak(tm
     assert sequential["step_read_gbps"] is None
 
 
+def test_bench_reports_the_forest_step_against_transformers_own_single_sequence_step(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--branches", "1,2", "--context", "40",
+                                      "--new-tokens", "3", "--no-warmup", "--quiet", "--approaches", "forest,sequential",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    forests = [r for r in rows if r["approach"] == "forest"]
+    assert [r["branches"] for r in forests] == [1, 2]
+    for r in forests:
+        assert r["reference_step_ms"] > 0
+        assert abs(r["step_vs_reference"] - r["step_ms"] / r["reference_step_ms"]) < 0.01
+    assert all(r["reference_step_ms"] is None for r in rows if r["approach"] == "sequential")
+    assert "single-sequence step" in result.output and "1 branch" in result.output and "2 branches" in result.output
+
+
 def test_weight_bytes_count_a_tied_embedding_once(embedded):
     from mdcli.bench.ask import weight_bytes
 

@@ -180,6 +180,8 @@ class StepProfile:
             (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
+            (fastforward, "_packed_linear", self._timed(fastforward._packed_linear, "linears")),
+            (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
                     for module in _modeling_modules(self.lm.model)]
