@@ -132,22 +132,16 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurem
     step_bytes = weight_bytes(model.model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
     return Measurement("forest", case, seconds, kv, [tokens[i] for i in range(len(prompts))],
                        step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
-                       reference_step_seconds=reference_step(model, prompts[0], min(case.new_tokens, 32)))
-
-
-_REFERENCE_STEPS: dict[tuple, float] = {}
+                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens))
 
 
 def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
-    """Seconds of transformers' own single-sequence decode step over `prompt` (stock kernels, stock
-    cache: mdcli.bench.step), measured once per model, prompt and step count in this process."""
+    """Median seconds of transformers' own single-sequence decode step over `prompt` and as many
+    steps as the forest took (stock kernels, stock cache: mdcli.bench.step), measured right after
+    the forest, so both see the same machine."""
     from mdcli.bench.step import ReferenceStepper, median_step_seconds
 
-    key = (id(model.model), tuple(prompt), steps)
-    if key not in _REFERENCE_STEPS:
-        stepper = ReferenceStepper(model, prompt)
-        _REFERENCE_STEPS[key] = median_step_seconds({"reference": stepper}, steps)["reference"]
-    return _REFERENCE_STEPS[key]
+    return median_step_seconds({"reference": ReferenceStepper(model, prompt)}, steps)["reference"]
 
 
 def weight_bytes(model) -> int:
