@@ -136,10 +136,10 @@ class FastForward:
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.packed = packing_wanted(model) if packed is None else packed
         if self.packed:
-            from mdcli.packing import pack_layer
+            from mdcli.packing import packed_layers
 
-            for layer in self.layers:
-                pack_layer(layer)
+            for layer, packed in zip(self.layers, packed_layers(model, self.layers)):
+                layer.qkv, layer.o, layer.gate_up, layer.down = packed
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer

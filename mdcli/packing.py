@@ -38,12 +38,18 @@ def packing_wanted(model) -> bool:
     return free is not None and needed <= free // 2
 
 
-def pack_layer(layer) -> None:
-    """Replace a fastforward layer's projection weights by packed copies (the model keeps its own)."""
-    layer.qkv = pack(layer.qkv)
-    layer.o = pack(layer.o)
-    layer.gate_up = pack(layer.gate_up)
-    layer.down = pack(layer.down)
+def packed_layers(model, layers) -> list[tuple]:
+    """(qkv, o, gate_up, down) packed, per fastforward layer: made once per model and kept on it,
+    so every engine over the same model shares one packed copy (the weights do not change while
+    mdcli runs: it only runs inference)."""
+    cached = model.__dict__.get(_CACHE)
+    if cached is None or len(cached) != len(layers):
+        cached = [tuple(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in layers]
+        model.__dict__[_CACHE] = cached
+    return cached
+
+
+_CACHE = "_mdcli_packed_projections"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

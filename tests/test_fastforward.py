@@ -122,3 +122,12 @@ def test_real_model_own_forward_matches_transformers_and_generate(embedded):
     for i in (0, 2):
         expected = generate_alone(embedded.model, prompts[i], len(generated[i]))  # stops at EOS, if any
         assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
+
+
+def test_packed_weights_are_made_once_per_model():
+    if kernel_name(torch.device("cpu"), torch.float32) != "oneDNN":
+        pytest.skip("packed weights are made only where linears run on oneDNN")
+    model = tiny_model("llama", "sdpa")
+    first, second = FastForward(model, packed=True), FastForward(model, packed=True)
+    assert first.layers[0].qkv is second.layers[0].qkv
+    assert model.model.layers[0].self_attn.q_proj.weight.layout == torch.strided  # the model keeps its own
