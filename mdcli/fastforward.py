@@ -135,11 +135,13 @@ class FastForward:
         self.attention = attention or _attention_wanted(model)
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.packed = packing_wanted(model) if packed is None else packed
+        self.head = model.lm_head.weight  # [V, hidden]
         if self.packed:
-            from mdcli.packing import packed_layers
+            from mdcli.packing import packed_weights
 
-            for layer, packed in zip(self.layers, packed_layers(model, self.layers)):
-                layer.qkv, layer.o, layer.gate_up, layer.down = packed
+            packed, self.head = packed_weights(model, self.layers)
+            for layer, weights in zip(self.layers, packed):
+                layer.qkv, layer.o, layer.gate_up, layer.down = weights
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
@@ -171,8 +173,7 @@ class FastForward:
         if keep is None:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
-        head = self.model.lm_head
-        return F.linear(rows, head.weight, head.bias)  # [C, V]
+        return linear(rows, self.head, self.model.lm_head.bias)  # [C, V]
 
     def _step_masks(self, mask):
         """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that

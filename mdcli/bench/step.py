@@ -169,9 +169,15 @@ class StepProfile:
         vocab = self.lm.model.config.vocab_size
         linear = F.linear
 
+        packed_linear = fastforward._packed_linear
+
         def timed_linear(x, weight, bias=None):
             part = "lm_head" if weight.shape[0] == vocab else "linears"
             return self._timed(linear, part)(x, weight, bias)
+
+        def timed_packed_linear(x, weight, bias=None):
+            part = "lm_head" if weight.shape[0] == vocab else "linears"
+            return self._timed(packed_linear, part)(x, weight, bias)
 
         patches = [
             (F, "linear", timed_linear),
@@ -180,7 +186,7 @@ class StepProfile:
             (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
-            (fastforward, "_packed_linear", self._timed(fastforward._packed_linear, "linears")),
+            (fastforward, "_packed_linear", timed_packed_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
