@@ -119,3 +119,20 @@ def test_weight_bytes_skip_an_untied_input_table():
     table = model.get_input_embeddings().weight
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert weight_bytes(model) == every - table.numel() * table.element_size() + buffers
+
+
+def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_whole_step():
+    from mdcli.bench.step import EngineStepper, ReferenceStepper, StepProfile, median_step_seconds
+
+    lm = random_model("tiny")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
+    steppers = {"reference": ReferenceStepper(lm, prompts[0]),
+                "transformers": EngineStepper(lm, prompts, "transformers"),
+                "mdcli": EngineStepper(lm, prompts, "mdcli")}
+    assert steppers["mdcli"].engine.own_forward and not steppers["transformers"].engine.own_forward
+    assert all(seconds > 0 for seconds in median_step_seconds(steppers, 2).values())
+    profile = StepProfile(lm)
+    median_step_seconds({"mdcli": EngineStepper(lm, prompts, "mdcli")}, 2, observe=profile.observe)
+    parts = dict(profile.table())
+    assert parts["linears"] > 0 and parts["attention"] > 0 and parts["lm_head"] > 0
+    assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6

@@ -264,6 +264,47 @@ def _modeling_modules(model) -> list:
     return [module] if module is not None and hasattr(module, "apply_rotary_pos_emb") else []
 
 
+# -- linear kernels --------------------------------------------------------------------------------
+
+
+def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
+    """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
+    output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
+    plain weights, oneDNN on packed weights (mdcli.packing). Median ms over `repeats`."""
+    import torch
+    import torch.nn.functional as F
+
+    from mdcli.packing import pack, packed_linear
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*shape, generator=generator) * 0.02 for shape in shapes]
+    packed = [pack(w) for w in weights]
+
+    def onednn(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | oneDNN packed, ms | packed vs stock |",
+             "|---:|---:|---:|---:|---:|"]
+    with torch.inference_mode():
+        for m in token_counts:
+            inputs = {k: torch.randn(m, k, generator=generator) for k in (576, 1536)}
+            timings = []
+            for function, mats in ((F.linear, weights), (onednn, weights), (packed_linear, packed)):
+                def one_pass(function=function, mats=mats):
+                    for (_, k), w in zip(shapes, mats):
+                        function(inputs[k], w)
+                one_pass()
+                runs = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    one_pass()
+                    runs.append(time.perf_counter() - started)
+                timings.append(1000 * statistics.median(runs))
+            lines.append(f"| {m} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} | {timings[0] / timings[2]:.2f}x |")
+    return "\n".join(lines)
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
@@ -280,8 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, mdcli:bmm|transformers:packed|plain")
+    parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.linears:
+        print(linear_kernels_table([1, 2, 4, 8, 16, 64]))
+        return
     lm = load_model(quiet=True)
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
