@@ -9,14 +9,19 @@ and the tests compare this one with it. What this forward changes, per layer:
   row slices of it (views: the same memory, the model's forward reads the same numbers);
 * rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
   per step by the model's own rotary module (every rope type transformers knows stays exact);
-* the mask made once per step by the engine and handed to every layer as is;
+* the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) attention
+  is two batched products per layer with the query heads of a key/value group stacked and the
+  mask's rows repeated for them once per step, elsewhere transformers' sdpa entry;
+* where linears run on oneDNN, the projections and the head multiply by weights packed once into
+  oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
 
-The arithmetic is the same operations in the same order on the same numbers; matrix products over
-a fused weight may sum in another order inside the BLAS, so logits agree with transformers' forward
-to float32 rounding (tested to 1e-4 with identical greedy tokens). `MDCLI_FORWARD=transformers`
+The arithmetic is the same operations on the same numbers; products over a fused or packed weight
+and the batched attention may sum in another order inside the BLAS, so logits agree with
+transformers' forward to float32 rounding (tested to 1e-4 with identical greedy tokens). Measured
+in BENCHMARKS.md ("A faster decode step"). `MDCLI_FORWARD=transformers`
 turns it off.
 """
 
