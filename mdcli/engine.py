@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from mdcli import cache as kv
+from mdcli.fastforward import fast_forward_for
 from mdcli.forest import Forest, layout_chains, pad_rows
 from mdcli.kernels import cpu_kernels
 
@@ -43,6 +44,7 @@ class Engine:
         sliding_window: int | None = None,
         mixed_layer_types: bool = False,
         max_forward_tokens: int = 1024,
+        own_forward: bool = True,
     ) -> None:
         import torch
 
@@ -58,9 +60,16 @@ class Engine:
         self.peak_tokens = 0
         self.compactions = 0
         self._neg = torch.finfo(self.dtype).min
+        # mdcli's own forward where it applies (fastforward.py), else None: transformers' forward
+        self._fast = fast_forward_for(model) if own_forward else None
 
     def __len__(self) -> int:
         return len(self.forest)
+
+    @property
+    def own_forward(self) -> bool:
+        """True when decode steps run on mdcli's own forward (fastforward.py), not transformers'."""
+        return self._fast is not None
 
     # -- one forward -------------------------------------------------------------------------
 
@@ -107,19 +116,24 @@ class Engine:
         if self.sliding_window is not None and not linear:
             windowed = self._additive(allowed & self._inside_window(positions))
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
+        # an unmasked forward is a causal one: mdcli's forward takes it only for a lone token without a window
+        fast = self._fast is not None and (mask is not None or (len(tokens) == 1 and self.sliding_window is None))
         with torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype):
-            output = self.model(
-                input_ids=tokens[None, :],
-                position_ids=positions[None, :],
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=keep_logits if keep_logits is not None else 1,
-            )
+            if fast:
+                logits = self._fast(tokens, positions, mask, self.cache, keep_logits)  # [C, V] or None
+            else:
+                logits = self.model(
+                    input_ids=tokens[None, :],
+                    position_ids=positions[None, :],
+                    attention_mask=mask,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=keep_logits if keep_logits is not None else 1,
+                ).logits[0]
         self.forwards += 1
         if keep_logits is None:
             return None
-        return output.logits[0].float()  # [C, V]
+        return logits.float()  # [C, V]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         import torch

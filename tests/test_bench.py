@@ -87,6 +87,22 @@ def test_bench_reports_what_a_decode_step_reads_and_its_share_of_a_given_peak(tm
     assert sequential["step_read_gbps"] is None
 
 
+def test_bench_reports_the_forest_step_against_transformers_own_single_sequence_step(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--branches", "1,2", "--context", "40",
+                                      "--new-tokens", "3", "--no-warmup", "--quiet", "--approaches", "forest,sequential",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    forests = [r for r in rows if r["approach"] == "forest"]
+    assert [r["branches"] for r in forests] == [1, 2]
+    for r in forests:
+        assert r["reference_step_ms"] > 0
+        assert abs(r["step_vs_reference"] - r["step_ms"] / r["reference_step_ms"]) < 0.01
+    assert all(r["reference_step_ms"] is None for r in rows if r["approach"] == "sequential")
+    assert "single-sequence step" in result.output and "1 branch" in result.output and "2 branches" in result.output
+
+
 def test_weight_bytes_count_a_tied_embedding_once(embedded):
     from mdcli.bench.ask import weight_bytes
 
@@ -124,3 +140,20 @@ def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(
     assert len(mdcli_tokens) == 2 and all(0 < len(t) <= 4 for t in mdcli_tokens)
     for mode in ("sequential", "batched", "prefill-once"):
         assert runs[mode]["token_ids"] == mdcli_tokens, mode
+
+
+def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_whole_step():
+    from mdcli.bench.step import EngineStepper, ReferenceStepper, StepProfile, median_step_seconds
+
+    lm = random_model("tiny")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
+    steppers = {"reference": ReferenceStepper(lm, prompts[0]),
+                "transformers": EngineStepper(lm, prompts, "transformers"),
+                "mdcli": EngineStepper(lm, prompts, "mdcli")}
+    assert steppers["mdcli"].engine.own_forward and not steppers["transformers"].engine.own_forward
+    assert all(seconds > 0 for seconds in median_step_seconds(steppers, 2).values())
+    profile = StepProfile(lm)
+    median_step_seconds({"mdcli": EngineStepper(lm, prompts, "mdcli")}, 2, observe=profile.observe)
+    parts = dict(profile.table())
+    assert parts["linears"] > 0 and parts["attention"] > 0 and parts["lm_head"] > 0
+    assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6

@@ -61,6 +61,7 @@ class Measurement:
     tokens: list[list[int]] = field(repr=False)
     step_seconds: float | None = None  # decode time per step (forest only)
     step_bytes: int | None = None  # weights + KV a decode step reads, at the mean cache length (forest only)
+    reference_step_seconds: float | None = None  # transformers' own 1-sequence step, same context (forest only)
     matches_forest: bool | None = None
 
     @property
@@ -130,7 +131,17 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurem
     mean_cache_tokens = (stats.prefill_tokens + stats.peak_cache_tokens) / 2  # the cache grows linearly while decoding
     step_bytes = weight_bytes(model.model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
     return Measurement("forest", case, seconds, kv, [tokens[i] for i in range(len(prompts))],
-                       step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes)
+                       step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
+                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens))
+
+
+def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
+    """Median seconds of transformers' own single-sequence decode step over `prompt` and as many
+    steps as the forest took (stock kernels, stock cache: mdcli.bench.step), measured right after
+    the forest, so both see the same machine."""
+    from mdcli.bench.step import ReferenceStepper, median_step_seconds
+
+    return median_step_seconds({"reference": ReferenceStepper(model, prompt)}, steps)["reference"]
 
 
 def weight_bytes(model) -> int:

@@ -49,6 +49,8 @@ def combine_repeats(runs: list[list[Measurement]]) -> list[Measurement]:
         first.seconds = median(m.seconds for m in same)
         steps = [m.step_seconds for m in same if m.step_seconds is not None]
         first.step_seconds = median(steps) if steps else None
+        references = [m.reference_step_seconds for m in same if m.reference_step_seconds is not None]
+        first.reference_step_seconds = median(references) if references else None
         first.matches_forest = all(m.matches_forest is not False for m in same)
         combined.append(first)
     return combined
@@ -82,6 +84,8 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
                 "forest_speedup": round(m.seconds / forest_time[key], 2) if key in forest_time else None,
                 "kv_vs_forest": round(m.kv_bytes / forest_kv[key], 2) if key in forest_time and forest_kv[key] else None,
                 "step_ms": round(m.step_seconds * 1000, 2) if m.step_seconds is not None else None,
+                "reference_step_ms": _ms(m.reference_step_seconds),
+                "step_vs_reference": _ratio(m.step_seconds, m.reference_step_seconds),
                 "step_read_gbps": _read_gbps(m),
                 "step_bandwidth_fraction": _fraction(_read_gbps(m), peak_bandwidth_gbps),
                 "same_tokens_as_forest": m.matches_forest,
@@ -93,14 +97,14 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
 def markdown_table(table: list[dict]) -> str:
     header = (
         "| branches | context | new | approach | seconds | tok/s | KV MiB | forest is x faster | KV x forest "
-        "| step ms | step reads GB/s | of peak | same tokens |\n"
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        "| step ms | step reads GB/s | of peak | transformers step ms | step x transformers | same tokens |\n"
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     body = "".join(
         f"| {r['branches']} | {r['context_tokens']} | {r['new_tokens']} | {r['approach']} | {r['seconds']:.2f} "
         f"| {r['tokens_per_second']:.1f} | {r['kv_mib']:.1f} | {_num(r['forest_speedup'])} | {_num(r['kv_vs_forest'])} "
         f"| {_num(r['step_ms'])} | {_num(r['step_read_gbps'])} | {_percent(r['step_bandwidth_fraction'])} "
-        f"| {_yes(r['same_tokens_as_forest'])} |\n"
+        f"| {_num(r['reference_step_ms'])} | {_num(r['step_vs_reference'])} | {_yes(r['same_tokens_as_forest'])} |\n"
         for r in table
     )
     return header + body
@@ -145,6 +149,15 @@ def _read_gbps(m: Measurement) -> float | None:
     if m.step_bytes is None or not m.step_seconds:
         return None
     return round(m.step_bytes / m.step_seconds / 1e9, 1)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def _ratio(step: float | None, reference: float | None) -> float | None:
+    """A forest step over transformers' own single-sequence step on the same context."""
+    return None if step is None or not reference else round(step / reference, 2)
 
 
 def _fraction(gbps: float | None, peak: float | None) -> float | None:

@@ -159,16 +159,26 @@ def _print_table(table: list[dict], facts: dict) -> None:
     out = Table(title=f"{facts['model']} · {facts['dtype']} · {facts['torch_threads']} thread(s) · load "
                       f"{facts['load_average_1m']}\n{cpu} · kernels {facts['mdcli_kernels']} ({facts['mdcli_kernels_reason']})")
     # forest x: how many times faster the forest was than this row's approach
-    for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "GB/s", "same"):
+    # x ref: the forest's step over transformers' own single-sequence step on the same context
+    for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "ref ms", "x ref", "GB/s",
+                 "same"):
         out.add_column(name, justify="left" if name == "approach" else "right")
     for r in table:
         out.add_row(str(r["branches"]), str(r["context_tokens"]), str(r["new_tokens"]), r["approach"], f"{r['seconds']:.2f}",
                     f"{r['tokens_per_second']:.1f}", f"{r['kv_mib']:.1f}",
                     "" if r["forest_speedup"] is None else f"{r['forest_speedup']:.2f}",
                     "" if r["step_ms"] is None else f"{r['step_ms']:.1f}",
+                    "" if r["reference_step_ms"] is None else f"{r['reference_step_ms']:.1f}",
+                    "" if r["step_vs_reference"] is None else f"{r['step_vs_reference']:.2f}",
                     _bandwidth_cell(r),
                     {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]])
     Console().print(out)
+    steps = [r for r in table if r["step_vs_reference"] is not None]
+    if steps:
+        ratios = ", ".join(f"{r['branches']} branch{'es' if r['branches'] > 1 else ''} {r['step_vs_reference']:.2f}x"
+                           for r in steps)
+        Console().print(f"forest step against transformers' own single-sequence step (stock kernels, same context): "
+                        f"{ratios}")
 
 
 def _bandwidth_cell(row: dict) -> str:

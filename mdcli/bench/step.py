@@ -1,0 +1,355 @@
+"""Benchmark: one decode step, mdcli's engine against transformers' own single-sequence step.
+
+    python -m mdcli.bench.step                 # ratios: 1 and 8 branches over the bench's document
+    python -m mdcli.bench.step --profile       # where a step's time goes, by part of the model
+
+The reference is what `generate` does per token, with the loop reduced to its core: the prompt
+prefilled into a stock `DynamicCache`, then one token per forward on torch's own kernels, greedy.
+The engine steps are mdcli's `Engine.forward` with 1 or B chains of one token each over the shared
+cache of the same prompts (the bench's document plus questions, `mdcli.bench.ask.prompts_for`).
+
+The profile times parts by wrapping them (module hooks on linears, norms, attention blocks and
+MLPs; the rotary, attention-kernel and cache-write functions): the wrapping costs a little, so the
+parts add up to slightly more than an unwrapped step, and "Python glue" is the step minus the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from mdcli.loading import LoadedModel
+
+
+class ReferenceStepper:
+    """transformers' own single-sequence decode: the prompt prefilled into a stock `DynamicCache`,
+    then one greedy token per forward, on torch's stock kernels (what `generate` does per token)."""
+
+    def __init__(self, lm: LoadedModel, prompt: list[int]) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        self.model, self.cache = lm.model, DynamicCache()
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=lm.device)
+            self.logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                                     logits_to_keep=1).logits[:, -1]  # [1, V]
+
+    def step(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            token = self.logits.argmax(-1, keepdim=True)  # [1, 1]
+            self.logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+
+
+class EngineStepper:
+    """mdcli's engine: one forward feeding one greedy token to each prompt's branch.
+
+    forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
+    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:packed|plain"."""
+
+    def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
+        import torch
+
+        from mdcli.decoding import prefill_prompts
+        from mdcli.engine import Engine
+        from mdcli.fastforward import FastForward
+
+        self.engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types,
+                             own_forward=forward.startswith("mdcli"))
+        if forward.count(":") == 2:  # a variant, for comparing the choices fastforward makes
+            _, attention, weights = forward.split(":")
+            self.engine._fast = FastForward(lm.model, attention=attention, packed=weights == "packed")
+        outs = prefill_prompts(self.engine, prompts)
+        self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
+
+    def step(self) -> None:
+        import torch
+
+        tokens = self.logits.argmax(-1).tolist()
+        stacked = torch.stack([_pad(r, len(self.engine)) for r in self.rows])  # [B, N]
+        outs = self.engine.forward(stacked, [[t] for t in tokens])
+        self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])
+
+
+def median_step_seconds(steppers: dict[str, object], steps: int, observe=None) -> dict[str, float]:
+    """Median seconds per step of each stepper, taking their steps in turn (one of each, then the
+    next), so a change in the machine's load falls on all of them alike.
+
+    observe: an optional context manager factory entered around every timed step (the profiler)."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, stepper in steppers.items():
+            with observe() if observe is not None else _nothing():
+                started = time.perf_counter()
+                stepper.step()
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """What one thread reads per second here: the best of a few sums over a buffer much larger
+    than any cache (a decode step's weights are read the same way, once each)."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def _pad(row, length: int):
+    from mdcli.forest import pad_rows
+
+    return pad_rows(row[None], length)[0]
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+# -- profile ---------------------------------------------------------------------------------------
+
+
+class StepProfile:
+    """Seconds per part of the model, summed over the observed steps, for either forward.
+
+    Each part is timed where both forwards reach it: `F.linear` (which mdcli.kernels may route),
+    the attention functions, the norm and activation modules or mdcli's norm function, the rotary
+    table and its application, the cache's `update` and the engine's mask. Every part is exclusive
+    (attention inside attention counts once); the rest of the step is Python and dispatch glue."""
+
+    PARTS = ("linears", "lm_head", "attention", "rotary", "norms", "activation", "cache writes", "mask")
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.total = 0.0
+        self._depth: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def observe(self):
+        from mdcli.kernels import cpu_kernels
+
+        # held open around the step so mdcli.kernels installs its routes once, before the wrapping
+        with cpu_kernels(self.lm.device, self.lm.dtype), self._wrapped():
+            started = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - started
+        self.steps += 1
+
+    def table(self) -> list[tuple[str, float]]:
+        """(part, ms per step) for every part, the glue, and the whole (wrapped) step."""
+        rows = [(part, 1000 * self.seconds[part] / self.steps) for part in self.PARTS]
+        total = 1000 * self.total / self.steps
+        return [*rows, ("Python and dispatch glue (the rest)", total - sum(ms for _, ms in rows)), ("step", total)]
+
+    @contextmanager
+    def _wrapped(self):
+        import torch.nn.functional as F
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from mdcli import cache as kv
+        from mdcli import engine as engine_module
+        from mdcli import fastforward
+
+        vocab = self.lm.model.config.vocab_size
+        linear = F.linear
+
+        packed_linear = fastforward._packed_linear
+
+        def timed_linear(x, weight, bias=None):
+            part = "lm_head" if weight.shape[0] == vocab else "linears"
+            return self._timed(linear, part)(x, weight, bias)
+
+        def timed_packed_linear(x, weight, bias=None):
+            part = "lm_head" if weight.shape[0] == vocab else "linears"
+            return self._timed(packed_linear, part)(x, weight, bias)
+
+        patches = [
+            (F, "linear", timed_linear),
+            (F, "scaled_dot_product_attention", self._timed(F.scaled_dot_product_attention, "attention")),
+            (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask")),
+            (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
+            (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
+            (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
+            (fastforward, "_packed_linear", timed_packed_linear),
+            (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
+        ]
+        patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
+                    for module in _modeling_modules(self.lm.model)]
+        functions = ALL_ATTENTION_FUNCTIONS._local_mapping if "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping \
+            else ALL_ATTENTION_FUNCTIONS._global_mapping
+        patches.append((functions, "sdpa", self._timed(functions["sdpa"], "attention")))
+        handles = []
+        for name, module in self.lm.model.named_modules():
+            part = _part_of(name)
+            if part is not None:
+                handles.append(module.register_forward_pre_hook(self._start(part)))
+                handles.append(module.register_forward_hook(self._stop(part)))
+        saved = [(owner, attr, _get(owner, attr)) for owner, attr, _ in patches]
+        try:
+            for owner, attr, replacement in patches:
+                _set(owner, attr, replacement)
+            yield
+        finally:
+            for owner, attr, original in reversed(saved):
+                _set(owner, attr, original)
+            for handle in handles:
+                handle.remove()
+
+    def _timed(self, function, part):
+        def timed(*args, **kwargs):
+            self._depth[part] += 1
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth[part] -= 1
+                if self._depth[part] == 0:
+                    self.seconds[part] += time.perf_counter() - started
+        return timed
+
+    def _start(self, part):
+        def hook(module, args):
+            module.__dict__["_mdcli_started"] = time.perf_counter()
+        return hook
+
+    def _stop(self, part):
+        def hook(module, args, output):
+            self.seconds[part] += time.perf_counter() - module.__dict__["_mdcli_started"]
+        return hook
+
+
+def _get(owner, attr):
+    return owner[attr] if isinstance(owner, dict) else getattr(owner, attr)
+
+
+def _set(owner, attr, value) -> None:
+    if isinstance(owner, dict):
+        owner[attr] = value
+    else:
+        setattr(owner, attr, value)
+
+
+def _part_of(name: str) -> str | None:
+    """The part a module's whole call belongs to (its linears are timed through F.linear)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith("norm") or leaf.endswith("layernorm"):
+        return "norms"
+    if leaf == "rotary_emb":
+        return "rotary"
+    if leaf == "act_fn":
+        return "activation"
+    return None
+
+
+def _modeling_modules(model) -> list:
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    return [module] if module is not None and hasattr(module, "apply_rotary_pos_emb") else []
+
+
+# -- linear kernels --------------------------------------------------------------------------------
+
+
+def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
+    """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
+    output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
+    plain weights, oneDNN on packed weights (mdcli.packing). Median ms over `repeats`."""
+    import torch
+    import torch.nn.functional as F
+
+    from mdcli.packing import pack, packed_linear
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*shape, generator=generator) * 0.02 for shape in shapes]
+    packed = [pack(w) for w in weights]
+
+    def onednn(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | oneDNN packed, ms | packed vs stock |",
+             "|---:|---:|---:|---:|---:|"]
+    with torch.inference_mode():
+        for m in token_counts:
+            inputs = {k: torch.randn(m, k, generator=generator) for k in (576, 1536)}
+            timings = []
+            for function, mats in ((F.linear, weights), (onednn, weights), (packed_linear, packed)):
+                def one_pass(function=function, mats=mats):
+                    for (_, k), w in zip(shapes, mats):
+                        function(inputs[k], w)
+                one_pass()
+                runs = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    one_pass()
+                    runs.append(time.perf_counter() - started)
+                timings.append(1000 * statistics.median(runs))
+            lines.append(f"| {m} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} | {timings[0] / timings[2]:.2f}x |")
+    return "\n".join(lines)
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    from mdcli.bench.ask import Case, prompts_for, weight_bytes
+    from mdcli.loading import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--branches", default="1,8")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
+    parser.add_argument("--forwards", default="transformers,mdcli",
+                        help="engine forwards to compare: transformers, mdcli, mdcli:bmm|transformers:packed|plain")
+    parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.linears:
+        print(linear_kernels_table([1, 2, 4, 8, 16, 64]))
+        return
+    lm = load_model(quiet=True)
+    widths = [int(b) for b in args.branches.split(",")]
+    prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
+    print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {weight_bytes(lm.model) / 1e6:.0f} MB of "
+          f"weights; prompt {len(prompts[0])} tokens")
+    for width in widths:
+        steppers = {"reference": ReferenceStepper(lm, prompts[0])}
+        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f) for f in args.forwards.split(",")}
+        medians = median_step_seconds(steppers, args.steps)
+        reference = medians["reference"]
+        for name, seconds in medians.items():
+            print(f"{width} branch(es), {name}: {1000 * seconds:.1f} ms = {seconds / reference:.2f}x the reference")
+        if args.profile:
+            for forward in args.forwards.split(","):
+                profile = StepProfile(lm)
+                median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward)}, args.steps,
+                                    observe=profile.observe)
+                print(f"\n| part of a {width}-branch step, {forward} forward | ms | share |\n|---|---:|---:|")
+                rows = profile.table()
+                for part, ms in rows:
+                    print(f"| {part} | {ms:.2f} | {100 * ms / rows[-1][1]:.0f}% |")
+                print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""mdcli's own decode forward for the Llama family (Llama, Mistral, Qwen2): fewer, larger operations.
+
+transformers' forward is the reference: it stays the model's own forward, used for everything this
+module does not take (another architecture, eager attention, an unmasked prefill of many tokens),
+and the tests compare this one with it. What this forward changes, per layer:
+
+* one matrix product for q, k and v and one for gate and up: the layer's weights are copied once
+  into a fused matrix and the model's own `q_proj.weight` ... `up_proj.weight` are re-pointed at
+  row slices of it (views: the same memory, the model's forward reads the same numbers);
+* rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
+  per step by the model's own rotary module (every rope type transformers knows stays exact);
+* the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) attention
+  is two batched products per layer with the query heads of a key/value group stacked and the
+  mask's rows repeated for them once per step, elsewhere transformers' sdpa entry;
+* where linears run on oneDNN, the projections and the head multiply by weights packed once into
+  oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy);
+* keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
+* the final norm and `lm_head` only on the rows whose logits are wanted;
+* no module calls, hooks, output records or keyword plumbing between the operations.
+
+The arithmetic is the same operations on the same numbers; products over a fused or packed weight
+and the batched attention may sum in another order inside the BLAS, so logits agree with
+transformers' forward to float32 rounding (tested to 1e-4 with identical greedy tokens). Measured
+in BENCHMARKS.md ("A faster decode step"). `MDCLI_FORWARD=transformers`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+OPT_OUT = "MDCLI_FORWARD"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def fast_forward_for(model, **options) -> FastForward | None:
+    """mdcli's forward for this model, or None where transformers' own forward must run."""
+    if os.environ.get(OPT_OUT, "").strip().lower() in {"transformers", "hf", "off", "0"}:
+        return None
+    reason = unsupported_reason(model)
+    return None if reason else FastForward(model, **options)
+
+
+def packing_wanted(model) -> bool:
+    """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN, unless turned off
+    (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the free memory."""
+    from mdcli.packing import packing_wanted as wanted
+
+    return wanted(model)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this model keeps transformers' forward (None: it can use mdcli's)."""
+    import torch.nn as nn
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return "only the sdpa attention implementation is reproduced"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "unexpected module layout"
+    if type(inner.embed_tokens) is not nn.Embedding:
+        return "the embedding is not a plain nn.Embedding"
+    if len(inner.layers) != config.num_hidden_layers:
+        return "layer count differs from the config"
+    for layer in inner.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not nn.Linear or not _plain(m.weight) for m in linears):
+            return "a projection is not a plain dense nn.Linear (quantized or wrapped weights)"
+        if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
+            return "query/key norms are not reproduced"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not _plain_rms_norm(norm):
+                return f"norm {type(norm).__name__} is not the plain Llama RMSNorm"
+    if not _plain_rms_norm(inner.norm):
+        return "the final norm is not the plain Llama RMSNorm"
+    return None
+
+
+def _plain(tensor) -> bool:
+    import torch
+
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
+
+
+def _plain_rms_norm(norm) -> bool:
+    name = type(norm).__name__
+    return name in {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"} and hasattr(norm, "variance_epsilon")
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors, gathered once."""
+
+    qkv: torch.Tensor  # [(H + 2G) * D, hidden] fused q/k/v weight (q_proj etc. are views of it)
+    qkv_bias: torch.Tensor | None  # [(H + 2G) * D]
+    o: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 * I, hidden] fused gate/up weight
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, I]
+    down_bias: torch.Tensor | None
+    norm_in: torch.Tensor  # [hidden]
+    norm_in_eps: float
+    norm_post: torch.Tensor
+    norm_post_eps: float
+    attention: object  # the HF attention module (the attention function reads its attributes)
+    act: object
+    layer_type: str
+
+
+class FastForward:
+    """Callable: (tokens, positions, mask, cache, keep) -> logits of the kept rows, or None.
+
+    attention: "bmm" (two batched products per step and layer, the query heads of a key/value
+    group stacked, the mask's rows repeated once per step) or "transformers" (the model's sdpa
+    entry, which mdcli.kernels may route); None: "bmm" where mdcli.kernels runs linears on oneDNN,
+    else "transformers" (measured: bmm 2-5% faster there, 4-7% slower on stock AVX2 kernels).
+    packed: run the projections on weights copied once into oneDNN's blocked layout (see
+    `packing_wanted`); None decides by that rule."""
+
+    def __init__(self, model, *, attention: str | None = None, packed: bool | None = None) -> None:
+        config = model.config
+        self.model = model
+        self.inner = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        first = self.inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.attention = attention or _attention_wanted(model)
+        self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
+        self.packed = packing_wanted(model) if packed is None else packed
+        self.head = model.lm_head.weight  # [V, hidden]
+        if self.packed:
+            from mdcli.packing import packed_weights
+
+            packed, self.head = packed_weights(model, self.layers)
+            for layer, weights in zip(self.layers, packed):
+                layer.qkv, layer.o, layer.gate_up, layer.down = weights
+
+    def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+        """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
+        type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
+        indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
+        import torch.nn.functional as F
+
+        linear = _packed_linear if self.packed else F.linear  # F.linear looked up per call: mdcli.kernels may route it
+        hidden = self.inner.embed_tokens.weight[tokens][None]  # [1, M, hidden]
+        cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        m = tokens.shape[0]
+        masks = self._step_masks(mask)
+        for index, layer in enumerate(self.layers):
+            layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
+            x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
+            qkv = linear(x, layer.qkv, layer.qkv_bias).view(1, m, heads + 2 * kv_heads, dim)  # [1, M, H + 2G, D]
+            qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # [1, M, H + G, D]
+            query = qk[:, :, :heads].transpose(1, 2)  # [1, H, M, D]
+            key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
+            value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
+            keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
+            attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H * D]
+            hidden = hidden + linear(attended, layer.o, layer.o_bias)
+            x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
+            gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
+            hidden = hidden + linear(layer.act(gate) * up, layer.down, layer.down_bias)
+        if keep is None:
+            return None
+        rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
+        return linear(rows, self.head, self.model.lm_head.bias)  # [C, V]
+
+    def _step_masks(self, mask):
+        """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that
+        share a key/value head ([H/G * M, N + M], row r * M + m = query m's row)."""
+        if self.attention != "bmm" or mask is None:
+            return mask
+        per_group = self.heads // self.kv_heads
+        if isinstance(mask, dict):
+            return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
+        return mask[0, 0].repeat(per_group, 1)
+
+    def _attend(self, layer: _Layer, query, keys, values, mask):
+        """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
+        m = query.shape[2]
+        if self.attention == "bmm":
+            return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values,
+                                                 None if mask is None else mask, dropout=0.0, scaling=self.scaling)
+        return out.reshape(1, m, -1)  # [1, M, H * D]
+
+
+def _attention_wanted(model) -> str:
+    from mdcli.kernels import kernel_name
+
+    weight = model.model.layers[0].mlp.up_proj.weight
+    return "bmm" if kernel_name(weight.device, weight.dtype) == "oneDNN" else "transformers"
+
+
+def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
+    """softmax(q k^T * scale + mask) v with the H / G query heads of each key/value group stacked
+    into one matrix, as transformers pairs them (query head h reads group h // (H / G)).
+
+    query: [1, H, M, D]; keys, values: [1, G, N, D]; rows: [H/G * M, N] additive or None (a lone
+    query seeing everything). Returns [1, M, H * D]."""
+    import torch
+
+    _, heads, m, dim = query.shape
+    per_group = heads // groups
+    stacked = query[0].reshape(groups, per_group * m, dim)  # [G, H/G * M, D]
+    keys_t = keys[0].transpose(1, 2)  # [G, D, N]
+    if rows is None:
+        scores = torch.bmm(stacked, keys_t).mul_(scale)  # [G, H/G * M, N]
+    else:
+        scores = torch.baddbmm(rows, stacked, keys_t, alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
+    return out.view(groups, per_group, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+def _packed_linear(x, weight, bias=None):
+    from mdcli.packing import packed_linear
+
+    return packed_linear(x, weight, bias)
+
+
+def _rms_norm(x, weight, eps: float):
+    """LlamaRMSNorm's operations, in its order (x: [..., hidden])."""
+    import torch
+
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate(x, cos, sin):
+    """Rotary embedding of x: [1, M, heads, D] (queries and keys together), as transformers'
+    `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin."""
+    import torch
+
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# -- fusing the weights ---------------------------------------------------------------------------
+
+
+def _fuse_layer(layer, index: int, config) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attention.q_proj, attention.k_proj, attention.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    layer_types = getattr(config, "layer_types", None)
+    return _Layer(
+        qkv=qkv, qkv_bias=qkv_bias, o=attention.o_proj.weight, o_bias=attention.o_proj.bias,
+        gate_up=gate_up, gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        norm_in=layer.input_layernorm.weight, norm_in_eps=layer.input_layernorm.variance_epsilon,
+        norm_post=layer.post_attention_layernorm.weight, norm_post_eps=layer.post_attention_layernorm.variance_epsilon,
+        attention=attention, act=mlp.act_fn,
+        layer_type=layer_types[index] if layer_types else "full_attention",
+    )
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum of outputs, in] weight for several linears that read the same input; each linear's
+    weight (and bias) becomes a row slice of it, so memory is not doubled. Done once per model:
+    a model fused before is recognised by its weights already being consecutive slices."""
+    import torch
+
+    weights = [m.weight for m in linears]
+    fused = _already_fused(weights)
+    if fused is None:
+        with torch.inference_mode(False), torch.no_grad():
+            fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
+            _repoint(linears, "weight", fused)
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return fused, None
+    if any(b is None for b in biases):  # some biased, some not: give the missing ones zeros
+        with torch.inference_mode(False), torch.no_grad():
+            for m in linears:
+                if m.bias is None:
+                    m.bias = torch.nn.Parameter(m.weight.new_zeros(m.weight.shape[0]), requires_grad=False)
+        biases = [m.bias for m in linears]
+    fused_bias = _already_fused(biases)
+    if fused_bias is None:
+        with torch.inference_mode(False), torch.no_grad():
+            fused_bias = torch.cat([b.detach() for b in biases])
+            _repoint(linears, "bias", fused_bias)
+    return fused, fused_bias
+
+
+def _repoint(linears, name: str, fused) -> None:
+    import torch
+
+    start = 0
+    for m in linears:
+        rows = getattr(m, name).shape[0]
+        requires_grad = getattr(m, name).requires_grad
+        setattr(m, name, torch.nn.Parameter(fused[start:start + rows], requires_grad=requires_grad))
+        start += rows
+
+
+def _already_fused(tensors) -> torch.Tensor | None:
+    """The fused tensor if `tensors` are consecutive row slices of one contiguous buffer, else None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    storage = first.untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))

@@ -1,0 +1,133 @@
+"""mdcli's own forward (mdcli.fastforward) computes what transformers' forward computes.
+
+The engine takes it for the Llama family (Llama, Qwen2, Mistral) under sdpa; every other model
+keeps transformers' forward. Evidence: the same forest decoded by two engines, one on each forward,
+gives logits within float32 tolerance at every step (with forks, a chunked prefill, a window and a
+compaction), greedy tokens equal to `model.generate` for every branch, on tiny random models and
+on the real embedded model; its fused weights are views of the model's own memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdcli.decoding import prefill_prompts
+from mdcli.fastforward import FastForward, fast_forward_for, unsupported_reason
+from mdcli.forest import pad_rows
+from mdcli.kernels import kernel_name
+from tests.reference import generate_alone
+from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+
+SUPPORTED = ["llama", "qwen2", "mistral"]
+VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
+
+
+def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024):
+    """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
+    tokens; return the worst logit difference and the tokens."""
+    hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
+    own = engine_for(model, max_forward_tokens=max_forward_tokens)
+    attention, packed = variant
+    own._fast = FastForward(model, attention=attention, packed=packed)
+    outs = [prefill_prompts(e, prompts) for e in (hf, own)]
+    rows = [[o.row for o in out] for out in outs]
+    logits = [torch.stack([o.logits for o in out]) for out in outs]
+    alive, worst = list(range(len(prompts))), 0.0
+    generated = [[] for _ in prompts]
+    for step in range(steps):
+        worst = max(worst, float((logits[0] - logits[1]).abs().max()))
+        tokens = logits[0].argmax(-1).tolist()
+        assert logits[1].argmax(-1).tolist() == tokens, f"step {step}"
+        for i, t in zip(alive, tokens):
+            generated[i].append(t)
+        if drop_at is not None and step == drop_at:  # branch 1 finishes: both caches compact
+            keep = [j for j, i in enumerate(alive) if i != 1]
+            alive, tokens = [alive[j] for j in keep], [tokens[j] for j in keep]
+            for e, engine in enumerate((hf, own)):
+                held = torch.stack([pad_rows(rows[e][j][None], len(engine))[0] for j in keep])
+                rows[e] = list(engine.compact(held))
+        for e, engine in enumerate((hf, own)):
+            stacked = torch.stack([pad_rows(r[None], len(engine))[0] for r in rows[e]])
+            out = engine.forward(stacked, [[t] for t in tokens])
+            rows[e], logits[e] = [o.row for o in out], torch.stack([o.logits for o in out])
+    return worst, generated
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{'packed' if v[1] else 'plain'}")
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_own_forward_gives_transformers_logits_through_forks_chunks_and_compaction(arch, variant):
+    if variant[1] and kernel_name(torch.device("cpu"), torch.float32) != "oneDNN":
+        pytest.skip("packed weights are made only where linears run on oneDNN")
+    model = tiny_model(arch, "sdpa")
+    prompts = random_prompts(37, [3, 9, 1, 5])
+    worst, _ = lockstep_logits(model, prompts, steps=10, drop_at=4, variant=variant, max_forward_tokens=16)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_engine_on_own_forward_gives_generate_tokens_for_every_branch(arch):
+    model = tiny_model(arch, "sdpa")
+    engine = engine_for(model)
+    assert engine.own_forward
+    prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=3)
+    generated = greedy_forest(engine, prompts, steps=12, drop_at=3)
+    for i, prompt in enumerate(prompts):
+        assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"
+
+
+def test_a_lone_branch_uses_own_forward_without_a_mask_and_stays_exact():
+    model = tiny_model("llama", "sdpa")
+    prompt = random_prompts(40, [5])
+    worst, generated = lockstep_logits(model, prompt, steps=8)
+    assert worst < 1e-4
+    assert generated[0] == generate_alone(model, prompt[0], 8)
+
+
+@pytest.mark.parametrize("arch,attn", [("gpt2", "sdpa"), ("gemma3", "sdpa"), ("llama", "eager")])
+def test_other_models_keep_transformers_forward(arch, attn):
+    model = tiny_model(arch, attn)
+    assert unsupported_reason(model)
+    assert fast_forward_for(model) is None
+    assert not engine_for(model).own_forward
+
+
+def test_the_opt_out_keeps_transformers_forward(monkeypatch):
+    monkeypatch.setenv("MDCLI_FORWARD", "transformers")
+    assert not engine_for(tiny_model("llama", "sdpa")).own_forward
+
+
+def test_fused_projections_are_views_of_one_buffer_made_once():
+    model = tiny_model("qwen2", "sdpa")  # biased q/k/v
+    before = sum(p.numel() for p in model.parameters())
+    first = FastForward(model, packed=False).layers[0]
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+        assert linear.weight.untyped_storage().data_ptr() == first.qkv.untyped_storage().data_ptr()
+        assert linear.bias.untyped_storage().data_ptr() == first.qkv_bias.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == first.gate_up.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == before
+    again = FastForward(model, packed=False).layers[0]
+    assert again.qkv.data_ptr() == first.qkv.data_ptr()  # a second engine reuses the fused buffer
+
+
+def test_real_model_own_forward_matches_transformers_and_generate(embedded):
+    """The embedded SmolLM2 (Llama): three questions over a shared document, one finishing early."""
+    tokenizer = embedded.tokenizer
+    document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
+    questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
+    prompts = [tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
+    worst, generated = lockstep_logits(embedded.model, prompts, steps=8, drop_at=3)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    for i in (0, 2):
+        expected = generate_alone(embedded.model, prompts[i], len(generated[i]))  # stops at EOS, if any
+        assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
+
+
+def test_packed_weights_are_made_once_per_model():
+    if kernel_name(torch.device("cpu"), torch.float32) != "oneDNN":
+        pytest.skip("packed weights are made only where linears run on oneDNN")
+    model = tiny_model("llama", "sdpa")
+    first, second = FastForward(model, packed=True), FastForward(model, packed=True)
+    assert first.layers[0].qkv is second.layers[0].qkv
+    assert model.model.layers[0].self_attn.q_proj.weight.layout == torch.strided  # the model keeps its own
