@@ -169,14 +169,17 @@ def test_events_announce_classify_and_source_the_answer(tiny):
     assert [n.data["segment"] for n in classified] == list(range(1, len(margin_ids) + 1))
     assert [n.data["margin_branch"] for n in classified] == margin_ids
     for note in classified:
-        assert set(note.data) == {"branch", "margin_branch", "segment", "document", "relevant", "parsed", "reason"}
+        assert set(note.data) == {
+            "branch", "margin_branch", "question", "segment", "document", "relevant", "parsed", "reason",
+        }
         if not note.data["parsed"]:
             assert note.data["relevant"] is True and "kept as relevant" in note.message
     answer = forks[-1].branch
     sources_index = next(i for i, e in enumerate(events) if isinstance(e, Note) and e.kind == "answer-sources")
     assert isinstance(events[sources_index + 1], Finish) and events[sources_index + 1].branch == answer.id
     assert events[sources_index].data == {
-        "branch": answer.id, "segments": list(range(1, len(margin_ids) + 1)), "margin_branches": margin_ids,
+        "branch": answer.id, "question": 1, "segments": list(range(1, len(margin_ids) + 1)),
+        "margin_branches": margin_ids,
     }
     done = events[-1]
     tokens = sum(len(f.token_ids) for f in of_type(events, Finish))
@@ -224,7 +227,7 @@ def test_irrelevant_margins_are_left_out_of_the_answer_unless_keep_all(tiny):
     assert [m.number for m in kept] == [1, 3]
     prompt = relevant_only.answer_prompt(kept)
     assert "[segment 1/3] margin 1" in prompt and "margin 2" not in prompt and "[segment 3/3] margin 3" in prompt
-    assert sources_note(7, kept).data == {"branch": 7, "segments": [1, 3], "margin_branches": [0, 2]}
+    assert sources_note(7, kept).data == {"branch": 7, "question": 1, "segments": [1, 3], "margin_branches": [0, 2]}
     assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, keep="all").kept(results)] == [1, 2, 3]
     assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, classify=False).kept(results)] == [1, 2, 3]
     assert NO_NOTES in relevant_only.answer_prompt([])
