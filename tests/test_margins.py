@@ -13,13 +13,16 @@ from typer.testing import CliRunner
 
 from mdcli.api import margins
 from mdcli.cli import app
+from mdcli.decoding import common_prefix_length
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
 from mdcli.loading import load_model
+from mdcli.memory import kv_bytes_per_token
+from mdcli.sampling import SamplingParams
 from mdcli.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
-    NOTE_TEMPLATE, MarginResult, Margins, new_decoder, parse_verdict, radix_token_count, sources_note,
+    NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,
 )
 from tests.reference import generate_alone
 
@@ -79,7 +82,9 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def expected_margin_prompts(tokenizer, documents: list[str], budget: int, layout: str) -> list[list[int]]:
+def expected_margin_prompts(
+    tokenizer, documents: list[str], budget: int, layout: str, query: str = QUERY
+) -> list[list[int]]:
     """chain: system + segments 1..i + instruction; independent: system + segment i + instruction."""
     segments = split_documents(documents, budget, token_counter(tokenizer))
     prompts = []
@@ -91,7 +96,7 @@ def expected_margin_prompts(tokenizer, documents: list[str], budget: int, layout
             for s in segments[: i + 1]:
                 per_document[s.document] = per_document.get(s.document, "") + s.text
             context = DOCUMENT_SEPARATOR.join(t.strip() for t in per_document.values())
-        prompts.append(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context=context, query=QUERY)))
+        prompts.append(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context=context, query=query)))
     return prompts
 
 
@@ -251,6 +256,146 @@ def test_irrelevant_margins_are_left_out_of_the_answer_unless_keep_all(tiny):
 def test_verdicts_are_read_robustly_and_default_to_relevant(reply, relevant, parsed, reason):
     verdict = parse_verdict(reply)
     assert (verdict.relevant, verdict.parsed, verdict.reason) == (relevant, parsed, reason)
+
+
+# -- several questions in one forest ------------------------------------------------------------
+
+QUESTIONS = [QUERY, "What did the cafeteria change?", "Which project finished on time?"]
+
+
+def per_question(events, count: int) -> dict[str, list[list[int]]]:
+    """Each question's branches' token ids by phase, in segment order: margins, classifications,
+    answer (as a run of that question alone would list them)."""
+    finishes = {f.branch: f.token_ids for f in of_type(events, Finish)}
+    infos = [b for e in events if isinstance(e, Start) for b in e.branches]
+    infos += [e.branch for e in events if isinstance(e, Fork)]
+    phases: dict[str | None, list[list[int]]] = {}
+    for info in infos:
+        phases.setdefault(info.group, []).append(finishes[info.id])
+    return phases
+
+
+@pytest.mark.parametrize(
+    ("which", "layout"), [("embedded", "chain"), ("tiny", "chain"), ("tiny", "independent")]
+)
+def test_several_questions_every_margin_classification_and_answer_is_exact(which, layout, embedded, tiny):
+    lm = embedded if which == "embedded" else tiny
+    questions = QUESTIONS[:2] if which == "embedded" else QUESTIONS
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    events = list(margins(lm, documents, questions=questions, segment_tokens=40, context=layout, **SMALL))
+    start = events[0]
+    count = len(expected_margin_prompts(lm.tokenizer, documents, 40, layout))
+    assert len(start.branches) == len(questions) * count >= 6
+    for q, question in enumerate(questions):
+        mine = start.branches[q * count : (q + 1) * count]
+        assert [b.prompt_token_ids for b in mine] == expected_margin_prompts(
+            lm.tokenizer, documents, 40, layout, question
+        )
+        assert {b.group for b in mine} == {question}
+        assert all(b.label.startswith(f"q{q + 1} segment ") for b in mine)
+    forks = of_type(events, Fork)
+    assert len(forks) == len(questions) * count + len(questions)
+    assert [f.branch.label for f in forks[-len(questions):]] == questions
+    assert_every_branch_equals_generate(lm.model, events)
+
+
+@pytest.mark.parametrize("layout", ["chain", "independent"])
+def test_each_question_gets_exactly_the_tokens_of_a_run_of_its_own(tiny, layout):
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    options = dict(segment_tokens=40, context=layout, keep="all", **SMALL)
+    together = per_question(list(margins(tiny, documents, questions=QUESTIONS, **options)), 0)
+    for question in QUESTIONS:
+        alone = per_question(list(margins(tiny, documents, question, **options)), 0)
+        assert together[question] == alone[None], question
+
+
+def test_sampled_questions_draw_what_their_own_runs_draw(tiny):
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    options = dict(segment_tokens=40, classify=False, sampling=sampling, **SMALL)
+    together = per_question(list(margins(tiny, REPORT, questions=QUESTIONS[:2], **options)), 0)
+    for question in QUESTIONS[:2]:
+        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)), 0)[None]
+
+
+def test_all_questions_share_one_copy_of_each_segment_in_the_cache(embedded):
+    tokenizer = embedded.tokenizer
+    four = Margins(documents=[REPORT], questions=[*QUESTIONS, "Who likes the new menu?"], segment_tokens=40)
+    segments = four.segments(tokenizer)
+    specs = four.margin_specs(tokenizer, segments)
+    count = len(segments)
+    for q in range(1, 4):
+        for i in range(count):
+            first, other = specs[i].prompt_ids, specs[q * count + i].prompt_ids
+            shared = common_prefix_length(first, other)
+            # every question's margin of segment i begins with the same tokens up to the end of
+            # the context, so the cache holds that text once
+            assert four.margin_context(segments, i)[-24:] in tokenizer.decode(first[:shared])
+    document_tokens = sum(s.tokens for s in segments)
+    # with the question first, each question stores the document again
+    question_first = MarginsPrompts(margin="$query\n\n```\n$context\n```")
+    assert question_first.question_first() and not MarginsPrompts().question_first()
+    first = Margins(documents=[REPORT], questions=four.questions, segment_tokens=40, prompts=question_first)
+    stored = radix_token_count([s.prompt_ids for s in first.margin_specs(tokenizer, segments)])
+    assert stored >= 4 * document_tokens
+    layout = notes(list(margins(embedded, REPORT, questions=QUESTIONS[:2], segment_tokens=40,
+                                max_new_tokens=1, classify=False, answer_tokens=1)), "margins-layout")[0]
+    assert layout.data["questions"] == QUESTIONS[:2] and layout.data["margins"] == 2 * count
+
+
+def test_notes_name_the_question_and_each_answer_is_sourced_from_its_own_margins(tiny):
+    events = list(margins(tiny, PASSAGES, questions=QUESTIONS[:2], keep="all", **SMALL))
+    start = events[0]
+    classified = notes(events, "classification")
+    assert [n.data["question"] for n in classified] == [1, 1, 1, 2, 2, 2]
+    assert [n.data["margin_branch"] for n in classified] == [b.id for b in start.branches]
+    sources = notes(events, "answer-sources")
+    assert [n.data["question"] for n in sources] == [1, 2]
+    assert [n.data["margin_branches"] for n in sources] == [
+        [b.id for b in start.branches[:3]], [b.id for b in start.branches[3:]],
+    ]
+    for note in sources:
+        after = events[events.index(note) + 1]
+        assert isinstance(after, Finish) and after.branch == note.data["branch"]
+
+
+def test_too_many_questions_for_memory_are_refused_saying_how_many_fit(tiny):
+    job = Margins(documents=PASSAGES, questions=QUESTIONS, **{"margin_tokens": 6})
+    from mdcli.strategies.margins import cache_tokens
+
+    segments = job.segments(tiny.tokenizer)
+    specs = job.margin_specs(tiny.tokenizer, segments)
+    per_token = kv_bytes_per_token(tiny.model.config, 4)
+    two = cache_tokens(job, tiny.tokenizer, segments, specs, 2) * per_token
+    run = margins(tiny, PASSAGES, questions=QUESTIONS, memory_budget_bytes=two + 1, max_new_tokens=6)
+    with pytest.raises(UsageError, match=r"9 margins need about .* for 3 questions x 3 segments") as error:
+        next(run)
+    assert "ask at most 2 questions per run" in error.value.fix
+
+
+def test_a_larger_segment_size_is_suggested_when_one_question_does_not_fit(tiny):
+    document = REPORT * 4
+    job = Margins(documents=[document], questions=QUESTIONS[:2], segment_tokens=32, margin_tokens=6)
+    from mdcli.strategies.margins import cache_tokens
+
+    bigger = Margins(documents=[document], questions=QUESTIONS[:2], segment_tokens=128, margin_tokens=6)
+    segments = bigger.segments(tiny.tokenizer)
+    per_token = kv_bytes_per_token(tiny.model.config, 4)
+    room = cache_tokens(bigger, tiny.tokenizer, segments, bigger.margin_specs(tiny.tokenizer, segments), 2)
+    with pytest.raises(UsageError, match="KV cache") as error:
+        next(margins(tiny, document, questions=QUESTIONS[:2], segment_tokens=32, max_new_tokens=6,
+                     memory_budget_bytes=room * per_token))
+    assert "--segment-tokens" in error.value.fix
+    suggested = int(error.value.fix.split("--segment-tokens ")[1].split()[0])
+    assert job.segment_tokens < suggested <= 128
+
+
+@pytest.mark.parametrize(
+    ("questions", "needle"),
+    [([QUERY, "  "], "question 2 is empty"), ([QUERY, "Why?", QUERY], "question 3 repeats question 1")],
+)
+def test_bad_questions_are_refused_before_the_model_runs(tiny, questions, needle):
+    with pytest.raises(UsageError, match=needle):
+        margins(tiny, REPORT, questions=questions)
 
 
 # -- refusals and notes ------------------------------------------------------------------------
