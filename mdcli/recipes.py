@@ -141,11 +141,13 @@ class BeamRecipe(RecipeBase):
 
 
 class MarginsRecipe(RecipeBase):
-    """margins: Writing in the Margins over the context (the document). `sampling.max_new_tokens`
-    bounds each margin; the classification and answer have their own limits."""
+    """margins: Writing in the Margins over the context (the document). `query` (one question)
+    or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin;
+    the classification and answer have their own limits."""
 
     strategy: Literal["margins"]
-    query: str
+    query: str | None = None
+    questions: list[str] | None = None
     layout: Literal["chain", "independent"] | None = None
     segment_tokens: int | None = Field(None, ge=1)
     keep: Literal["all", "relevant"] = "relevant"
@@ -601,7 +603,14 @@ def _check_beam(recipe: BeamRecipe) -> None:
 def _check_margins(recipe: MarginsRecipe) -> None:
     if recipe.context is None:
         raise _Problem(("context",), "missing: margins reads a document", "add `context: {input: true}` (or text: / file:)")
-    if not recipe.query.strip():
+    if (recipe.query is None) == (recipe.questions is None):
+        raise _Problem(
+            ("query",), "give `query:` (one question) or `questions:` (a list), not both" if recipe.query is not None
+            else "missing: margins needs a question", "write `query: ...` or `questions: [...]`",
+        )
+    if recipe.questions is not None:
+        _check_questions(recipe.questions)
+    elif not recipe.query.strip():
         raise _Problem(("query",), "is empty", "write the question to answer from the document")
     fields = {"margin_template": "margin", "classification_template": "classification", "answer_template": "answer"}
     for field, name in fields.items():
@@ -691,7 +700,10 @@ def template_sites(recipe: Recipe) -> Iterator[TemplateSite]:
                 yield TemplateSite(("questions", index), question, "question")
             yield TemplateSite(("template",), recipe.template or ask_many_default_template(), "template")
     if isinstance(recipe, MarginsRecipe):
-        yield TemplateSite(("query",), recipe.query, "query")
+        if recipe.query is not None:
+            yield TemplateSite(("query",), recipe.query, "query")
+        for index, question in enumerate(recipe.questions or []):
+            yield TemplateSite(("questions", index), question, "query")
     if isinstance(recipe, ThinkRecipe):
         yield TemplateSite(("question",), recipe.question, "root")
 
@@ -941,8 +953,10 @@ def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings
 
     overrides = {name: getattr(recipe, f"{name}_template") for name in ("margin", "classification", "answer")}
     prompts = MarginsPrompts(system=recipe.system, **{k: v for k, v in overrides.items() if v is not None})
+    query = fill(recipe.query, values) if recipe.query is not None else None
+    questions = [fill(question, values) for question in recipe.questions] if recipe.questions is not None else None
     return api.margins(
-        model, context, fill(recipe.query, values), context=recipe.layout, segment_tokens=recipe.segment_tokens,
+        model, context, query, questions=questions, context=recipe.layout, segment_tokens=recipe.segment_tokens,
         keep=recipe.keep, classify=recipe.classify, with_segments=recipe.with_segments, prompts=prompts,
         chat_template=recipe.chat_template, sampling=_sampling_params(settings),
         max_new_tokens=recipe.sampling.max_new_tokens, classify_tokens=recipe.classify_tokens,

@@ -306,7 +306,7 @@ def test_each_question_gets_exactly_the_tokens_of_a_run_of_its_own(tiny, layout)
     together = per_question(list(margins(tiny, documents, questions=QUESTIONS, **options)), 0)
     for question in QUESTIONS:
         alone = per_question(list(margins(tiny, documents, question, **options)), 0)
-        assert together[question] == alone[None], question
+        assert together[question] == alone[question], question
 
 
 def test_sampled_questions_draw_what_their_own_runs_draw(tiny):
@@ -314,7 +314,7 @@ def test_sampled_questions_draw_what_their_own_runs_draw(tiny):
     options = dict(segment_tokens=40, classify=False, sampling=sampling, **SMALL)
     together = per_question(list(margins(tiny, REPORT, questions=QUESTIONS[:2], **options)), 0)
     for question in QUESTIONS[:2]:
-        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)), 0)[None]
+        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)), 0)[question]
 
 
 def test_all_questions_share_one_copy_of_each_segment_in_the_cache(embedded):

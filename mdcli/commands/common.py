@@ -152,12 +152,13 @@ def header(lm) -> str:
     return f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
 
 
-def render(events: Iterable, mode: Output, quiet: bool, header: str) -> None:
+def render(events: Iterable, mode: Output, quiet: bool, header: str, *, show_margins: bool = False) -> None:
     """Feed events to the renderer; on Ctrl-C flush what was generated and exit 130."""
     from mdcli.render import choose_renderer
 
     renderer = choose_renderer(
-        mode.value, stdout=sys.stdout, stderr=sys.stderr, quiet=quiet, no_color="NO_COLOR" in os.environ, header=header
+        mode.value, stdout=sys.stdout, stderr=sys.stderr, quiet=quiet, no_color="NO_COLOR" in os.environ, header=header,
+        show_margins=show_margins,
     )
     try:
         for event in events:

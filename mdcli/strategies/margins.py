@@ -36,7 +36,7 @@ question's prompts are the ones a run of that question alone builds (so the toke
 The cache is emptied between phases (nothing later reuses the document).
 
 Events: Start (the margin branches, labelled "segment 3/8", or "segment 3/8 (doc2.txt)" for several
-documents; with several questions "q2 segment 3/8" and `group` = the question); Note kind
+documents; with several questions "q2 segment 3/8"; every branch's `group` is its question); Note kind
 "margins-layout" (prompt tokens, how many of them the cache holds, the questions); Note kind
 "segment-split" for each segment cut inside a sentence; the margins' Token/Finish; a Fork per
 classification branch ("relevance 3/8", or "q2 relevance 3/8") and their Token/Finish, each Finish
@@ -127,7 +127,7 @@ def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[
 
 
 def grouped(job: Margins, infos: list[BranchInfo], questions: list[int]) -> list[BranchInfo]:
-    """Each branch labelled with its question's group (None for a single question)."""
+    """Each branch labelled with its question (its `group`)."""
     return [dataclasses.replace(info, group=job.group(q)) for info, q in zip(infos, questions)]
 
 

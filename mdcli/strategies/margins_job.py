@@ -214,9 +214,9 @@ class Margins:
         """The answer branch: "answer" for one question, the question itself for several."""
         return self.all_questions()[question].strip() if self.several() else "answer"
 
-    def group(self, question: int) -> str | None:
-        """What renderers group by: the question (only when there are several)."""
-        return self.all_questions()[question].strip() if self.several() else None
+    def group(self, question: int) -> str:
+        """What renderers group by (and JSONL consumers read): the question."""
+        return self.all_questions()[question].strip()
 
     # -- phase 1: margins ----------------------------------------------------------------------
 
