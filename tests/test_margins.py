@@ -18,6 +18,7 @@ from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
 from mdcli.loading import load_model
 from mdcli.memory import kv_bytes_per_token
+from mdcli.recipes import load_recipe
 from mdcli.sampling import SamplingParams
 from mdcli.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
@@ -263,7 +264,7 @@ def test_verdicts_are_read_robustly_and_default_to_relevant(reply, relevant, par
 QUESTIONS = [QUERY, "What did the cafeteria change?", "Which project finished on time?"]
 
 
-def per_question(events, count: int) -> dict[str, list[list[int]]]:
+def per_question(events) -> dict[str, list[list[int]]]:
     """Each question's branches' token ids by phase, in segment order: margins, classifications,
     answer (as a run of that question alone would list them)."""
     finishes = {f.branch: f.token_ids for f in of_type(events, Finish)}
@@ -303,18 +304,18 @@ def test_several_questions_every_margin_classification_and_answer_is_exact(which
 def test_each_question_gets_exactly_the_tokens_of_a_run_of_its_own(tiny, layout):
     documents = [REPORT] if layout == "chain" else PASSAGES
     options = dict(segment_tokens=40, context=layout, keep="all", **SMALL)
-    together = per_question(list(margins(tiny, documents, questions=QUESTIONS, **options)), 0)
+    together = per_question(list(margins(tiny, documents, questions=QUESTIONS, **options)))
     for question in QUESTIONS:
-        alone = per_question(list(margins(tiny, documents, question, **options)), 0)
+        alone = per_question(list(margins(tiny, documents, question, **options)))
         assert together[question] == alone[question], question
 
 
 def test_sampled_questions_draw_what_their_own_runs_draw(tiny):
     sampling = SamplingParams(temperature=1.0, seed=7)
     options = dict(segment_tokens=40, classify=False, sampling=sampling, **SMALL)
-    together = per_question(list(margins(tiny, REPORT, questions=QUESTIONS[:2], **options)), 0)
+    together = per_question(list(margins(tiny, REPORT, questions=QUESTIONS[:2], **options)))
     for question in QUESTIONS[:2]:
-        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)), 0)[question]
+        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)))[question]
 
 
 def test_all_questions_share_one_copy_of_each_segment_in_the_cache(embedded):
@@ -468,7 +469,7 @@ def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):
     ok = cli("-", "-q", QUERY, "-m", model, "-o", "plain", "--no-classify", "-n", "2", "--answer-tokens", "2",
              "--quiet", input=REPORT)
     assert ok.exit_code == 0, ok.output
-    assert "## answer" in ok.stdout
+    assert "##" not in ok.stdout and ok.stdout.endswith("\n")  # one question: the bare answer, as in ask-many
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     for args, needle in [
@@ -481,3 +482,56 @@ def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):
         [line] = result.stderr.strip().splitlines()
         assert line.startswith("mdcli: error: ") and needle in line
     assert cli("-", "-q", QUERY, "--segment-tokens", "4", input=REPORT).exit_code == 2
+
+
+def test_cli_several_questions_print_a_block_per_question_with_its_margins_when_asked(tiny_dir, tmp_path):
+    document = tmp_path / "report.txt"
+    document.write_text(REPORT)
+    more = tmp_path / "questions.txt"
+    more.write_text(f"\n{QUESTIONS[1]}\n\n{QUESTIONS[2]}\n")
+    common = (str(document), "-q", QUERY, "--questions-file", str(more), "-m", str(tiny_dir("llama")),
+              "--segment-tokens", "64", "-n", "3", "--classify-tokens", "3", "--answer-tokens", "3")
+    plain = cli(*common, "-o", "plain", "--quiet")
+    assert plain.exit_code == 0, plain.output
+    assert [line for line in plain.stdout.splitlines() if line.startswith("## ")] == [f"## {q}" for q in QUESTIONS]
+    assert "### margins" not in plain.stdout
+    shown = cli(*common, "-o", "plain", "--quiet", "--show-margins")
+    blocks = shown.stdout.split("## ")[1:]
+    assert len(blocks) == 3 * 2  # each question's "## question" and its "### margins"
+    for question, (answer, listing) in zip(QUESTIONS, zip(blocks[::2], blocks[1::2])):
+        assert answer.startswith(question + "\n")
+        lines = listing.strip().splitlines()
+        assert lines[0].startswith("margins (answer read ")
+        assert [line.split("]")[0] for line in lines[1:]] == ["[segment 1/3", "[segment 2/3", "[segment 3/3"]
+        assert all("] kept:" in line or "] left out" in line for line in lines[1:])
+    jsonl = cli(*common, "--jsonl")
+    lines = [json.loads(line) for line in jsonl.stdout.splitlines()]
+    branches = lines[0]["branches"] + [line["branch"] for line in lines if line["type"] == "fork"]
+    assert [b["group"] for b in branches[:9]] == [q for q in QUESTIONS for _ in range(3)]
+    answers = [line for line in lines if line.get("kind") == "answer-sources"]
+    assert sorted(a["data"]["question"] for a in answers) == [1, 2, 3]
+
+
+def test_cli_save_recipe_round_trips_several_questions_to_the_same_tokens(tiny_dir, tmp_path):
+    document = tmp_path / "report.txt"
+    document.write_text(REPORT)
+    saved = tmp_path / "m.yaml"
+    model = str(tiny_dir("llama"))
+    first = cli(str(document), "-q", QUERY, "-q", "Costs in $?", "-m", model, "--segment-tokens", "64",
+                "--context", "independent", "-n", "3", "--classify-tokens", "2", "--answer-tokens", "3",
+                "--save-recipe", str(saved), "--jsonl")
+    assert first.exit_code == 0, first.output
+    recipe = load_recipe(saved)
+    assert recipe.questions == [QUERY, "Costs in $$?"] and recipe.layout == "independent"
+    again = runner.invoke(app, ["run", str(saved), "--input", str(document), "-m", model, "--jsonl"],
+                          env={"HF_HUB_OFFLINE": "1"})
+    assert again.exit_code == 0, again.output
+
+    def finishes(stdout):
+        return [(e["label"], e["token_ids"]) for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"]
+
+    assert finishes(again.stdout) == finishes(first.stdout) and len(finishes(first.stdout)) == 2 * 3 * 2 + 2
+    two = tmp_path / "two.txt"
+    two.write_text(PASSAGES[0])
+    refused = cli(str(document), str(two), "-q", QUERY, "-m", model, "--save-recipe", str(tmp_path / "x.yaml"))
+    assert refused.exit_code == 2 and "one document" in refused.stderr
