@@ -948,19 +948,32 @@ def _beam_events(recipe: BeamRecipe, model, values: dict[str, str], context: str
 
 
 def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings: _Settings, max_forward_tokens: int):
-    from mdcli import api
-    from mdcli.strategies.margins import MarginsPrompts
+    from mdcli.strategies.margins import run_margins
+
+    job = _margins_job(recipe, values, context, settings)
+    job.validate()  # here, before the first event is asked for
+    return run_margins(model, job, max_forward_tokens=max_forward_tokens)
+
+
+def margins_job(recipe: MarginsRecipe, *, input_text: str | None = None, vars: dict[str, str] | None = None):
+    """The strategies.margins.Margins job a margins recipe runs (explain draws its margin phase)."""
+    values, context = _values_and_context(recipe, input_text, vars)
+    return _margins_job(recipe, values, context, _Settings().then(recipe.sampling))
+
+
+def _margins_job(recipe: MarginsRecipe, values: dict[str, str], context: str, settings: _Settings):
+    from mdcli.strategies.margins import Margins, MarginsPrompts
 
     overrides = {name: getattr(recipe, f"{name}_template") for name in ("margin", "classification", "answer")}
     prompts = MarginsPrompts(system=recipe.system, **{k: v for k, v in overrides.items() if v is not None})
-    query = fill(recipe.query, values) if recipe.query is not None else None
-    questions = [fill(question, values) for question in recipe.questions] if recipe.questions is not None else None
-    return api.margins(
-        model, context, query, questions=questions, context=recipe.layout, segment_tokens=recipe.segment_tokens,
+    limits = {"segment_tokens": recipe.segment_tokens, "margin_tokens": recipe.sampling.max_new_tokens,
+              "classify_tokens": recipe.classify_tokens, "answer_tokens": recipe.answer_tokens}
+    return Margins(
+        documents=[context], query=fill(recipe.query, values) if recipe.query is not None else "",
+        questions=[fill(question, values) for question in recipe.questions or []], layout=recipe.layout,
         keep=recipe.keep, classify=recipe.classify, with_segments=recipe.with_segments, prompts=prompts,
         chat_template=recipe.chat_template, sampling=_sampling_params(settings),
-        max_new_tokens=recipe.sampling.max_new_tokens, classify_tokens=recipe.classify_tokens,
-        answer_tokens=recipe.answer_tokens, max_forward_tokens=max_forward_tokens,
+        **{name: value for name, value in limits.items() if value is not None},
     )
 
 
