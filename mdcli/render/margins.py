@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from mdcli.events import Event, Finish, Note, Start
+from mdcli.events import Event, Finish, Fork, Note, Start
 from mdcli.render.base import BranchBook
 
 
 @dataclass
 class _Question:
     title: str
+    group: str | None
     margins: list[int] = field(default_factory=list)  # margin branch ids, in segment order
     answer: int | None = None
     kept: list[int] = field(default_factory=list)
@@ -44,6 +45,12 @@ class MarginsPlain:
     def handle(self, event: Event) -> None:
         if isinstance(event, Start):
             self._on_start(event)
+        elif isinstance(event, Fork) and event.branch.label in (event.branch.group, "answer"):
+            # an answer (labelled by its question, or "answer"): known before its sources note,
+            # so an interrupted run can still print what it has
+            for question in self._questions:
+                if question.group == event.branch.group:
+                    question.answer = event.branch.id
         elif isinstance(event, Note) and event.kind == "classification":
             if not event.data.get("relevant", True):
                 reason = event.data.get("reason") or ""
@@ -64,7 +71,7 @@ class MarginsPlain:
         by_group: dict[str | None, _Question] = {}
         for info in start.branches:
             if info.group not in by_group:
-                by_group[info.group] = _Question(title=info.group or "answer")  # group: the question
+                by_group[info.group] = _Question(title=info.group or "answer", group=info.group)
                 self._questions.append(by_group[info.group])
             by_group[info.group].margins.append(info.id)
 
