@@ -769,15 +769,17 @@ def margins_run(show_margins: bool = False):
         Start(model="tiny", device="cpu", dtype="float32", dtype_reason="exact", attn="sdpa", strategy="margins",
               seed=None, branches=[BranchInfo(i, labels[i], [1, 2], group=groups[i]) for i in range(4)]),
         *(finish(i, labels[i], f"margin {i}") for i in range(4)),
-        *(Fork(BranchInfo(4 + i, labels[i].replace("segment", "relevance"), [1], group=groups[i])) for i in range(4)),
+        *(Fork(BranchInfo(4 + i, labels[i].replace("segment", "relevance"), [1], group=groups[i]))
+          for i in range(4)),
     ]
     for i in range(4):
         events.append(finish(4 + i, labels[i].replace("segment", "relevance"), "NO#off topic" if i == 1 else "YES#"))
+        verdict = {"relevant": i != 1, "reason": "off topic" if i == 1 else ""}
         events.append(Note("classification", "...", {"branch": 4 + i, "margin_branch": i, "question": 1 + i // 2,
-                                                     "relevant": i != 1, "reason": "off topic" if i == 1 else ""}))
+                                                     **verdict}))
     events += [Fork(BranchInfo(8, "Who?", [1], group="Who?")), Fork(BranchInfo(9, "Why?", [1], group="Why?"))]
-    events += [Note("answer-sources", "...", {"branch": 9, "question": 2, "segments": [1, 2], "margin_branches": [2, 3]}),
-               finish(9, "Why?", "Because.")]
+    sources = {"branch": 9, "question": 2, "segments": [1, 2], "margin_branches": [2, 3]}
+    events += [Note("answer-sources", "...", sources), finish(9, "Why?", "Because.")]
     stdout, stderr = io.StringIO(), io.StringIO()
     renderer = PlainRenderer(stdout, stderr, quiet=True, show_margins=show_margins)
     for event in events:

@@ -31,11 +31,13 @@ def explain(
     """Show how a recipe's branches share one cache: the tree of shared prompt prefixes (token
     counts, positions, follow-ups) and the attention mask that keeps every branch exact.
 
-    A margins recipe is drawn at its margin phase: a branch per question and segment, every
-    segment cached once and read by all questions (classifications and answers are prompted from
-    the margins' text, known only at run time). Only the tokenizer is loaded. Positions are depths in the tree (the RoPE position ids the
+    Only the tokenizer is loaded. Positions are depths in the tree (the RoPE position ids the
     engine gives), slots are physical places in the cache. Follow-ups are listed but not placed:
     they fork after their parent's answer, whose length is known only when it runs.
+
+    A margins recipe is drawn at its margin phase: a branch per question and segment, every
+    segment cached once and read by all questions (classifications and answers are prompted from
+    the margins' text, known only at run time).
     """
     with errors(debug):
         from mdcli.recipes import Sampling, check_run_inputs, parse_vars

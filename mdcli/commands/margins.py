@@ -47,7 +47,9 @@ def margins(
     ] = None,
     questions_file: Annotated[
         Optional[Path],
-        typer.Option("--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False),
+        typer.Option(
+            "--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False
+        ),
     ] = None,
     show_margins: Annotated[
         bool,

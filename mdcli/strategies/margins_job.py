@@ -162,7 +162,9 @@ class Margins:
 
     def _check_questions(self) -> None:
         if self.query and self.questions:
-            raise UsageError("both a query and a list of questions were given", fix="give the query as one of the questions")
+            raise UsageError(
+                "both a query and a list of questions were given", fix="give the query as one of the questions"
+            )
         questions = self.all_questions()
         if not questions or (len(questions) == 1 and not questions[0].strip()):
             raise UsageError("the query is missing", fix='add -q "your question" (repeat -q for several)')
