@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="whole stage with this many questions in one forest vs one run per question")
     parser.add_argument("--processes", action="store_true",
                         help="with --questions: also time one whole `mdcli margins` process per question")
+    parser.add_argument("--rules-first", action="store_true",
+                        help="with --questions: an experimental classifier prompt with its rules first (shared)")
     parser.add_argument("--classify-tokens", type=int, default=24, help="with --questions")
     parser.add_argument("--answer-tokens", type=int, default=256, help="with --questions")
     parser.add_argument("--model", type=str, default=None)
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
               f"margins <= {args.margin_tokens}, classifications <= {args.classify_tokens}, "
               f"answers <= {args.answer_tokens} tokens\n")
         ok = compare_questions(lm, document, args.questions, budget, limits, processes=args.processes,
-                               model=args.model)
+                               model=args.model, rules_first=args.rules_first)
         return 0 if ok else 1
     if args.sweep:
         sweep(lm, document, [int(s) for s in args.sweep.split(",")], args.margin_tokens, args.layout)

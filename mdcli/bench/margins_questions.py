@@ -2,6 +2,7 @@
 
     python -m mdcli.bench.margins --questions 4     # the ~4,000-token report, 8 segments
     python -m mdcli.bench.margins --questions 8 --processes   # + whole `mdcli margins` processes
+    python -m mdcli.bench.margins --questions 4 --rules-first # experiment: classifier rules shared
 
 Both sides run the whole stage (prefill, margins, classification, answers) with the same model,
 prompts and limits, greedy, fp32, `torch.set_num_threads(1)`:
@@ -39,6 +40,22 @@ QUESTIONS = [
     "What did the library add?",
 ]
 PHASES = ("margins", "classification", "answers")
+RULES_FIRST_CLASSIFICATION = (
+    "I ask an LLM assistant whether a piece of document is related to a query, and show you its answer. "
+    "Should I save it for later?\n"
+    "Here are rules:\n"
+    "- Answer YES if the answer contains information about the query.\n"
+    "- Answer NO if the answer says the piece isn't related to the query.\n\n"
+    "Provide the answer in the format: <YES/NO>#<Explanation>.\n"
+    "Here are example answers:\n\n"
+    "YES#Yes, the information contains an excerpt from a book that is related to the question.\n"
+    "NO#No, the LLM assistant concluded the information isn't relevant.\n\n"
+    'Don\'t add any other comments, all your remarks should be included in the "Explanation" section.\n\n'
+    'The query: "$query"\nThe answer:\n```text\n$margin\n```'
+)
+"""--rules-first (an experiment, not mdcli's default): the paper's classifier prompt with its fixed
+rules moved before the query and the margin, so every classification branch shares them in the
+cache; only the query and the margin are each branch's own."""
 
 
 @dataclass
@@ -60,12 +77,17 @@ class StageResult:
         self.generated += other.generated
 
 
-def run_stage(lm, document: str, questions: list[str], segment_tokens: int, limits: dict[str, int]) -> StageResult:
+def run_stage(
+    lm, document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], rules_first: bool = False
+) -> StageResult:
     """One run_margins over `questions`, timed phase by phase from its events."""
     from mdcli.events import Done, Finish, Fork, Start
-    from mdcli.strategies.margins import Margins, run_margins
+    from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
 
-    job = Margins(documents=[document], questions=list(questions), segment_tokens=segment_tokens, **limits)
+    prompts = MarginsPrompts(classification=RULES_FIRST_CLASSIFICATION) if rules_first else MarginsPrompts()
+    job = Margins(
+        documents=[document], questions=list(questions), segment_tokens=segment_tokens, prompts=prompts, **limits
+    )
     group: dict[int, str] = {}
     finishes: dict[int, list[int]] = {}
     marks = {"start": time.perf_counter()}
@@ -117,12 +139,14 @@ def run_processes(document: str, questions: list[str], segment_tokens: int, limi
 
 
 def compare_questions(lm, document: str, count: int, segment_tokens: int, limits: dict[str, int], *,
-                      processes: bool = False, model: str | None = None) -> bool:
+                      processes: bool = False, model: str | None = None, rules_first: bool = False) -> bool:
     questions = QUESTIONS[:count]
-    together = run_stage(lm, document, questions, segment_tokens, limits)
+    if rules_first:
+        print("classification prompt: --rules-first (the rules before the query and margin; an experiment)\n")
+    together = run_stage(lm, document, questions, segment_tokens, limits, rules_first)
     alone = StageResult(tokens={})
     for question in questions:
-        alone.add(run_stage(lm, document, [question], segment_tokens, limits))
+        alone.add(run_stage(lm, document, [question], segment_tokens, limits, rules_first))
     same = sum(together.tokens[q] == alone.tokens[q] for q in questions)
     print(f"{count} question{'s' if count > 1 else ''}: {', '.join(repr(q) for q in questions)}\n")
     print(f"| whole stage, {count} question{'s' if count > 1 else ''} | together (one forest) | "
@@ -137,7 +161,7 @@ def compare_questions(lm, document: str, count: int, segment_tokens: int, limits
     print(f"| tokens generated | {together.generated:,} | {alone.generated:,} | |")
     print(f"| questions with identical tokens (every branch) | {same}/{count} | | |")
     ok = same == count
-    if processes:
+    if processes and not rules_first:
         seconds, tokens = run_processes(document, questions, segment_tokens, limits, model)
         same_processes = sum(tokens[q] == together.tokens[q] for q in questions)
         print(f"| {count} whole `mdcli margins` processes, s (model load included) | {together.seconds:.1f} | "
