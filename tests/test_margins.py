@@ -277,7 +277,7 @@ def per_question(events) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("which", "layout"), [("embedded", "chain"), ("tiny", "chain"), ("tiny", "independent")]
+    ("which", "layout"), [("embedded", "chain"), ("embedded", "independent"), ("tiny", "chain"), ("tiny", "independent")]
 )
 def test_several_questions_every_margin_classification_and_answer_is_exact(which, layout, embedded, tiny):
     lm = embedded if which == "embedded" else tiny
@@ -297,6 +297,15 @@ def test_several_questions_every_margin_classification_and_answer_is_exact(which
     forks = of_type(events, Fork)
     assert len(forks) == len(questions) * count + len(questions)
     assert [f.branch.label for f in forks[-len(questions):]] == questions
+    assert_every_branch_equals_generate(lm.model, events)
+
+
+@pytest.mark.parametrize(("arch", "layout"), [("gpt2", "chain"), ("qwen2", "independent"), ("gemma3", "chain")])
+def test_several_questions_are_exact_on_other_architectures(tiny_dir, arch, layout):
+    lm = load_model(str(tiny_dir(arch)), quiet=True)
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    events = list(margins(lm, documents, questions=QUESTIONS[:2], segment_tokens=40, context=layout, **SMALL))
+    assert len(events[0].branches) >= 4
     assert_every_branch_equals_generate(lm.model, events)
 
 
