@@ -103,3 +103,18 @@ def test_weight_bytes_skip_an_untied_input_table():
     table = model.get_input_embeddings().weight
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert weight_bytes(model) == every - table.numel() * table.element_size() + buffers
+
+
+def test_the_margins_questions_bench_compares_equal_work_and_reports_every_phase(capsys):
+    from mdcli.bench.margins import bench_document
+    from mdcli.bench.margins_questions import compare_questions, run_stage
+
+    lm = random_model("tiny")
+    document = bench_document(lm.tokenizer, 200)
+    limits = {"margin_tokens": 3, "classify_tokens": 2, "answer_tokens": 3}
+    assert compare_questions(lm, document, 3, 64, limits)
+    table = capsys.readouterr().out
+    for row in ("total, s", "margins, s", "classification, s", "answers, s", "identical tokens (every branch) | 3/3"):
+        assert row in table
+    together = run_stage(lm, document, ["A?", "B?"], 64, limits)
+    assert set(together.phases) == {"margins", "classification", "answers"} and len(together.tokens) == 2
