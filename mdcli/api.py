@@ -98,8 +98,9 @@ def ask_many(
 def margins(
     model: LoadedModel,
     documents: str | list[str],
-    query: str,
+    query: str | None = None,
     *,
+    questions: list[str] | None = None,
     names: list[str] | None = None,
     context: str | None = None,
     segment_tokens: int | None = None,
@@ -116,7 +117,9 @@ def margins(
     **engine_options,
 ) -> Iterator[Event]:
     """Writing in the Margins: a margin per segment (all at once), each classified relevant or
-    not (all at once), then one answer from the relevant margins. `context`: "chain" (each margin
+    not (all at once), then one answer from the relevant margins. `query` asks one question;
+    `questions` asks several over one shared cache (a margin per question and segment, an answer
+    per question, each phase one set of forwards). `context`: "chain" (each margin
     reads segments 1..i; the default for one document) or "independent" (each reads its segment
     alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
     templates are documented in mdcli/strategies/margins.py."""
@@ -132,7 +135,8 @@ def margins(
 
     job = Margins(
         documents=[documents] if isinstance(documents, str) else list(documents),
-        query=query,
+        query=query or "",
+        questions=list(questions or []),
         names=names,
         layout=context,  # type: ignore[arg-type]
         segment_tokens=segment_tokens or DEFAULT_SEGMENT_TOKENS,

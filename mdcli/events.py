@@ -19,7 +19,9 @@ class BranchInfo:
     """A branch as announced to renderers.
 
     `prompt_token_ids` is everything the branch attends to, in order: running exactly this
-    sequence alone through the plain model reproduces the branch's tokens.
+    sequence alone through the plain model reproduces the branch's tokens. `group` names what
+    the branch belongs to when a run answers several things at once (margins: the question), so
+    renderers can show a group's branches together; None otherwise.
     """
 
     id: int
@@ -27,6 +29,7 @@ class BranchInfo:
     prompt_token_ids: list[int]
     parent: int | None = None
     exact: bool = True
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,11 +141,13 @@ class BeamRecipe(RecipeBase):
 
 
 class MarginsRecipe(RecipeBase):
-    """margins: Writing in the Margins over the context (the document). `sampling.max_new_tokens`
-    bounds each margin; the classification and answer have their own limits."""
+    """margins: Writing in the Margins over the context (the document). `query` (one question)
+    or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin;
+    the classification and answer have their own limits."""
 
     strategy: Literal["margins"]
-    query: str
+    query: str | None = None
+    questions: list[str] | None = None
     layout: Literal["chain", "independent"] | None = None
     segment_tokens: int | None = Field(None, ge=1)
     keep: Literal["all", "relevant"] = "relevant"
@@ -601,7 +603,14 @@ def _check_beam(recipe: BeamRecipe) -> None:
 def _check_margins(recipe: MarginsRecipe) -> None:
     if recipe.context is None:
         raise _Problem(("context",), "missing: margins reads a document", "add `context: {input: true}` (or text: / file:)")
-    if not recipe.query.strip():
+    if (recipe.query is None) == (recipe.questions is None):
+        raise _Problem(
+            ("query",), "give `query:` (one question) or `questions:` (a list), not both" if recipe.query is not None
+            else "missing: margins needs a question", "write `query: ...` or `questions: [...]`",
+        )
+    if recipe.questions is not None:
+        _check_questions(recipe.questions)
+    elif not recipe.query.strip():
         raise _Problem(("query",), "is empty", "write the question to answer from the document")
     fields = {"margin_template": "margin", "classification_template": "classification", "answer_template": "answer"}
     for field, name in fields.items():
@@ -691,7 +700,10 @@ def template_sites(recipe: Recipe) -> Iterator[TemplateSite]:
                 yield TemplateSite(("questions", index), question, "question")
             yield TemplateSite(("template",), recipe.template or ask_many_default_template(), "template")
     if isinstance(recipe, MarginsRecipe):
-        yield TemplateSite(("query",), recipe.query, "query")
+        if recipe.query is not None:
+            yield TemplateSite(("query",), recipe.query, "query")
+        for index, question in enumerate(recipe.questions or []):
+            yield TemplateSite(("questions", index), question, "query")
     if isinstance(recipe, ThinkRecipe):
         yield TemplateSite(("question",), recipe.question, "root")
 
@@ -936,17 +948,32 @@ def _beam_events(recipe: BeamRecipe, model, values: dict[str, str], context: str
 
 
 def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings: _Settings, max_forward_tokens: int):
-    from mdcli import api
-    from mdcli.strategies.margins import MarginsPrompts
+    from mdcli.strategies.margins import run_margins
+
+    job = _margins_job(recipe, values, context, settings)
+    job.validate()  # here, before the first event is asked for
+    return run_margins(model, job, max_forward_tokens=max_forward_tokens)
+
+
+def margins_job(recipe: MarginsRecipe, *, input_text: str | None = None, vars: dict[str, str] | None = None):
+    """The strategies.margins.Margins job a margins recipe runs (explain draws its margin phase)."""
+    values, context = _values_and_context(recipe, input_text, vars)
+    return _margins_job(recipe, values, context, _Settings().then(recipe.sampling))
+
+
+def _margins_job(recipe: MarginsRecipe, values: dict[str, str], context: str, settings: _Settings):
+    from mdcli.strategies.margins import Margins, MarginsPrompts
 
     overrides = {name: getattr(recipe, f"{name}_template") for name in ("margin", "classification", "answer")}
     prompts = MarginsPrompts(system=recipe.system, **{k: v for k, v in overrides.items() if v is not None})
-    return api.margins(
-        model, context, fill(recipe.query, values), context=recipe.layout, segment_tokens=recipe.segment_tokens,
+    limits = {"segment_tokens": recipe.segment_tokens, "margin_tokens": recipe.sampling.max_new_tokens,
+              "classify_tokens": recipe.classify_tokens, "answer_tokens": recipe.answer_tokens}
+    return Margins(
+        documents=[context], query=fill(recipe.query, values) if recipe.query is not None else "",
+        questions=[fill(question, values) for question in recipe.questions or []], layout=recipe.layout,
         keep=recipe.keep, classify=recipe.classify, with_segments=recipe.with_segments, prompts=prompts,
         chat_template=recipe.chat_template, sampling=_sampling_params(settings),
-        max_new_tokens=recipe.sampling.max_new_tokens, classify_tokens=recipe.classify_tokens,
-        answer_tokens=recipe.answer_tokens, max_forward_tokens=max_forward_tokens,
+        **{name: value for name, value in limits.items() if value is not None},
     )
 
 

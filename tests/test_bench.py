@@ -157,3 +157,18 @@ def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_who
     parts = dict(profile.table())
     assert parts["linears"] > 0 and parts["attention"] > 0 and parts["lm_head"] > 0
     assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6
+
+
+def test_the_margins_questions_bench_compares_equal_work_and_reports_every_phase(capsys):
+    from mdcli.bench.margins import bench_document
+    from mdcli.bench.margins_questions import compare_questions, run_stage
+
+    lm = random_model("tiny")
+    document = bench_document(lm.tokenizer, 200)
+    limits = {"margin_tokens": 3, "classify_tokens": 2, "answer_tokens": 3}
+    assert compare_questions(lm, document, 3, 64, limits)
+    table = capsys.readouterr().out
+    for row in ("total, s", "margins, s", "classification, s", "answers, s", "identical tokens (every branch) | 3/3"):
+        assert row in table
+    together = run_stage(lm, document, ["A?", "B?"], 64, limits)
+    assert set(together.phases) == {"margins", "classification", "answers"} and len(together.tokens) == 2

@@ -170,3 +170,47 @@ def test_explain_a_builtin_recipe_with_input_shows_shared_context_and_follow_ups
     assert "↳ people/goals · forks after people finishes" in result.stdout
     assert "more than the 48 a token grid can show" in result.stdout
     assert "Attention mask by run of shared tokens" in result.stdout
+
+
+MARGINS_RECIPE = """version: 1
+strategy: margins
+context: {input: true}
+questions:
+- Which projects went over budget?
+- What did the cafeteria change?
+segment_tokens: 48
+"""
+REPORT = (
+    "Quarterly project report.\n\n"
+    "Project Falcon built a new loading dock for the warehouse. The budget was 200,000 dollars. It went over "
+    "budget by 40,000 dollars because steel prices rose in March.\n\n"
+    "Project Heron upgraded the office network. It finished on time and under budget.\n\n"
+    "The cafeteria introduced a new menu with more vegetarian dishes. Most employees like the change.\n\n"
+)
+
+
+def test_explain_a_margins_recipe_with_two_questions_shows_one_copy_of_each_segment(tmp_path):
+    from mdcli.commands.explain import load_tokenizer
+    from mdcli.recipes import load_recipe, margins_job
+
+    recipe, report = tmp_path / "margins.yaml", tmp_path / "report.txt"
+    recipe.write_text(MARGINS_RECIPE)
+    report.write_text(REPORT)
+    result = runner.invoke(app, ["explain", str(recipe), "--input", str(report)])
+    assert result.exit_code == 0, result.stderr
+    text = " ".join(result.stdout.split())  # the tree wraps at the console width
+    assert "2 questions x 3 segments; each segment is cached once" in text
+    for i in (1, 2, 3):  # after segment i, both questions' margins of it hang off the same tokens
+        assert f"shared by q1 segment {i}/3, q2 segment {i}/3" in text
+
+    tokenizer = load_tokenizer(None, False)
+    job = margins_job(load_recipe(recipe), input_text=REPORT)
+    specs = job.margin_specs(tokenizer, job.segments(tokenizer))
+    layout = plan_layout([s.prompt_ids for s in specs])
+    for edge in layout.edges:
+        if len(edge.prompts) == 1:  # a branch's own tokens: its question's instruction, no document text
+            own = tokenizer.decode([layout.token_ids[slot] for slot in edge.slots])
+            assert "Project" not in own and "cafeteria introduced" not in own
+    for segment in job.segments(tokenizer):  # every segment's text is in the cache exactly once
+        cached = tokenizer.decode(layout.token_ids)
+        assert cached.count(segment.text.strip()[:40]) == 1

@@ -13,13 +13,17 @@ from typer.testing import CliRunner
 
 from mdcli.api import margins
 from mdcli.cli import app
+from mdcli.decoding import common_prefix_length
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
 from mdcli.loading import load_model
+from mdcli.memory import kv_bytes_per_token
+from mdcli.recipes import load_recipe
+from mdcli.sampling import SamplingParams
 from mdcli.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
-    NOTE_TEMPLATE, MarginResult, Margins, new_decoder, parse_verdict, radix_token_count, sources_note,
+    NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,
 )
 from tests.reference import generate_alone
 
@@ -79,7 +83,9 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def expected_margin_prompts(tokenizer, documents: list[str], budget: int, layout: str) -> list[list[int]]:
+def expected_margin_prompts(
+    tokenizer, documents: list[str], budget: int, layout: str, query: str = QUERY
+) -> list[list[int]]:
     """chain: system + segments 1..i + instruction; independent: system + segment i + instruction."""
     segments = split_documents(documents, budget, token_counter(tokenizer))
     prompts = []
@@ -91,7 +97,7 @@ def expected_margin_prompts(tokenizer, documents: list[str], budget: int, layout
             for s in segments[: i + 1]:
                 per_document[s.document] = per_document.get(s.document, "") + s.text
             context = DOCUMENT_SEPARATOR.join(t.strip() for t in per_document.values())
-        prompts.append(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context=context, query=QUERY)))
+        prompts.append(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context=context, query=query)))
     return prompts
 
 
@@ -169,14 +175,17 @@ def test_events_announce_classify_and_source_the_answer(tiny):
     assert [n.data["segment"] for n in classified] == list(range(1, len(margin_ids) + 1))
     assert [n.data["margin_branch"] for n in classified] == margin_ids
     for note in classified:
-        assert set(note.data) == {"branch", "margin_branch", "segment", "document", "relevant", "parsed", "reason"}
+        assert set(note.data) == {
+            "branch", "margin_branch", "question", "segment", "document", "relevant", "parsed", "reason",
+        }
         if not note.data["parsed"]:
             assert note.data["relevant"] is True and "kept as relevant" in note.message
     answer = forks[-1].branch
     sources_index = next(i for i, e in enumerate(events) if isinstance(e, Note) and e.kind == "answer-sources")
     assert isinstance(events[sources_index + 1], Finish) and events[sources_index + 1].branch == answer.id
     assert events[sources_index].data == {
-        "branch": answer.id, "segments": list(range(1, len(margin_ids) + 1)), "margin_branches": margin_ids,
+        "branch": answer.id, "question": 1, "segments": list(range(1, len(margin_ids) + 1)),
+        "margin_branches": margin_ids,
     }
     done = events[-1]
     tokens = sum(len(f.token_ids) for f in of_type(events, Finish))
@@ -224,7 +233,7 @@ def test_irrelevant_margins_are_left_out_of_the_answer_unless_keep_all(tiny):
     assert [m.number for m in kept] == [1, 3]
     prompt = relevant_only.answer_prompt(kept)
     assert "[segment 1/3] margin 1" in prompt and "margin 2" not in prompt and "[segment 3/3] margin 3" in prompt
-    assert sources_note(7, kept).data == {"branch": 7, "segments": [1, 3], "margin_branches": [0, 2]}
+    assert sources_note(7, kept).data == {"branch": 7, "question": 1, "segments": [1, 3], "margin_branches": [0, 2]}
     assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, keep="all").kept(results)] == [1, 2, 3]
     assert [m.number for m in Margins(documents=PASSAGES, query=QUERY, classify=False).kept(results)] == [1, 2, 3]
     assert NO_NOTES in relevant_only.answer_prompt([])
@@ -248,6 +257,155 @@ def test_irrelevant_margins_are_left_out_of_the_answer_unless_keep_all(tiny):
 def test_verdicts_are_read_robustly_and_default_to_relevant(reply, relevant, parsed, reason):
     verdict = parse_verdict(reply)
     assert (verdict.relevant, verdict.parsed, verdict.reason) == (relevant, parsed, reason)
+
+
+# -- several questions in one forest ------------------------------------------------------------
+
+QUESTIONS = [QUERY, "What did the cafeteria change?", "Which project finished on time?"]
+
+
+def per_question(events) -> dict[str, list[list[int]]]:
+    """Each question's branches' token ids by phase, in segment order: margins, classifications,
+    answer (as a run of that question alone would list them)."""
+    finishes = {f.branch: f.token_ids for f in of_type(events, Finish)}
+    infos = [b for e in events if isinstance(e, Start) for b in e.branches]
+    infos += [e.branch for e in events if isinstance(e, Fork)]
+    phases: dict[str | None, list[list[int]]] = {}
+    for info in infos:
+        phases.setdefault(info.group, []).append(finishes[info.id])
+    return phases
+
+
+@pytest.mark.parametrize(
+    ("which", "layout"), [("embedded", "chain"), ("embedded", "independent"), ("tiny", "chain"), ("tiny", "independent")]
+)
+def test_several_questions_every_margin_classification_and_answer_is_exact(which, layout, embedded, tiny):
+    lm = embedded if which == "embedded" else tiny
+    questions = QUESTIONS[:2] if which == "embedded" else QUESTIONS
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    events = list(margins(lm, documents, questions=questions, segment_tokens=40, context=layout, **SMALL))
+    start = events[0]
+    count = len(expected_margin_prompts(lm.tokenizer, documents, 40, layout))
+    assert len(start.branches) == len(questions) * count >= 6
+    for q, question in enumerate(questions):
+        mine = start.branches[q * count : (q + 1) * count]
+        assert [b.prompt_token_ids for b in mine] == expected_margin_prompts(
+            lm.tokenizer, documents, 40, layout, question
+        )
+        assert {b.group for b in mine} == {question}
+        assert all(b.label.startswith(f"q{q + 1} segment ") for b in mine)
+    forks = of_type(events, Fork)
+    assert len(forks) == len(questions) * count + len(questions)
+    assert [f.branch.label for f in forks[-len(questions):]] == questions
+    assert_every_branch_equals_generate(lm.model, events)
+
+
+@pytest.mark.parametrize(("arch", "layout"), [("gpt2", "chain"), ("qwen2", "independent"), ("gemma3", "chain")])
+def test_several_questions_are_exact_on_other_architectures(tiny_dir, arch, layout):
+    lm = load_model(str(tiny_dir(arch)), quiet=True)
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    events = list(margins(lm, documents, questions=QUESTIONS[:2], segment_tokens=40, context=layout, **SMALL))
+    assert len(events[0].branches) >= 4
+    assert_every_branch_equals_generate(lm.model, events)
+
+
+@pytest.mark.parametrize("layout", ["chain", "independent"])
+def test_each_question_gets_exactly_the_tokens_of_a_run_of_its_own(tiny, layout):
+    documents = [REPORT] if layout == "chain" else PASSAGES
+    options = dict(segment_tokens=40, context=layout, keep="all", **SMALL)
+    together = per_question(list(margins(tiny, documents, questions=QUESTIONS, **options)))
+    for question in QUESTIONS:
+        alone = per_question(list(margins(tiny, documents, question, **options)))
+        assert together[question] == alone[question], question
+
+
+def test_sampled_questions_draw_what_their_own_runs_draw(tiny):
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    options = dict(segment_tokens=40, classify=False, sampling=sampling, **SMALL)
+    together = per_question(list(margins(tiny, REPORT, questions=QUESTIONS[:2], **options)))
+    for question in QUESTIONS[:2]:
+        assert together[question] == per_question(list(margins(tiny, REPORT, question, **options)))[question]
+
+
+def test_all_questions_share_one_copy_of_each_segment_in_the_cache(embedded):
+    tokenizer = embedded.tokenizer
+    four = Margins(documents=[REPORT], questions=[*QUESTIONS, "Who likes the new menu?"], segment_tokens=40)
+    segments = four.segments(tokenizer)
+    specs = four.margin_specs(tokenizer, segments)
+    count = len(segments)
+    for q in range(1, 4):
+        for i in range(count):
+            first, other = specs[i].prompt_ids, specs[q * count + i].prompt_ids
+            shared = common_prefix_length(first, other)
+            # every question's margin of segment i begins with the same tokens up to the end of
+            # the context, so the cache holds that text once
+            assert four.margin_context(segments, i)[-24:] in tokenizer.decode(first[:shared])
+    document_tokens = sum(s.tokens for s in segments)
+    # with the question first, each question stores the document again
+    question_first = MarginsPrompts(margin="$query\n\n```\n$context\n```")
+    assert question_first.question_first() and not MarginsPrompts().question_first()
+    first = Margins(documents=[REPORT], questions=four.questions, segment_tokens=40, prompts=question_first)
+    stored = radix_token_count([s.prompt_ids for s in first.margin_specs(tokenizer, segments)])
+    assert stored >= 4 * document_tokens
+    layout = notes(list(margins(embedded, REPORT, questions=QUESTIONS[:2], segment_tokens=40,
+                                max_new_tokens=1, classify=False, answer_tokens=1)), "margins-layout")[0]
+    assert layout.data["questions"] == QUESTIONS[:2] and layout.data["margins"] == 2 * count
+
+
+def test_notes_name_the_question_and_each_answer_is_sourced_from_its_own_margins(tiny):
+    events = list(margins(tiny, PASSAGES, questions=QUESTIONS[:2], keep="all", **SMALL))
+    start = events[0]
+    classified = notes(events, "classification")
+    assert [n.data["question"] for n in classified] == [1, 1, 1, 2, 2, 2]
+    assert [n.data["margin_branch"] for n in classified] == [b.id for b in start.branches]
+    sources = notes(events, "answer-sources")
+    assert [n.data["question"] for n in sources] == [1, 2]
+    assert [n.data["margin_branches"] for n in sources] == [
+        [b.id for b in start.branches[:3]], [b.id for b in start.branches[3:]],
+    ]
+    for note in sources:
+        after = events[events.index(note) + 1]
+        assert isinstance(after, Finish) and after.branch == note.data["branch"]
+
+
+def test_too_many_questions_for_memory_are_refused_saying_how_many_fit(tiny):
+    job = Margins(documents=PASSAGES, questions=QUESTIONS, **{"margin_tokens": 6})
+    from mdcli.strategies.margins import cache_tokens
+
+    segments = job.segments(tiny.tokenizer)
+    specs = job.margin_specs(tiny.tokenizer, segments)
+    per_token = kv_bytes_per_token(tiny.model.config, 4)
+    two = cache_tokens(job, tiny.tokenizer, segments, specs, 2) * per_token
+    run = margins(tiny, PASSAGES, questions=QUESTIONS, memory_budget_bytes=two + 1, max_new_tokens=6)
+    with pytest.raises(UsageError, match=r"9 margins need about .* for 3 questions x 3 segments") as error:
+        next(run)
+    assert "ask at most 2 questions per run" in error.value.fix
+
+
+def test_a_larger_segment_size_is_suggested_when_one_question_does_not_fit(tiny):
+    document = REPORT * 4
+    job = Margins(documents=[document], questions=QUESTIONS[:2], segment_tokens=32, margin_tokens=6)
+    from mdcli.strategies.margins import cache_tokens
+
+    bigger = Margins(documents=[document], questions=QUESTIONS[:2], segment_tokens=128, margin_tokens=6)
+    segments = bigger.segments(tiny.tokenizer)
+    per_token = kv_bytes_per_token(tiny.model.config, 4)
+    room = cache_tokens(bigger, tiny.tokenizer, segments, bigger.margin_specs(tiny.tokenizer, segments), 2)
+    with pytest.raises(UsageError, match="KV cache") as error:
+        next(margins(tiny, document, questions=QUESTIONS[:2], segment_tokens=32, max_new_tokens=6,
+                     memory_budget_bytes=room * per_token))
+    assert "--segment-tokens" in error.value.fix
+    suggested = int(error.value.fix.split("--segment-tokens ")[1].split()[0])
+    assert job.segment_tokens < suggested <= 128
+
+
+@pytest.mark.parametrize(
+    ("questions", "needle"),
+    [([QUERY, "  "], "question 2 is empty"), ([QUERY, "Why?", QUERY], "question 3 repeats question 1")],
+)
+def test_bad_questions_are_refused_before_the_model_runs(tiny, questions, needle):
+    with pytest.raises(UsageError, match=needle):
+        margins(tiny, REPORT, questions=questions)
 
 
 # -- refusals and notes ------------------------------------------------------------------------
@@ -320,7 +478,7 @@ def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):
     ok = cli("-", "-q", QUERY, "-m", model, "-o", "plain", "--no-classify", "-n", "2", "--answer-tokens", "2",
              "--quiet", input=REPORT)
     assert ok.exit_code == 0, ok.output
-    assert "## answer" in ok.stdout
+    assert "##" not in ok.stdout and ok.stdout.endswith("\n")  # one question: the bare answer, as in ask-many
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     for args, needle in [
@@ -333,3 +491,56 @@ def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):
         [line] = result.stderr.strip().splitlines()
         assert line.startswith("mdcli: error: ") and needle in line
     assert cli("-", "-q", QUERY, "--segment-tokens", "4", input=REPORT).exit_code == 2
+
+
+def test_cli_several_questions_print_a_block_per_question_with_its_margins_when_asked(tiny_dir, tmp_path):
+    document = tmp_path / "report.txt"
+    document.write_text(REPORT)
+    more = tmp_path / "questions.txt"
+    more.write_text(f"\n{QUESTIONS[1]}\n\n{QUESTIONS[2]}\n")
+    common = (str(document), "-q", QUERY, "--questions-file", str(more), "-m", str(tiny_dir("llama")),
+              "--segment-tokens", "64", "-n", "3", "--classify-tokens", "3", "--answer-tokens", "3")
+    plain = cli(*common, "-o", "plain", "--quiet")
+    assert plain.exit_code == 0, plain.output
+    assert [line for line in plain.stdout.splitlines() if line.startswith("## ")] == [f"## {q}" for q in QUESTIONS]
+    assert "### margins" not in plain.stdout
+    shown = cli(*common, "-o", "plain", "--quiet", "--show-margins")
+    blocks = shown.stdout.split("## ")[1:]
+    assert len(blocks) == 3 * 2  # each question's "## question" and its "### margins"
+    for question, (answer, listing) in zip(QUESTIONS, zip(blocks[::2], blocks[1::2])):
+        assert answer.startswith(question + "\n")
+        lines = listing.strip().splitlines()
+        assert lines[0].startswith("margins (answer read ")
+        assert [line.split("]")[0] for line in lines[1:]] == ["[segment 1/3", "[segment 2/3", "[segment 3/3"]
+        assert all("] kept:" in line or "] left out" in line for line in lines[1:])
+    jsonl = cli(*common, "--jsonl")
+    lines = [json.loads(line) for line in jsonl.stdout.splitlines()]
+    branches = lines[0]["branches"] + [line["branch"] for line in lines if line["type"] == "fork"]
+    assert [b["group"] for b in branches[:9]] == [q for q in QUESTIONS for _ in range(3)]
+    answers = [line for line in lines if line.get("kind") == "answer-sources"]
+    assert sorted(a["data"]["question"] for a in answers) == [1, 2, 3]
+
+
+def test_cli_save_recipe_round_trips_several_questions_to_the_same_tokens(tiny_dir, tmp_path):
+    document = tmp_path / "report.txt"
+    document.write_text(REPORT)
+    saved = tmp_path / "m.yaml"
+    model = str(tiny_dir("llama"))
+    first = cli(str(document), "-q", QUERY, "-q", "Costs in $?", "-m", model, "--segment-tokens", "64",
+                "--context", "independent", "-n", "3", "--classify-tokens", "2", "--answer-tokens", "3",
+                "--save-recipe", str(saved), "--jsonl")
+    assert first.exit_code == 0, first.output
+    recipe = load_recipe(saved)
+    assert recipe.questions == [QUERY, "Costs in $$?"] and recipe.layout == "independent"
+    again = runner.invoke(app, ["run", str(saved), "--input", str(document), "-m", model, "--jsonl"],
+                          env={"HF_HUB_OFFLINE": "1"})
+    assert again.exit_code == 0, again.output
+
+    def finishes(stdout):
+        return [(e["label"], e["token_ids"]) for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"]
+
+    assert finishes(again.stdout) == finishes(first.stdout) and len(finishes(first.stdout)) == 2 * 3 * 2 + 2
+    two = tmp_path / "two.txt"
+    two.write_text(PASSAGES[0])
+    refused = cli(str(document), str(two), "-q", QUERY, "-m", model, "--save-recipe", str(tmp_path / "x.yaml"))
+    assert refused.exit_code == 2 and "one document" in refused.stderr

@@ -313,7 +313,7 @@ BAD_RECIPES = [
      "ask-many, tree"),
     ("parameter-for-the-wrong-strategy",
      "version: 1\nstrategy: tree\nquestions: [who]\nbranches: [{label: a, prompt: hi}]\n",
-     "questions", "'questions' is a setting of strategy ask-many / beam, not tree", "remove it"),
+     "questions", "'questions' is a setting of strategy ask-many / beam / margins, not tree", "remove it"),
     ("beam-width-zero", "version: 1\nstrategy: beam\nprompt: hi\nwidth: 0\n", "width", "0 is out of range",
      "at least 1"),
     ("beam-early-stopping", "version: 1\nstrategy: beam\nprompt: hi\nearly_stopping: soon\n", "early_stopping",
@@ -327,6 +327,17 @@ BAD_RECIPES = [
     ("margins-bad-template",
      "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: who?\nanswer_template: \"$query only\"\n",
      "answer_template", "has no $notes", "add $notes"),
+    ("margins-query-and-questions",
+     "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: who?\nquestions: [why]\n",
+     "query", "not both", "questions: [...]"),
+    ("margins-no-question", "version: 1\nstrategy: margins\ncontext: {input: true}\n",
+     "query", "margins needs a question", "questions: [...]"),
+    ("margins-repeated-question",
+     "version: 1\nstrategy: margins\ncontext: {input: true}\nquestions: [who, why, who]\n",
+     "questions[2]", "repeats questions[0]", "remove it"),
+    ("margins-question-with-context",
+     "version: 1\nstrategy: margins\ncontext: {input: true}\nquestions: [who, \"$context why\"]\n",
+     "questions[1]", "cannot use $context", "write the question itself"),
     ("think-ignores-context", "version: 1\nstrategy: think\ncontext: {input: true}\nquestion: hi\n",
      "question", "does not use $context", "put $context in it"),
     ("children-in-ask-many",
@@ -630,3 +641,26 @@ def test_a_bad_beam_width_makes_run_exit_2_with_one_line_naming_the_field(tmp_pa
     assert result.exit_code == 2
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"mdcli: error: {recipe}: width: 0 is out of range"), lines
+
+
+def test_a_margins_recipe_with_questions_runs_every_question_as_margins_does(tiny_dir):
+    from mdcli.api import margins
+    from mdcli.loading import load_model
+
+    tiny = load_model(str(tiny_dir("llama")), quiet=True)
+    recipe = load_recipe_text(
+        "version: 1\nstrategy: margins\ncontext: {input: true}\nvars: {who: Mara}\nsampling: {max_new_tokens: 3}\n"
+        "questions: [\"Who is $who?\", \"Where does $who live?\"]\nsegment_tokens: 24\n"
+        "classify_tokens: 2\nanswer_tokens: 3\n"
+    )
+    got = [(e.label, e.token_ids) for e in recipe_events(recipe, tiny, input_text=STORY) if isinstance(e, Finish)]
+    expected = [(e.label, e.token_ids) for e in margins(
+        tiny, STORY, questions=["Who is Mara?", "Where does Mara live?"], segment_tokens=24, max_new_tokens=3,
+        classify_tokens=2, answer_tokens=3,
+    ) if isinstance(e, Finish)]
+    assert got == expected and [label for label, _ in got[-2:]] == ["Who is Mara?", "Where does Mara live?"]
+
+
+def test_the_shipped_margins_recipe_asks_several_questions():
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "margins.yaml")
+    assert recipe.strategy == "margins" and recipe.query is None and len(recipe.questions) >= 2

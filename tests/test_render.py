@@ -762,3 +762,84 @@ def test_render_modules_do_not_import_torch():
 
     code = "import sys, mdcli.render; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- margins: blocks per question, branches grouped by question ----------------------------------
+
+
+def margins_run(show_margins: bool = False):
+    """Two questions over two segments: margins 0-3 (q1: 0, 1; q2: 2, 3), classifications 4-7,
+    answers 8 (q1) and 9 (q2); q2's answer finishes first; q1 kept segment 1 only."""
+    groups = ["Who?", "Who?", "Why?", "Why?"]
+    labels = ["q1 segment 1/2", "q1 segment 2/2", "q2 segment 1/2", "q2 segment 2/2"]
+    events = [
+        Start(model="tiny", device="cpu", dtype="float32", dtype_reason="exact", attn="sdpa", strategy="margins",
+              seed=None, branches=[BranchInfo(i, labels[i], [1, 2], group=groups[i]) for i in range(4)]),
+        *(finish(i, labels[i], f"margin {i}") for i in range(4)),
+        *(Fork(BranchInfo(4 + i, labels[i].replace("segment", "relevance"), [1], group=groups[i]))
+          for i in range(4)),
+    ]
+    for i in range(4):
+        events.append(finish(4 + i, labels[i].replace("segment", "relevance"), "NO#off topic" if i == 1 else "YES#"))
+        verdict = {"relevant": i != 1, "reason": "off topic" if i == 1 else ""}
+        events.append(Note("classification", "...", {"branch": 4 + i, "margin_branch": i, "question": 1 + i // 2,
+                                                     **verdict}))
+    events += [Fork(BranchInfo(8, "Who?", [1], group="Who?")), Fork(BranchInfo(9, "Why?", [1], group="Why?"))]
+    sources = {"branch": 9, "question": 2, "segments": [1, 2], "margin_branches": [2, 3]}
+    events += [Note("answer-sources", "...", sources), finish(9, "Why?", "Because.")]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    renderer = PlainRenderer(stdout, stderr, quiet=True, show_margins=show_margins)
+    for event in events:
+        renderer.handle(event)
+    return renderer, stdout
+
+
+def test_plain_margins_prints_one_block_per_question_in_question_order():
+    renderer, stdout = margins_run()
+    assert stdout.getvalue() == ""  # q2 is done, but q1 comes first
+    renderer.handle(Note("answer-sources", "...", {"branch": 8, "question": 1, "segments": [1], "margin_branches": [0]}))
+    renderer.handle(finish(8, "Who?", "Falcon."))
+    assert stdout.getvalue() == "## Who?\nFalcon.\n\n## Why?\nBecause.\n\n"
+
+
+def test_plain_margins_with_show_margins_lists_each_margin_and_whether_it_was_kept():
+    renderer, stdout = margins_run(show_margins=True)
+    renderer.handle(Note("answer-sources", "...", {"branch": 8, "question": 1, "segments": [1], "margin_branches": [0]}))
+    renderer.handle(finish(8, "Who?", "Falcon."))
+    renderer.handle(done())
+    assert stdout.getvalue() == (
+        "## Who?\nFalcon.\n\n### margins (answer read 1 of 2)\n"
+        "[segment 1/2] kept: margin 0\n[segment 2/2] left out (off topic): margin 1\n\n"
+        "## Why?\nBecause.\n\n### margins (answer read 2 of 2)\n"
+        "[segment 1/2] kept: margin 2\n[segment 2/2] kept: margin 3\n\n"
+    )
+
+
+def test_plain_margins_interrupted_prints_every_question_with_what_it_has():
+    renderer, stdout = margins_run()
+    renderer.handle(token(8, "Fal"))
+    renderer.interrupted()
+    assert stdout.getvalue() == "## Who?\nFal\n\n## Why?\nBecause.\n\n"
+
+
+def test_grouped_branches_are_shown_together_in_the_order_their_groups_first_appear(live):
+    renderer, stdout, _ = live(width=60, height=60)
+    book = BranchBook()
+    for event in [
+        Start(model="m", device="cpu", dtype="float32", dtype_reason="", attn="sdpa", strategy="margins", seed=None,
+              branches=[BranchInfo(0, "q1 s1", [1], group="A"), BranchInfo(1, "q2 s1", [1], group="B")]),
+        Fork(BranchInfo(2, "q1 r1", [1], group="A")), Fork(BranchInfo(3, "q2 r1", [1], group="B")),
+        Fork(BranchInfo(4, "free", [1])), Fork(BranchInfo(5, "A", [1], group="A")),
+    ]:
+        book.apply(event)
+        renderer.handle(event)
+    assert [b.label for b in book.in_tree_order()] == ["q1 s1", "q1 r1", "A", "q2 s1", "q2 r1", "free"]
+    frame = last_frame(stdout.getvalue())
+    assert frame.index("q1 r1") < frame.index("q2 s1")
+
+
+def test_jsonl_branches_carry_their_group():
+    info = BranchInfo(0, "q1 segment 1/2", [1, 2], group="Who?")
+    renderer, stdout = run_jsonl([Start(model="m", device="cpu", dtype="float32", dtype_reason="", attn="sdpa",
+                                        strategy="margins", seed=None, branches=[info]), done()])
+    assert json.loads(stdout.getvalue().splitlines()[0])["branches"][0]["group"] == "Who?"

@@ -2,6 +2,8 @@
 
     python -m mdcli.bench.margins                      # ~4,000-token report, 8 segments, 48-token margins
     python -m mdcli.bench.margins --sweep 256,512,1024,2048   # how the segment size changes time and recall
+    python -m mdcli.bench.margins --questions 4        # whole stage, 4 questions in one forest vs 4 runs
+                                                       # (see mdcli/bench/margins_questions.py)
 
 Both sides run the same model on the same margin prompts (token ids built by
 strategies.margins, chain layout), greedy, fp32, CPU, `torch.set_num_threads(1)`:
@@ -246,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sweep", type=str, default=None, help="comma-separated --segment-tokens values")
     parser.add_argument("--layout", choices=["chain", "independent"], default="chain", help="for --sweep")
+    parser.add_argument("--questions", type=int, default=None,
+                        help="whole stage with this many questions in one forest vs one run per question")
+    parser.add_argument("--processes", action="store_true",
+                        help="with --questions: also time one whole `mdcli margins` process per question")
+    parser.add_argument("--rules-first", action="store_true",
+                        help="with --questions: an experimental classifier prompt with its rules first (shared)")
+    parser.add_argument("--classify-tokens", type=int, default=24, help="with --questions")
+    parser.add_argument("--answer-tokens", type=int, default=256, help="with --questions")
     parser.add_argument("--model", type=str, default=None)
     parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
@@ -259,6 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, dtype="float32", device="cpu", quiet=True)
     document = bench_document(lm.tokenizer, args.doc_tokens)
     print(f"model: {lm.name}, fp32, greedy; machine: {machine()}; {kernels_line(lm, args.baseline_kernels)}\n")
+    if args.questions:
+        from mdcli.bench.margins_questions import compare_questions
+
+        budget = segment_budget_for(lm.tokenizer, document, args.segments)
+        limits = {"margin_tokens": args.margin_tokens, "classify_tokens": args.classify_tokens,
+                  "answer_tokens": args.answer_tokens}
+        print(f"document: {args.doc_tokens:,}-token report in {args.segments} segments (--segment-tokens {budget}); "
+              f"margins <= {args.margin_tokens}, classifications <= {args.classify_tokens}, "
+              f"answers <= {args.answer_tokens} tokens\n")
+        ok = compare_questions(lm, document, args.questions, budget, limits, processes=args.processes,
+                               model=args.model, rules_first=args.rules_first)
+        return 0 if ok else 1
     if args.sweep:
         sweep(lm, document, [int(s) for s in args.sweep.split(",")], args.margin_tokens, args.layout)
         return 0

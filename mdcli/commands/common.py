@@ -166,7 +166,8 @@ def check_progress(quiet: bool, progress: bool) -> None:
         raise UsageError("--progress and --quiet contradict each other", fix="give one of them")
 
 
-def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: bool = False) -> None:
+def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: bool = False, *,
+           show_margins: bool = False) -> None:
     """Feed events to the renderer; on Ctrl-C flush what was generated and exit 130."""
     from mdcli.render import choose_renderer
 
@@ -178,6 +179,7 @@ def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: b
         no_color="NO_COLOR" in os.environ,
         header=header,
         progress=progress,
+        show_margins=show_margins,
     )
     try:
         for event in events:

@@ -34,6 +34,10 @@ def explain(
     Only the tokenizer is loaded. Positions are depths in the tree (the RoPE position ids the
     engine gives), slots are physical places in the cache. Follow-ups are listed but not placed:
     they fork after their parent's answer, whose length is known only when it runs.
+
+    A margins recipe is drawn at its margin phase: a branch per question and segment, every
+    segment cached once and read by all questions (classifications and answers are prompted from
+    the margins' text, known only at run time).
     """
     with errors(debug):
         from mdcli.recipes import Sampling, check_run_inputs, parse_vars
@@ -51,13 +55,33 @@ def explain(
         from mdcli.render.base import color_disabled
         from mdcli.render.live import make_console
 
-        roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
+        title = f"{plan.source} ({plan.strategy})"
+        if plan.strategy == "margins":
+            roots, title = margin_phase(plan, tokenizer, input_text, values)
+        else:
+            roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
         layout = plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
         console = make_console(sys.stdout, color=not color_disabled("NO_COLOR" in os.environ))
         render_explanation(
             console, roots, layout, lambda token: tokenizer.decode([token]),
-            title=f"{plan.source} ({plan.strategy})", tokens=tokens,
+            title=title, tokens=tokens,
         )
+
+
+def margin_phase(plan, tokenizer, input_text: str | None, values: dict[str, str]):
+    """A margins recipe's margin branches (question-major) and a title that says what they are."""
+    from mdcli.recipes import margins_job
+
+    job = margins_job(plan, input_text=input_text, vars=values)
+    job.validate()
+    segments = job.segments(tokenizer)
+    questions = len(job.all_questions())
+    title = (
+        f"{plan.source} (margins, {job.resolved_layout()}: the margin phase, {questions} "
+        f"question{'s' if questions != 1 else ''} x {len(segments)} segments; each segment is cached once "
+        "and read by every question's margin)"
+    )
+    return job.margin_specs(tokenizer, segments), title
 
 
 def load_tokenizer(model: str | None, trust_remote_code: bool):

@@ -11,7 +11,8 @@ import typer
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
+    TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, read_questions_file, render,
+    sampling_params,
 )
 from mdcli.errors import UsageError
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
@@ -38,7 +39,28 @@ def margins(
         typer.Argument(help="Document files (each its own segment group), or - for stdin.", show_default=False),
     ],
     query: Annotated[
-        Optional[str], typer.Option("--query", "-q", help="The question (required).", show_default=False)
+        Optional[list[str]],
+        typer.Option(
+            "--query", "-q", help="A question (repeatable: every question's margins share one cache).",
+            show_default=False,
+        ),
+    ] = None,
+    questions_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False
+        ),
+    ] = None,
+    show_margins: Annotated[
+        bool,
+        typer.Option("--show-margins", help="Plain output: print each question's margins and which were kept."),
+    ] = False,
+    save_recipe: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--save-recipe", help="Write these settings as a recipe YAML (one document), then run as usual.",
+            show_default=False,
+        ),
     ] = None,
     context: Annotated[
         Optional[ContextLayout],
@@ -110,16 +132,24 @@ def margins(
     relevant or not (all at once), then one answer from the relevant margins.
 
     One document: margin i reads segments 1..i, as in the paper (the document enters the cache
-    once). Several documents: margin i reads its segment alone. Exact: with greedy decoding every
-    margin, classification and answer is token for token what the model gives that prompt alone.
-    JSONL adds "classification" notes and an "answer-sources" note listing the segments used.
+    once). Several documents: margin i reads its segment alone. Several questions (-q A -q B, or
+    --questions-file): a margin per question and segment, an answer per question, every phase one
+    set of forwards over one cache; the segment comes before the question in the margin prompt,
+    so all questions share each segment's cached tokens. Exact: with greedy decoding every margin,
+    classification and answer is token for token what the model gives that prompt alone.
+
+    Plain output: the answer (a "## question" block per question when there are several; with
+    --show-margins each block lists the question's margins and which were kept). JSONL adds
+    "classification" notes and an "answer-sources" note per answer, each naming its question.
+    --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
     """
     with errors(debug):
         from mdcli.strategies.margins import Margins, MarginsPrompts
 
+        questions = list(query or []) + read_questions_file(questions_file)
         job = Margins(
             documents=read_documents(documents),
-            query=query or "",
+            questions=questions,
             names=document_names(documents),
             layout=context.value if context else None,  # type: ignore[arg-type]
             segment_tokens=segment_tokens,
@@ -136,6 +166,10 @@ def margins(
             answer_tokens=answer_tokens,
         )
         job.validate()
+        if save_recipe is not None:
+            from mdcli.margins_recipe import margins_recipe_text, write_recipe
+
+            write_recipe(save_recipe, margins_recipe_text(job, given_layout=context is not None))
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
@@ -143,7 +177,7 @@ def margins(
         from mdcli.strategies.margins import run_margins
 
         events = run_margins(lm, job, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm), progress=progress, show_margins=show_margins)
 
 
 def read_documents(sources: list[str]) -> list[str]:

@@ -43,6 +43,7 @@ class BranchState:
     id: int
     label: str
     parent: int | None
+    group: str | None = None
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: BranchStatus = "running"
@@ -97,9 +98,9 @@ class BranchBook:
         if isinstance(event, Start):
             self.start = event
             for info in event.branches:
-                self._announce(info.id, info.label, info.parent)
+                self._announce(info.id, info.label, info.parent, info.group)
         elif isinstance(event, Fork):
-            self._announce(event.branch.id, event.branch.label, event.branch.parent)
+            self._announce(event.branch.id, event.branch.label, event.branch.parent, event.branch.group)
         elif isinstance(event, Token):
             self[event.branch].add_token(event)
         elif isinstance(event, Finish):
@@ -109,10 +110,10 @@ class BranchBook:
         elif isinstance(event, Done):
             self.done = event
 
-    def _announce(self, branch_id: int, label: str, parent: int | None) -> None:
+    def _announce(self, branch_id: int, label: str, parent: int | None, group: str | None = None) -> None:
         if branch_id in self._branches:
             raise ValueError(f"branch {branch_id} ({label!r}) was announced twice")
-        self._branches[branch_id] = BranchState(branch_id, label, parent)
+        self._branches[branch_id] = BranchState(branch_id, label, parent, group)
 
     def __getitem__(self, branch_id: int) -> BranchState:
         try:
@@ -144,7 +145,22 @@ class BranchBook:
             branch = stack.pop()
             ordered.append(branch)
             stack.extend(reversed(children.get(branch.id, [])))
-        return ordered
+        return in_group_order(ordered)
+
+
+def in_group_order(branches: list[BranchState]) -> list[BranchState]:
+    """`branches` with each group's branches together, where its first one is (a margins run:
+    a question's margins, classifications and answer); ungrouped branches keep their place."""
+    first: dict[str, int] = {}
+    for position, branch in enumerate(branches):
+        if branch.group is not None:
+            first.setdefault(branch.group, position)
+    if not first:
+        return branches
+    keyed = [
+        (first[b.group] if b.group is not None else position, position, b) for position, b in enumerate(branches)
+    ]
+    return [b for _, _, b in sorted(keyed, key=lambda item: item[:2])]
 
 
 def interrupted_finishes(book: BranchBook) -> list[Finish]:
@@ -213,6 +229,7 @@ def choose_renderer(
     no_color: bool,
     header: str | None = None,
     progress: bool = False,
+    show_margins: bool = False,
 ) -> Renderer:
     """The renderer for `mode`; ``auto`` is a live display on a terminal and plain text in a
     pipeline, where escape codes and redraws would only get in the way.
@@ -236,7 +253,7 @@ def choose_renderer(
     if mode == "jsonl":
         return JsonlRenderer(stdout, progress=status)
     if mode == "plain":
-        return PlainRenderer(stdout, stderr, quiet=quiet, header=header, progress=status)
+        return PlainRenderer(stdout, stderr, quiet=quiet, header=header, progress=status, show_margins=show_margins)
     return LiveRenderer(
         make_console(stdout, color=color),
         make_console(stderr, color=color),

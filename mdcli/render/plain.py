@@ -2,7 +2,8 @@
 
 Answers are printed in branch order (Start's branches, then Forks) so the output is the same
 whatever order the branches happen to finish in, yet each answer is printed as soon as it and
-every answer before it are done, so a downstream program can start early.
+every answer before it are done, so a downstream program can start early. A margins run prints
+one block per question instead (mdcli/render/margins.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mdcli.render.base import (
     BranchState,
     answer_block,
     describe_start,
+    in_group_order,
     interrupted_finishes,
     summary_line,
 )
@@ -37,8 +39,11 @@ class PlainRenderer:
         quiet: bool = False,
         header: str | None = None,
         progress: ProgressDisplay | None = None,
+        show_margins: bool = False,
     ) -> None:
         self._stdout = stdout
+        self._show_margins = show_margins
+        self._margins = None  # a MarginsPlain once a margins run starts
         self._stderr = stderr
         self._quiet = quiet
         self._header = header
@@ -52,8 +57,17 @@ class PlainRenderer:
         self._book.apply(event)
         if not self._ended:
             self._progress.handle(event)
+        if isinstance(event, Start) and event.strategy == "margins":
+            from mdcli.render.margins import MarginsPlain
+
+            self._margins = MarginsPlain(self._stdout, self._book, show_margins=self._show_margins,
+                                         before_write=self._progress.clear)
+        if self._margins is not None and not isinstance(event, Done):
+            self._margins.handle(event)
         if isinstance(event, Start):
             self._on_start(event)
+        elif self._margins is not None and isinstance(event, (Finish, Prune)):
+            pass
         elif isinstance(event, (Finish, Prune)):
             self._decide_headers_early()
             self._print_settled_prefix()
@@ -95,6 +109,9 @@ class PlainRenderer:
         self._progress.stop()
         for finish in interrupted_finishes(self._book):
             self._book.apply(finish)
+        if self._margins is not None:
+            self._margins.end()
+            return
         if self._headered is None:
             self._headered = (
                 len(self._book) - len(self._book.with_status("pruned")) >= 2
@@ -105,7 +122,7 @@ class PlainRenderer:
         """Print, in branch order, the settled branches up to the first one still running."""
         if self._headered is None:
             return
-        branches = list(self._book)
+        branches = in_group_order(list(self._book))
         while self._printed < len(branches) and branches[self._printed].settled:
             self._print_answer(branches[self._printed])
             self._printed += 1
