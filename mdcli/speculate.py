@@ -1,0 +1,195 @@
+"""Speculative decoding inside the forest: how many guesses to verify, and which ones to keep.
+
+Each step, a branch feeds its next token plus a tree of drafted tokens (mdcli/drafting.py) hanging
+off it; every node sits at its own depth and attends to its ancestors, so the model scores every
+guess of every branch in the same ONE forward. Walking down from the next token, a guess is
+accepted while it equals the token the branch would have chosen there anyway (greedy: the
+argmax; sampling: a draw from the branch's own generator at that node, the draw the unspeculated
+run would make), and the model's own token after the last accepted guess comes for free. The
+tokens are therefore exactly the unspeculated ones; only the number of forwards changes. The
+decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
+
+* `Speculate`: the `--speculate auto|off|N` setting.
+* `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
+  tokens whenever its source has guesses. auto: each node is worth its estimated acceptance
+  probability (learnt per match strength as the run goes), a node is added while the tokens it
+  is expected to add outweigh what one more token costs the forward (a cost model t(m) = a + b m
+  fitted to the forwards measured during the run), and a branch whose drafts keep failing
+  pauses drafting for a while (2, 4, ... 32 steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mdcli.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
+from mdcli.errors import UsageError
+
+AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
+LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
+
+
+@dataclass(frozen=True)
+class Speculate:
+    """`mode` is "auto", "off" or "fixed"; `most` is the draft tokens per branch per step."""
+
+    mode: str = "auto"
+    most: int = AUTO_MOST_PER_BRANCH
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def __str__(self) -> str:
+        return str(self.most) if self.mode == "fixed" else self.mode
+
+
+def parse_speculate(value: str | int | Speculate | None) -> Speculate:
+    """'auto' | 'off' | N (N >= 1 draft tokens per branch per step; 0 means off)."""
+    if isinstance(value, Speculate):
+        return value
+    if value is None:
+        return Speculate()
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return Speculate(text)
+    try:
+        most = int(text)
+    except ValueError:
+        most = -1
+    if most < 0:
+        raise UsageError(f"--speculate takes auto, off or a number of draft tokens, not '{value}'",
+                         fix="e.g. --speculate auto or --speculate 8")
+    return Speculate("off") if most == 0 else Speculate("fixed", most)
+
+
+class ForwardCost:
+    """t(m) = a + b m seconds for a forward of m tokens, fitted to the forwards seen so far
+    (exponentially weighted least squares, so it follows the cache growing), starting from a prior
+    in which a token costs 1/16 of a forward's fixed part."""
+
+    decay = 0.95
+
+    def __init__(self) -> None:
+        # weighted sums of 1, m, m^2, t, m t (a prior of a = 16 units, b = 1 unit, weight 2)
+        self.s = [2.0, 2.0 * 8, 2.0 * 80, 2.0 * 24, 2.0 * 8 * 24 + 2.0 * 64]
+        self.scale = 1.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.s[3] <= 2.0 * 24 + 1e-12 and seconds > 0:  # first measurement: put the prior in its units
+            self.scale = seconds / (16 + tokens)
+        t = seconds / self.scale
+        self.s = [self.decay * v for v in self.s]
+        for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
+            self.s[i] += v
+
+    def slope_over_cost(self, tokens: int) -> float:
+        """b / t(m): the share of a forward of m tokens that one more token adds."""
+        n, sm, smm, st, smt = self.s
+        det = n * smm - sm * sm
+        b = (n * smt - sm * st) / det if det > 1e-9 else 1.0
+        b = max(b, 1e-3)
+        a = max((st - b * sm) / n, 1e-3)
+        return b / (a + b * tokens)
+
+
+@dataclass
+class BranchDrafts:
+    """One branch's drafter and its record."""
+
+    drafter: Drafter
+    synced: int = 0  # generated tokens already given to the drafter
+    failures: int = 0  # steps in a row whose drafts were all rejected
+    paused_until: int = 0  # auto: no drafts before this step
+    first_rate: float | None = None  # this branch's share of accepted first guesses (EMA)
+
+
+@dataclass
+class SpeculationPolicy:
+    setting: Speculate
+    source: DraftSource = field(default_factory=PromptLookup)
+    cost: ForwardCost = field(default_factory=ForwardCost)
+    # acceptance of a first guess and of a guess after an accepted one, per match strength
+    first: dict[int, float] = field(default_factory=lambda: {3: 0.5, 2: 0.35, 1: 0.2})
+    follow: dict[int, float] = field(default_factory=lambda: {3: 0.85, 2: 0.8, 1: 0.7})
+    step: int = 0
+    rate = 0.1  # EMA rate of the acceptance estimates
+
+    # -- drafting ----------------------------------------------------------------------------
+
+    def state(self, context: list[int]) -> BranchDrafts:
+        return BranchDrafts(self.source.drafter(context))
+
+    def draft(self, state: BranchDrafts, generated: list[int], most: int) -> DraftTree:
+        """The candidate tree of one branch whose accepted tokens are now `generated`."""
+        state.drafter.add(generated[state.synced :])
+        state.synced = len(generated)
+        if most < 1 or (self.setting.mode == "auto" and self.step < state.paused_until):
+            return DraftTree()
+        candidates = state.drafter.candidates(min(most, LOOKUP_DEPTH if self.setting.mode == "auto" else most))
+        first = self.first
+        if state.first_rate is not None:  # lean on how this branch has been doing
+            first = {n: (p + state.first_rate) / 2 for n, p in first.items()}
+        return merge_candidates(candidates, first, self.follow)
+
+    def plan(self, trees: list[DraftTree], fed_tokens: int, room: int) -> list[DraftTree]:
+        """Trim each branch's candidate tree to the nodes worth verifying this step.
+
+        fed_tokens: tokens fed without drafts (one per branch); room: most draft tokens in all.
+        """
+        self.step += 1
+        most = self.setting.most
+        ranked = sorted(
+            ((p, b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
+            key=lambda item: (-item[0], item[1], item[2]),
+        )
+        chosen: list[list[int]] = [[] for _ in trees]
+        expected, size = float(fed_tokens), fed_tokens
+        for p, b, node in ranked:
+            if room <= 0:
+                break
+            if len(chosen[b]) >= most:
+                continue
+            if self.setting.mode == "auto" and p <= expected * self.cost.slope_over_cost(size):
+                break  # sorted: no later node is worth its cost either
+            parent = trees[b].parents[node]
+            if parent >= 0 and parent not in chosen[b]:
+                continue
+            chosen[b].append(node)
+            expected, size, room = expected + p, size + 1, room - 1
+        return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+
+    # -- learning ----------------------------------------------------------------------------
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+
+    def observe(self, state: BranchDrafts, tree: DraftTree, accepted: list[int]) -> None:
+        """accepted: the draft nodes accepted, root first (a path of `tree`)."""
+        if not len(tree):
+            return
+        path = [-1, *accepted]
+        for depth, parent in enumerate(path):
+            offered = [i for i, p in enumerate(tree.parents) if p == parent]
+            if not offered:
+                break
+            hit = depth < len(accepted)
+            node = accepted[depth] if hit else offered[0]
+            table = self.first if parent < 0 else self.follow
+            n = tree.strength[node]
+            table[n] += self.rate * (float(hit) - table[n])
+            if parent < 0:
+                rate = state.first_rate
+                state.first_rate = float(hit) if rate is None else rate + 0.3 * (float(hit) - rate)
+            if not hit:
+                break
+        self._pace(state, bool(accepted))
+
+    def _pace(self, state: BranchDrafts, accepted_any: bool) -> None:
+        """auto: a branch whose drafts keep failing drafts less often (2, 4, ... 32 steps off)."""
+        if accepted_any:
+            state.failures = 0
+            return
+        state.failures += 1
+        if self.setting.mode == "auto" and state.failures >= 2:
+            state.paused_until = self.step + min(32, 2 ** (state.failures - 1))
