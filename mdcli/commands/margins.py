@@ -11,7 +11,8 @@ import typer
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render, sampling_params,
+    SpeculateOpt, TemperatureOpt, TopKOpt, TopPOpt, errors, header, load, read_document, render, sampling_params,
+    speculate_setting,
 )
 from mdcli.errors import UsageError
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
@@ -103,6 +104,7 @@ def margins(
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
@@ -116,6 +118,7 @@ def margins(
     with errors(debug):
         from mdcli.strategies.margins import Margins, MarginsPrompts
 
+        speculation = speculate_setting(speculate)
         job = Margins(
             documents=read_documents(documents),
             query=query or "",
@@ -140,7 +143,8 @@ def margins(
 
         from mdcli.strategies.margins import run_margins
 
-        render(run_margins(lm, job, max_forward_tokens=max_forward_tokens), mode, quiet, header=header(lm))
+        events = run_margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+        render(events, mode, quiet, header=header(lm))
 
 
 def read_documents(sources: list[str]) -> list[str]:
