@@ -120,32 +120,29 @@ class DraftTree:
 
 
 def merge_candidates(candidates: list[Candidate], first: dict[int, float], follow: dict[int, float]) -> DraftTree:
-    """Merge candidates into a token tree (shared prefixes become shared nodes).
+    """Merge candidates (best first) into a token tree: shared prefixes become shared nodes.
 
-    A node at depth d (1-based) through which a share s of the candidates pass, the strongest
-    with strength n, is accepted with probability about s * first[n] * follow[n] ** (d - 1),
-    capped by its parent's (so that keeping the likeliest nodes always keeps whole paths).
+    A node's chance of being accepted is its parent's times the chance that the branch picks it
+    there: rate[n] for the first child made (n: the strength of the candidate that made it; rate:
+    `first` under the branch's next token, `follow` deeper), and for each later sibling rate[n] of
+    what the earlier siblings leave. So a node is never likelier than its parent, and keeping the
+    likeliest nodes always keeps whole paths.
     """
     tree = DraftTree()
     at: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    through: list[int] = []
+    claimed: dict[int, float] = {}  # parent -> chance already given to its children
     for candidate in candidates:
-        parent = -1
+        parent, above = -1, 1.0
         for token in candidate.tokens:
             node = at.get((parent, token))
             if node is None:
+                rate = (first if parent < 0 else follow)[candidate.strength]
+                chance = rate * (1.0 - claimed.get(parent, 0.0))
+                claimed[parent] = claimed.get(parent, 0.0) + chance
                 node = at[(parent, token)] = len(tree)
                 tree.tokens.append(token)
                 tree.parents.append(parent)
                 tree.strength.append(candidate.strength)
-                through.append(0)
-            through[node] += 1
-            parent = node
-    total = max(1, len(candidates))
-    depth: list[int] = []
-    for node, parent in enumerate(tree.parents):
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-        n = tree.strength[node]
-        p = through[node] / total * first[n] * follow[n] ** (depth[node] - 1)
-        tree.probability.append(p if parent < 0 else min(p, tree.probability[parent]))
+                tree.probability.append(above * chance)
+            parent, above = node, tree.probability[node]
     return tree

@@ -64,31 +64,31 @@ def parse_speculate(value: str | int | Speculate | None) -> Speculate:
 
 
 class ForwardCost:
-    """t(m) = a + b m seconds for a forward of m tokens, fitted to the forwards seen so far
-    (exponentially weighted least squares, so it follows the cache growing), starting from a prior
-    in which a token costs 1/16 of a forward's fixed part."""
+    """t(m) = a + b m for a forward of m tokens, fitted to the forwards seen so far (weighted least
+    squares, recent ones weighing more, so it follows the cache growing) plus a fixed prior in which
+    one token costs 1/16 of a forward's fixed part (two pseudo-forwards, of 1 and 33 tokens)."""
 
     decay = 0.95
+    _prior = (2.0, 34.0, 1090.0, 66.0, 1634.0)  # sums of 1, m, m^2, t, m t over (1, 17), (33, 49)
 
     def __init__(self) -> None:
-        # weighted sums of 1, m, m^2, t, m t (a prior of a = 16 units, b = 1 unit, weight 2)
-        self.s = [2.0, 2.0 * 8, 2.0 * 80, 2.0 * 24, 2.0 * 8 * 24 + 2.0 * 64]
-        self.scale = 1.0
+        self.seen = [0.0] * 5  # the same sums over measured forwards, in prior units
+        self.unit: float | None = None  # seconds per prior unit, set by the first measurement
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if self.s[3] <= 2.0 * 24 + 1e-12 and seconds > 0:  # first measurement: put the prior in its units
-            self.scale = seconds / (16 + tokens)
-        t = seconds / self.scale
-        self.s = [self.decay * v for v in self.s]
+        if seconds <= 0:
+            return
+        if self.unit is None:  # the first forward lands on the prior's line
+            self.unit = seconds / (16 + tokens)
+        t = seconds / self.unit
+        self.seen = [self.decay * v for v in self.seen]
         for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
-            self.s[i] += v
+            self.seen[i] += v
 
     def slope_over_cost(self, tokens: int) -> float:
         """b / t(m): the share of a forward of m tokens that one more token adds."""
-        n, sm, smm, st, smt = self.s
-        det = n * smm - sm * sm
-        b = (n * smt - sm * st) / det if det > 1e-9 else 1.0
-        b = max(b, 1e-3)
+        n, sm, smm, st, smt = (p + v for p, v in zip(self._prior, self.seen))
+        b = max((n * smt - sm * st) / (n * smm - sm * sm), 1e-3)
         a = max((st - b * sm) / n, 1e-3)
         return b / (a + b * tokens)
 
