@@ -289,3 +289,50 @@ def test_think_and_margins_give_the_same_text_with_speculation(embedded):
                           answer_tokens=12, speculate=s),
     ):
         assert finishes(list(run("8"))) == finishes(list(run("off")))
+
+
+# -- settings from the command line and recipes -----------------------------------------------------
+
+
+def test_a_recipe_can_set_speculate_and_a_bad_value_names_the_field():
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text
+
+    base = "version: 1\nstrategy: ask-many\nquestions: [Who]\ncontext: {text: hi}\n"
+    assert load_recipe_text(base + "speculate: 4\n").speculate == 4
+    assert load_recipe_text(base + "speculate: 'off'\n").speculate == "off"
+    with pytest.raises(RecipeError, match="speculate"):
+        load_recipe_text(base + "speculate: sometimes\n")
+
+
+def test_a_beam_recipe_that_asks_to_speculate_is_refused(embedded):
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text, recipe_events
+
+    recipe = load_recipe_text("version: 1\nstrategy: beam\nprompt: Hello\nspeculate: 4\n")
+    with pytest.raises(RecipeError, match="beam search does not speculate"):
+        recipe_events(recipe, embedded)
+
+
+def test_the_command_line_refuses_a_bad_speculate_before_loading_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from mdcli.cli import app
+
+    document = tmp_path / "doc.txt"
+    document.write_text(STORY)
+    result = CliRunner().invoke(app, ["ask-many", str(document), "-q", "Who?", "--speculate", "lots"])
+    assert result.exit_code == 2
+    assert "--speculate takes auto, off or a number of draft tokens, not 'lots'" in result.stderr
+
+
+def test_the_summary_line_counts_forwards_and_accepted_drafts():
+    from mdcli.events import Stats
+    from mdcli.render.base import BranchBook, summary_line
+
+    stats = Stats(prompt_tokens=10, prefill_tokens=10, generated_tokens=412, steps=37, seconds=5.2,
+                  prefill_seconds=0.2, decode_seconds=5.0, peak_cache_tokens=1912, final_cache_tokens=1900,
+                  compactions=0, draft_tokens=400, accepted_tokens=252, forwards=38)
+    assert "412 tokens in 37 forwards (63% of drafts accepted)" in summary_line(BranchBook(), stats)
+    plain = Stats(**{**{f: getattr(stats, f) for f in stats.__slots__}, "draft_tokens": 0})
+    assert "412 tokens in 37 steps" in summary_line(BranchBook(), plain)
