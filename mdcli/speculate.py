@@ -11,11 +11,11 @@ decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
 
 * `Speculate`: the `--speculate auto|off|N` setting.
 * `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
-  tokens whenever its source has guesses. auto: each node is worth its estimated acceptance
-  probability (learnt per match strength as the run goes), a node is added while the tokens it
-  is expected to add outweigh what one more token costs the forward (a cost model t(m) = a + b m
-  fitted to the forwards measured during the run), and a branch whose drafts keep failing
-  pauses drafting for a while (2, 4, ... 32 steps).
+  tokens whenever its source has guesses. auto: each node has an estimated acceptance
+  probability (learnt per match strength as the run goes) and is verified when the forward it
+  is expected to save outweighs what one more token costs (a cost model t(m) = a + b m fitted
+  to the forwards timed during the run; see `plan`), and a branch whose drafts keep failing
+  pauses drafting for a while (after 3 failed steps in a row: 2, 4, ... 16 steps).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from mdcli.errors import UsageError
 
 AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
+PAUSE_AFTER = 3  # auto: steps in a row with every guess rejected before a branch pauses guessing ...
+MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ def parse_speculate(value: str | int | Speculate | None) -> Speculate:
     return Speculate("off") if most == 0 else Speculate("fixed", most)
 
 
+def _critical_share(remaining: list[int]) -> list[float]:
+    """1 / c for each of the c branches with the most tokens left, 0 for the others."""
+    most = max(remaining)
+    critical = sum(1 for r in remaining if r == most)
+    return [1.0 / critical if r == most else 0.0 for r in remaining]
+
+
 class ForwardCost:
     """t(m) = a + b m for a forward of m tokens, fitted to the forwards seen so far (weighted least
     squares, recent ones weighing more, so it follows the cache growing) plus a fixed prior in which
@@ -85,12 +94,12 @@ class ForwardCost:
         for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
             self.seen[i] += v
 
-    def slope_over_cost(self, tokens: int) -> float:
-        """b / t(m): the share of a forward of m tokens that one more token adds."""
+    def token_over_fixed(self) -> float:
+        """b / a: what one more token adds to a forward, as a share of a forward's fixed cost."""
         n, sm, smm, st, smt = (p + v for p, v in zip(self._prior, self.seen))
         b = max((n * smt - sm * st) / (n * smm - sm * sm), 1e-3)
         a = max((st - b * sm) / n, 1e-3)
-        return b / (a + b * tokens)
+        return b / a
 
 
 @dataclass
@@ -132,31 +141,37 @@ class SpeculationPolicy:
             first = {n: (p + state.first_rate) / 2 for n, p in first.items()}
         return merge_candidates(candidates, first, self.follow)
 
-    def plan(self, trees: list[DraftTree], fed_tokens: int, room: int) -> list[DraftTree]:
+    def plan(self, trees: list[DraftTree], room: int, remaining: list[int] | None = None) -> list[DraftTree]:
         """Trim each branch's candidate tree to the nodes worth verifying this step.
 
-        fed_tokens: tokens fed without drafts (one per branch); room: most draft tokens in all.
+        room: most draft tokens in all; remaining: tokens each branch may still generate.
+
+        auto weighs a node by what it saves. A forward costs a + b m for m tokens, and every token
+        a branch generates is fed once whether guessed or not, so a run costs about a x (its number
+        of steps) + b x (tokens fed) and a rejected guess costs b. An accepted guess saves a step
+        only when it shortens the run, which the branches furthest from done decide together: it
+        is worth a / c for one of the c branches with the most tokens left and nothing for a
+        branch that is already ahead. A node of acceptance chance p is verified when
+        p a / c > (1 - p) b.
         """
         self.step += 1
-        most = self.setting.most
+        weight = _critical_share(remaining or [0] * len(trees))
         ranked = sorted(
-            ((p, b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
-            key=lambda item: (-item[0], item[1], item[2]),
+            ((p * weight[b], p, b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
+            key=lambda item: (-item[0], item[2], item[3]),
         )
+        per_token = self.cost.token_over_fixed()
         chosen: list[list[int]] = [[] for _ in trees]
-        expected, size = float(fed_tokens), fed_tokens
-        for p, b, node in ranked:
+        for worth, p, b, node in ranked:
             if room <= 0:
                 break
-            if len(chosen[b]) >= most:
+            if self.setting.mode == "auto" and worth <= (1 - p) * per_token:
                 continue
-            if self.setting.mode == "auto" and p <= expected * self.cost.slope_over_cost(size):
-                break  # sorted: no later node is worth its cost either
             parent = trees[b].parents[node]
-            if parent >= 0 and parent not in chosen[b]:
+            if len(chosen[b]) >= self.setting.most or (parent >= 0 and parent not in chosen[b]):
                 continue
             chosen[b].append(node)
-            expected, size, room = expected + p, size + 1, room - 1
+            room -= 1
         return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
 
     # -- learning ----------------------------------------------------------------------------
@@ -186,10 +201,10 @@ class SpeculationPolicy:
         self._pace(state, bool(accepted))
 
     def _pace(self, state: BranchDrafts, accepted_any: bool) -> None:
-        """auto: a branch whose drafts keep failing drafts less often (2, 4, ... 32 steps off)."""
+        """auto: a branch whose drafts keep failing drafts less often (2, 4, ... 16 steps off)."""
         if accepted_any:
             state.failures = 0
             return
         state.failures += 1
-        if self.setting.mode == "auto" and state.failures >= 2:
-            state.paused_until = self.step + min(32, 2 ** (state.failures - 1))
+        if self.setting.mode == "auto" and state.failures >= PAUSE_AFTER:
+            state.paused_until = self.step + min(MAX_PAUSE, 2 ** (state.failures - PAUSE_AFTER + 1))

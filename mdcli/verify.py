@@ -33,7 +33,8 @@ def feed_with_drafts(decoder: Decoder, to_feed: list[tuple[_Branch, list[int]]])
     fed = sum(len(chain) for _, chain in to_feed)
     trees = [_draft(decoder, branch) if len(chain) == 1 else _empty() for branch, chain in to_feed]
     room = engine.max_forward_tokens - fed
-    trees = policy.plan(trees, fed, room) if room > 0 else [_empty() for _ in trees]
+    remaining = [b.max_new_tokens - len(b.detok.token_ids) for b, _ in to_feed]
+    trees = policy.plan(trees, room, remaining) if room > 0 else [_empty() for _ in trees]
     if not any(len(t) for t in trees):
         started = time.perf_counter()
         decoder._feed(to_feed)

@@ -99,7 +99,7 @@ def test_a_fixed_budget_keeps_at_most_n_nodes_per_branch_and_only_whole_paths():
     policy = SpeculationPolicy(Speculate("fixed", 3))
     drafter = PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 1, 2, 9, 9, 1, 2])
     tree = policy.draft(_state(policy, drafter), [], 3)
-    [kept] = policy.plan([tree], fed_tokens=1, room=100)
+    [kept] = policy.plan([tree], room=100)
     assert 0 < len(kept) <= 3
     assert all(p < i for i, p in enumerate(kept.parents))
 
@@ -117,9 +117,17 @@ def test_auto_verifies_fewer_drafts_when_a_forward_token_costs_more():
             policy.observe_forward(m, 0.02 + cost_per_token * m)
         drafter = PromptLookup().drafter(list(range(40)) * 2 + list(range(5)))
         tree = policy.draft(_state(policy, drafter), [], 16)
-        return len(policy.plan([tree], fed_tokens=8, room=100)[0])
+        return len(policy.plan([tree], room=100)[0])
 
     assert kept_with(0.0001) > kept_with(0.02)
+
+
+def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
+    policy = SpeculationPolicy(Speculate("auto"))
+    drafter = PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3])
+    tree = policy.draft(_state(policy, drafter), [], 8)
+    ahead, behind = policy.plan([tree, tree], room=100, remaining=[10, 30])
+    assert len(ahead) == 0 and len(behind) > 0
 
 
 def test_the_cost_model_recovers_a_linear_cost():
@@ -127,7 +135,7 @@ def test_the_cost_model_recovers_a_linear_cost():
     for _ in range(40):
         for m in (1, 8, 16, 40):
             cost.observe(m, 0.025 + 0.002 * m)
-    assert cost.slope_over_cost(10) == pytest.approx(0.002 / 0.045, rel=0.05)
+    assert cost.token_over_fixed() == pytest.approx(0.002 / 0.025, rel=0.05)
 
 
 def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
@@ -135,7 +143,7 @@ def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
     state = _state(policy, PromptLookup().drafter([1, 2, 3, 1, 2]))
     tree = policy.draft(state, [], 4)
     for _ in range(3):
-        policy.plan([tree], 1, 10)
+        policy.plan([tree], 10)
         policy.observe(state, tree, [])
     assert len(policy.draft(state, [], 4)) == 0
 
