@@ -12,9 +12,9 @@ decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
 * `Speculate`: the `--speculate auto|off|N` setting.
 * `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
   tokens whenever its source has guesses. auto: each node has an estimated acceptance
-  probability (learnt per match strength as the run goes) and is verified when the forward it
-  is expected to save outweighs what one more token costs (a cost model t(m) = a + b m fitted
-  to the forwards timed during the run; see `plan`), and a branch whose drafts keep failing
+  probability (learnt per match strength as the run goes); the nodes verified are those that
+  save the most expected time, by a cost model of a forward of m tokens learnt from the forwards
+  timed during the run (see `plan`, `ForwardCost`), and a branch whose drafts keep failing
   pauses drafting for a while (after 3 failed steps in a row: 2, 4, ... 16 steps).
 """
 
@@ -73,16 +73,24 @@ def _critical_share(remaining: list[int]) -> list[float]:
 
 
 class ForwardCost:
-    """t(m) = a + b m for a forward of m tokens, fitted to the forwards seen so far (weighted least
-    squares, recent ones weighing more, so it follows the cache growing) plus a fixed prior in which
-    one token costs 1/16 of a forward's fixed part (two pseudo-forwards, of 1 and 33 tokens)."""
+    """Seconds for a forward of m tokens, learnt from the forwards timed during the run.
+
+    One token (a lone branch's plain step) often runs a cheaper kernel than several (a causal
+    kernel instead of a masked one: on one CPU core the second token of a forward can cost a third
+    of a step, later ones a few percent), so m = 1 is tracked on its own (a running mean) and
+    m >= 2 by a line t(m) = a + b m (weighted least squares, recent forwards weighing more, so it
+    follows the cache growing). Until forwards of several sizes are timed, a light prior says one
+    token costs 1/16 of a forward and m = 1 is on the line.
+    """
 
     decay = 0.95
-    _prior = (2.0, 34.0, 1090.0, 66.0, 1634.0)  # sums of 1, m, m^2, t, m t over (1, 17), (33, 49)
+    # sums of 1, m, m^2, t, m t over pseudo-forwards (m, t) = (2, 18) and (34, 50), weight 1/4 each
+    _prior = tuple(0.25 * v for v in (2.0, 36.0, 1160.0, 68.0, 1736.0))
 
     def __init__(self) -> None:
-        self.seen = [0.0] * 5  # the same sums over measured forwards, in prior units
+        self.seen = [0.0] * 5  # the same sums over timed forwards of 2+ tokens, in prior units
         self.unit: float | None = None  # seconds per prior unit, set by the first measurement
+        self.single: float | None = None  # running mean of one-token forwards, in prior units
 
     def observe(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:
@@ -90,16 +98,21 @@ class ForwardCost:
         if self.unit is None:  # the first forward lands on the prior's line
             self.unit = seconds / (16 + tokens)
         t = seconds / self.unit
+        if tokens == 1:
+            self.single = t if self.single is None else self.single + (1 - self.decay) * (t - self.single)
+            return
         self.seen = [self.decay * v for v in self.seen]
         for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
             self.seen[i] += v
 
-    def token_over_fixed(self) -> float:
-        """b / a: what one more token adds to a forward, as a share of a forward's fixed cost."""
+    def __call__(self, tokens: int) -> float:
+        """Predicted cost of a forward of `tokens` tokens, in the model's own units."""
         n, sm, smm, st, smt = (p + v for p, v in zip(self._prior, self.seen))
         b = max((n * smt - sm * st) / (n * smm - sm * sm), 1e-3)
         a = max((st - b * sm) / n, 1e-3)
-        return b / a
+        if tokens == 1 and self.single is not None:
+            return self.single
+        return a + b * tokens
 
 
 @dataclass
@@ -119,8 +132,8 @@ class SpeculationPolicy:
     source: DraftSource = field(default_factory=PromptLookup)
     cost: ForwardCost = field(default_factory=ForwardCost)
     # acceptance of a first guess and of a guess after an accepted one, per match strength
-    first: dict[int, float] = field(default_factory=lambda: {3: 0.5, 2: 0.35, 1: 0.2})
-    follow: dict[int, float] = field(default_factory=lambda: {3: 0.85, 2: 0.8, 1: 0.7})
+    first: dict[int, float] = field(default_factory=lambda: {3: 0.5, 2: 0.3, 1: 0.1})
+    follow: dict[int, float] = field(default_factory=lambda: {3: 0.8, 2: 0.7, 1: 0.5})
     step: int = 0
     rate = 0.1  # EMA rate of the acceptance estimates
 
@@ -146,33 +159,50 @@ class SpeculationPolicy:
 
         room: most draft tokens in all; remaining: tokens each branch may still generate.
 
-        auto weighs a node by what it saves. A forward costs a + b m for m tokens, and every token
-        a branch generates is fed once whether guessed or not, so a run costs about a x (its number
-        of steps) + b x (tokens fed) and a rejected guess costs b. An accepted guess saves a step
-        only when it shortens the run, which the branches furthest from done decide together: it
-        is worth a / c for one of the c branches with the most tokens left and nothing for a
-        branch that is already ahead. A node of acceptance chance p is verified when
-        p a / c > (1 - p) b.
+        auto weighs a node by the step it may save. An accepted guess saves a step only when it
+        shortens the run, which the branches furthest from done decide together: for one of the c
+        branches with the most tokens left, a node accepted with chance p saves p / c of a step
+        t(k) (k: tokens fed without guesses); for a branch already ahead, nothing. Guesses cost
+        t(k + d) - t(k) for d of them. auto verifies the d likeliest-to-pay nodes, for the d that
+        saves the most time, if any (checked as a whole, since the first guess can cost more than
+        the next ones).
         """
         self.step += 1
-        weight = _critical_share(remaining or [0] * len(trees))
+        fed = len(trees)
+        weight = _critical_share(remaining or [0] * fed)
         ranked = sorted(
-            ((p * weight[b], p, b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
-            key=lambda item: (-item[0], item[2], item[3]),
+            ((p * weight[b], b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
+            key=lambda item: (-item[0], item[1], item[2]),
         )
-        per_token = self.cost.token_over_fixed()
         chosen: list[list[int]] = [[] for _ in trees]
-        for worth, p, b, node in ranked:
-            if room <= 0:
+        picked: list[tuple[float, int, int]] = []
+        for worth, b, node in ranked:
+            if len(picked) >= room:
                 break
-            if self.setting.mode == "auto" and worth <= (1 - p) * per_token:
-                continue
             parent = trees[b].parents[node]
             if len(chosen[b]) >= self.setting.most or (parent >= 0 and parent not in chosen[b]):
                 continue
+            if self.setting.mode == "auto" and worth <= 0:
+                break
             chosen[b].append(node)
-            room -= 1
+            picked.append((worth, b, node))
+        if self.setting.mode == "auto":
+            picked = picked[: self._best_count(picked, fed)]
+            chosen = [[] for _ in trees]
+            for _, b, node in picked:
+                chosen[b].append(node)
         return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+
+    def _best_count(self, picked: list[tuple[float, int, int]], fed: int) -> int:
+        """How many of the ranked nodes to verify: the count that saves the most time."""
+        step = self.cost(fed)
+        best, best_gain, saved = 0, 0.0, 0.0
+        for count, (worth, _, _) in enumerate(picked, start=1):
+            saved += worth * step
+            gain = saved - (self.cost(fed + count) - step)
+            if gain > best_gain:
+                best, best_gain = count, gain
+        return best
 
     # -- learning ----------------------------------------------------------------------------
 

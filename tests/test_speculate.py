@@ -130,12 +130,14 @@ def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
     assert len(ahead) == 0 and len(behind) > 0
 
 
-def test_the_cost_model_recovers_a_linear_cost():
+def test_the_cost_model_learns_one_token_forwards_apart_and_a_line_for_more():
     cost = ForwardCost()
+    cost.observe(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
     for _ in range(40):
-        for m in (1, 8, 16, 40):
+        for m in (2, 8, 16, 40):
             cost.observe(m, 0.025 + 0.002 * m)
-    assert cost.token_over_fixed() == pytest.approx(0.002 / 0.025, rel=0.05)
+    assert cost(10) / cost(2) == pytest.approx(0.045 / 0.029, rel=0.02)
+    assert cost(1) / cost(2) == pytest.approx(0.020 / 0.029, rel=0.02)
 
 
 def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
