@@ -30,8 +30,11 @@ def run_specs(
     seed: int | None = None,
     max_forward_tokens: int = 1024,
     compact_ratio: float = 0.25,
+    speculate: str = "auto",
 ) -> Iterator[Event]:
-    """Decode independent branches (with optional follow-up children) in one shared cache."""
+    """Decode independent branches (with optional follow-up children) in one shared cache.
+    `speculate`: "auto" | "off" | N draft tokens per branch per step (mdcli/speculate.py); the
+    tokens are the same either way."""
     from mdcli.engine import Engine
 
     engine = Engine(
@@ -41,7 +44,8 @@ def run_specs(
         max_forward_tokens=max_forward_tokens,
     )
     decoder = Decoder(
-        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio
+        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio,
+        speculate=speculate,
     )
     branches = decoder.announce(specs)
     yield start_event(model, strategy, seed, branches)

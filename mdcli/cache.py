@@ -147,6 +147,33 @@ def compact(cache: Cache, keep: torch.Tensor) -> None:
         layer.keys, layer.values = keys, values
 
 
+def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:
+    """Keep slots [0, start) and, after them, only `keep` ([K] long, ascending, >= start), moved
+    down to [start, start + K). A growing layer moves them inside its buffer (no copy of the
+    cache); other layers fall back to a full `compact`."""
+    import torch
+
+    with torch.inference_mode():  # the buffers were made inside the model's forward
+        for layer in _layers(cache):
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
+                _keep_tail_of_layer(layer, start, keep)
+
+
+def _keep_tail_of_layer(layer, start: int, keep: torch.Tensor) -> None:
+    import torch
+
+    index = keep.to(layer.keys.device)
+    if type(layer) is _growing_layer_class():
+        kept_k, kept_v = layer._k.index_select(-2, index), layer._v.index_select(-2, index)  # [B, H, K, D]
+        layer._k[..., start : start + index.shape[0], :] = kept_k
+        layer._v[..., start : start + index.shape[0], :] = kept_v
+        layer._length = start + index.shape[0]
+        return
+    whole = torch.cat([torch.arange(start, device=index.device), index])
+    keys, values = layer.keys.index_select(-2, whole), layer.values.index_select(-2, whole)
+    layer.keys, layer.values = keys, values
+
+
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by keys and values (what a per-branch copy would multiply)."""
     total = 0

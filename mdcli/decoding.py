@@ -18,6 +18,7 @@ from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
 from mdcli.forest import pad_rows
 from mdcli.sampling import Sampler, SamplingParams, choose_tokens
+from mdcli.speculate import Speculate, SpeculationPolicy, parse_speculate
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,11 @@ class _Branch:
     logprob: float = 0.0
     parent: int | None = None
     fork_at: int = 0  # children: index in path_ids just past the parent's last generated token
+    # speculative decoding (mdcli/verify.py): the token already chosen after the last accepted
+    # guess (token, logprob); a child forked after a verify, still to be fed; the branch's drafter
+    pending: tuple[int, float] | None = None
+    chain: list[int] | None = None
+    drafts: object | None = None
 
     def info(self) -> BranchInfo:
         return BranchInfo(id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent)
@@ -72,6 +78,8 @@ class DecodeCounters:
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def stats(self, engine: Engine, seconds: float) -> Stats:
         return Stats(
@@ -85,6 +93,9 @@ class DecodeCounters:
             peak_cache_tokens=engine.peak_tokens,
             final_cache_tokens=len(engine),
             compactions=engine.compactions,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            forwards=engine.forwards,
         )
 
 
@@ -99,6 +110,7 @@ class Decoder:
         *,
         context_length: int | None = None,
         compact_ratio: float = 0.25,
+        speculate: Speculate | str = "off",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -106,6 +118,8 @@ class Decoder:
         self.context_length = context_length
         self.compact_ratio = compact_ratio
         self.counters = DecodeCounters()
+        setting = parse_speculate(speculate)
+        self.policy = SpeculationPolicy(setting) if setting.on else None
         self._next_id = 0
         self._roots: list[_Branch] = []
 
@@ -194,16 +208,12 @@ class Decoder:
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self, active: list[_Branch]) -> Iterator[Event]:
-        import torch
-
-        logits = torch.stack([b.logits for b in active])  # [k, V]
-        logits = self._suppress_eos(logits, active)
-        tokens = choose_tokens(logits, [b.sampler for b in active])
-        logprobs = torch.log_softmax(logits, -1)[torch.arange(len(active)), torch.tensor(tokens)].tolist()
-
-        to_feed: list[tuple[_Branch, list[int]]] = []
+        to_feed: list[tuple[_Branch, list[int]]] = [(b, b.chain) for b in active if b.chain is not None]
+        choosing = [b for b in active if b.chain is None]
+        for branch, _ in to_feed:
+            branch.chain = None
         finished = False
-        for branch, token, logprob in zip(active, tokens, logprobs):
+        for branch, token, logprob in zip(choosing, *self._choose(choosing)):
             self.counters.generated_tokens += 1
             branch.logprob += logprob
             text = branch.detok.add(token)
@@ -223,8 +233,30 @@ class Decoder:
             self._maybe_compact([b for b, _ in to_feed])
         if not to_feed:
             return []
+        if self.policy is not None:
+            from mdcli.verify import feed_with_drafts
+
+            return (yield from feed_with_drafts(self, to_feed))
         self._feed(to_feed)
         return [b for b, _ in to_feed]
+
+    def _choose(self, branches: list[_Branch]) -> tuple[list[int], list[float]]:
+        """Each branch's next token and its logprob (already chosen after a speculative step)."""
+        import torch
+
+        tokens = [b.pending[0] if b.pending else -1 for b in branches]
+        logprobs = [b.pending[1] if b.pending else 0.0 for b in branches]
+        todo = [i for i, b in enumerate(branches) if b.pending is None]
+        if todo:
+            sub = [branches[i] for i in todo]
+            logits = self._suppress_eos(torch.stack([b.logits for b in sub]), sub)  # [k, V]
+            chosen = choose_tokens(logits, [b.sampler for b in sub])
+            picked = torch.log_softmax(logits, -1)[torch.arange(len(sub)), torch.tensor(chosen)].tolist()
+            for i, token, logprob in zip(todo, chosen, picked):
+                tokens[i], logprobs[i] = token, logprob
+        for b in branches:
+            b.pending = None
+        return tokens, logprobs
 
     def _suppress_eos(self, logits: torch.Tensor, active: list[_Branch]) -> torch.Tensor:
         """EOS gets -inf for branches that asked to ignore it, as generate's min_new_tokens does."""

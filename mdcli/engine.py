@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mdcli import cache as kv
 from mdcli.fastforward import fast_forward_for
-from mdcli.forest import Forest, layout_chains, pad_rows
+from mdcli.forest import Forest, layout_chains, layout_trees, pad_rows
 from mdcli.kernels import cpu_kernels
 
 if TYPE_CHECKING:
@@ -34,6 +34,14 @@ class ChainResult:
 
     row: torch.Tensor  # [N_after] bool: ancestor row of the chain's last token
     logits: torch.Tensor | None  # [V] float32 next-token logits after the chain, if asked for
+
+
+@dataclass
+class TreeResult:
+    """What every node of a fed token tree left behind (speculative verification)."""
+
+    rows: torch.Tensor  # [n, N_after] bool: each node's ancestor row
+    logits: torch.Tensor  # [n, V] float32: next-token logits after each node
 
 
 class Engine:
@@ -102,6 +110,38 @@ class Engine:
         return [
             ChainResult(row=new_rows[i], logits=None if out is None else out[i]) for i in range(len(chains))
         ]
+
+    def forward_trees(self, rows: torch.Tensor, parents: list[list[int]], tokens: list[list[int]]) -> list[TreeResult]:
+        """Feed C token trees in ONE forward and keep the logits of every node.
+
+        rows: [C, n] bool, the row each tree hangs off; parents[c][i]: the parent of node i within
+        tree c, -1 for a node hanging off rows[c] (see forest.layout_trees); tokens[c][i]: its id.
+        A chain is the tree [-1, 0, 1, ...]. The nodes stay in the cache: `keep_tail` drops the
+        ones nobody kept.
+        """
+        import torch
+
+        n_cache = len(self.forest)
+        layout = layout_trees(rows.to(self.device), parents, n_cache)
+        flat = torch.tensor([t for tree in tokens for t in tree], dtype=torch.long, device=self.device)  # [M]
+        logits = self._run_model(flat, layout.positions, layout.allowed, layout.ends)  # [M, V]
+        self.forest.append(flat, layout.positions, layout.parents)
+        self.peak_tokens = max(self.peak_tokens, len(self.forest))
+        results, start = [], 0
+        for tree in tokens:
+            end = start + len(tree)
+            results.append(TreeResult(rows=layout.allowed[start:end], logits=logits[start:end]))
+            start = end
+        return results
+
+    def keep_tail(self, start: int, keep: torch.Tensor) -> None:
+        """Drop the slots from `start` on except `keep` ([K] long, ascending), which move down to
+        [start, start + K). Rows made before `start` stay valid as they are; a row over the old
+        tail maps to the new cache as `torch.cat([row[:start], row[keep]])`."""
+        if keep.shape[0] == len(self.forest) - start:
+            return
+        kv.keep_tail(self.cache, start, keep)
+        self.forest.keep_tail(start, keep)
 
     def _run_model(self, tokens, positions, allowed, keep_logits, linear=False) -> torch.Tensor | None:
         """tokens, positions: [M]; allowed: [M, N + M] bool; keep_logits: [C] indices or None.

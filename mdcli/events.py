@@ -127,6 +127,9 @@ class Stats:
     peak_cache_tokens: int
     final_cache_tokens: int
     compactions: int
+    draft_tokens: int = 0  # speculative decoding: guessed tokens verified ...
+    accepted_tokens: int = 0  # ... and how many of them were the branch's own tokens
+    forwards: int = 0  # model forwards in all, prefill pieces included
 
     @property
     def tokens_per_second(self) -> float:

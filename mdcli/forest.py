@@ -65,6 +65,46 @@ def layout_chains(
     return ChainLayout(positions=positions, parents=parents, allowed=allowed, ends=starts + lengths_t - 1)
 
 
+def layout_trees(rows: torch.Tensor, parents: list[list[int]], n_cache: int) -> ChainLayout:
+    """Lay out C token trees after the cache: a chain generalised (speculative drafts).
+
+    rows: [C, n <= N] bool, the place each tree hangs off. parents[c][i] is the index, within
+    tree c, of node i's parent, or -1 for a node hanging directly off rows[c]; parents come
+    before their children. Every node attends to the tree's row plus its own ancestors within
+    the tree, at depth = its parent's depth + 1. `ends` holds every node (all of them get logits).
+    """
+    import torch
+
+    device = rows.device
+    past = pad_rows(rows, n_cache)  # [C, N]
+    base_depth = past.sum(-1).tolist()  # [C]
+    tips = _last_true(past).tolist()  # [C]
+    depth, parent_slot, tree_of, cells = [], [], [], []
+    start = 0
+    for c, tree in enumerate(parents):
+        ancestors: list[list[int]] = []  # per node: its in-forward ancestors and itself
+        for i, p in enumerate(tree):
+            if not -1 <= p < i:
+                raise ValueError("a tree node's parent must come before it")
+            ancestors.append((ancestors[p] if p >= 0 else []) + [start + i])
+            depth.append(base_depth[c] + len(ancestors[-1]) - 1)
+            parent_slot.append(tips[c] if p < 0 else n_cache + start + p)
+            tree_of.append(c)
+            cells.extend((start + i, j) for j in ancestors[-1])
+        start += len(tree)
+    n_new = start
+    own = torch.zeros(n_new, n_new, dtype=torch.bool, device=device)  # [M, M]
+    index = torch.tensor(cells, dtype=torch.long, device=device).reshape(-1, 2)  # [cells, 2]
+    own[index[:, 0], index[:, 1]] = True
+    tree_index = torch.tensor(tree_of, dtype=torch.long, device=device)  # [M]
+    return ChainLayout(
+        positions=torch.tensor(depth, dtype=torch.long, device=device),
+        parents=torch.tensor(parent_slot, dtype=torch.long, device=device),
+        allowed=torch.cat([past[tree_index], own], dim=1),  # [M, N + M]
+        ends=torch.arange(n_new, device=device),
+    )
+
+
 def _last_true(rows: torch.Tensor) -> torch.Tensor:
     """[C, N] bool -> [C] index of the last True per row (a row's tip), -1 where none."""
     import torch
@@ -141,6 +181,27 @@ class Forest:
         self.depth = self.depth[keep]
         self._child = {}
         self._index(0)
+
+    def keep_tail(self, start: int, keep: torch.Tensor) -> None:
+        """Keep slots [0, start) and, of the slots after, only `keep` ([K] long, ascending, >=
+        start), which move down to [start, start + K): a speculative step's rejected drafts leave.
+
+        A kept node's parent must be below `start` or kept too.
+        """
+        import torch
+
+        for slot in range(start, len(self)):  # forget the index entries of every tail slot
+            key = (int(self.parent[slot]), int(self.tokens[slot]))
+            if self._child.get(key) == slot:
+                del self._child[key]
+        new_index = torch.arange(len(self), device=self.device)
+        new_index[keep] = torch.arange(start, start + keep.shape[0], device=self.device)
+        parent = self.parent[keep]
+        parent = torch.where(parent >= start, new_index[parent.clamp(min=0)], parent)
+        self.tokens = torch.cat([self.tokens[:start], self.tokens[keep]])
+        self.depth = torch.cat([self.depth[:start], self.depth[keep]])
+        self.parent = torch.cat([self.parent[:start], parent])
+        self._index(start)
 
     def _index(self, first: int) -> None:
         """Record slots [first, N) in the (parent, token) -> slot index; the first slot wins."""

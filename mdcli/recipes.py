@@ -94,6 +94,8 @@ class RecipeBase(_Strict):
     chat_template: bool = True
     vars: dict[str, str | None] = Field(default_factory=dict)
     sampling: Sampling = Field(default_factory=Sampling)
+    # speculative decoding: "auto" | "off" | N draft tokens per branch per step (never changes tokens)
+    speculate: Literal["auto", "off"] | Annotated[int, Field(ge=0)] | None = None
 
     # where the recipe came from: error messages name it, `context.file` is relative to it
     _source: str = PrivateAttr("recipe")
@@ -889,24 +891,26 @@ def compile_recipe(
 
 def recipe_events(
     recipe: Recipe, model, *, input_text: str | None = None, vars: dict[str, str] | None = None,
-    max_forward_tokens: int = 1024,
+    max_forward_tokens: int = 1024, speculate: str | None = None,
 ) -> Iterator[Event]:
     """The events of running `recipe` (sampling overrides already applied with with_sampling):
     ask-many and tree compile to branch specs; beam, margins and think call their API function.
     Arguments are checked here, before the first event is asked for. Raises RecipeError/UsageError."""
     from mdcli import api
 
+    speculation = _speculation(recipe, speculate)
     if isinstance(recipe, (AskManyRecipe, TreeRecipe)):
         specs = compile_recipe(recipe, model.tokenizer, input_text=input_text, vars=vars)
         return api.run_specs(
-            model, specs, strategy=recipe.strategy, seed=resolved_seed(recipe), max_forward_tokens=max_forward_tokens
+            model, specs, strategy=recipe.strategy, seed=resolved_seed(recipe), max_forward_tokens=max_forward_tokens,
+            speculate=speculation,
         )
     values, context = _values_and_context(recipe, input_text, vars)
     settings = _Settings().then(recipe.sampling)
     if isinstance(recipe, BeamRecipe):
         return _beam_events(recipe, model, values, context, max_forward_tokens)
     if isinstance(recipe, MarginsRecipe):
-        return _margins_events(recipe, model, values, context, settings, max_forward_tokens)
+        return _margins_events(recipe, model, values, context, settings, max_forward_tokens, speculation)
     if isinstance(recipe, ThinkRecipe):
         return api.think(
             model, fill(recipe.question, values), paths=recipe.paths, plan=recipe.plan, max_paths=recipe.max_paths,
@@ -915,8 +919,22 @@ def recipe_events(
             system=recipe.system, chat_template=recipe.chat_template, sampling=_sampling_params(settings),
             max_new_tokens=settings.max_new_tokens, plan_tokens=recipe.plan_tokens,
             conclusion_tokens=recipe.conclusion_tokens, stop=settings.stop, max_forward_tokens=max_forward_tokens,
+            speculate=speculation,
         )
     raise UsageError(f"{recipe.source}: strategy {recipe.strategy} cannot run", fix="see docs/recipes.md")
+
+
+def _speculation(recipe: Recipe, flag: str | None):
+    """--speculate wins over the recipe's `speculate`; beam search keeps its own rules."""
+    from mdcli.speculate import parse_speculate
+
+    if isinstance(recipe, BeamRecipe):
+        if flag is not None or recipe.speculate is not None:
+            raise RecipeError(
+                f"{recipe.source}: speculate: beam search does not speculate (its candidates are ranked across "
+                "beams at every step)", fix="remove speculate from the recipe and --speculate from the command")
+        return None
+    return parse_speculate(flag if flag is not None else recipe.speculate)
 
 
 def _sampling_params(settings: _Settings):
@@ -947,12 +965,14 @@ def _beam_events(recipe: BeamRecipe, model, values: dict[str, str], context: str
     return api.beam_search(model, context, questions, template=template, **options)
 
 
-def _margins_events(recipe: MarginsRecipe, model, values, context: str, settings: _Settings, max_forward_tokens: int):
+def _margins_events(
+    recipe: MarginsRecipe, model, values, context: str, settings: _Settings, max_forward_tokens: int, speculation
+):
     from mdcli.strategies.margins import run_margins
 
     job = _margins_job(recipe, values, context, settings)
     job.validate()  # here, before the first event is asked for
-    return run_margins(model, job, max_forward_tokens=max_forward_tokens)
+    return run_margins(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
 
 
 def margins_job(recipe: MarginsRecipe, *, input_text: str | None = None, vars: dict[str, str] | None = None):

@@ -10,7 +10,14 @@ equal and the tokens must agree; every run checks that and reports any differenc
 (d) prefix-copy  prefill the document once, copy its KV per question into a preallocated batch
                  cache, feed the (padded) question suffixes, decode as a batch
 
-(b)-(d) run on torch's stock kernels, as users run them; `baseline_kernels="mdcli"` gives them
+On request (not by default):
+
+(e) forest+speculate  the forest with speculative decoding (`--speculate auto`, prompt lookup drafts)
+(f) hf-prompt-lookup  `model.generate(prompt_lookup_num_tokens=10)` once per question: Hugging
+                      Face's prompt lookup decoding, the single-sequence version of (e)
+
+(a) is the forest without speculation, so every ratio is against plain forest steps.
+(b)-(d) and (f) run on torch's stock kernels, as users run them; `baseline_kernels="mdcli"` gives them
 the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm alone gains.
 """
 
@@ -24,7 +31,10 @@ if TYPE_CHECKING:
 
     from mdcli.loading import LoadedModel
 
-APPROACHES = ("forest", "sequential", "batched", "prefix-copy")
+APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
+SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
+ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES
+HF_PROMPT_LOOKUP_TOKENS = 10
 
 QUESTIONS = [
     "Who is the main character?",
@@ -63,6 +73,9 @@ class Measurement:
     step_bytes: int | None = None  # weights + KV a decode step reads, at the mean cache length (forest only)
     reference_step_seconds: float | None = None  # transformers' own 1-sequence step, same context (forest only)
     matches_forest: bool | None = None
+    forwards: int | None = None  # decode forwards (speculative approaches)
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -95,10 +108,11 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     from mdcli.bench import baseline_kernels as alternatives_context
 
     prompts = prompts_for(model, case)
-    runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy}
+    runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
+               "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup}
     results = []
     for name in approaches:
-        with nullcontext() if name == "forest" else alternatives_context(model, baseline_kernels):
+        with nullcontext() if name.startswith("forest") else alternatives_context(model, baseline_kernels):
             results.append(runners[name](model, prompts, case))
     reference = next((r for r in results if r.approach == "forest"), None)
     for result in results:
@@ -110,7 +124,7 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
 # -- (a) the forest ------------------------------------------------------------------------------
 
 
-def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculate: str = "off") -> Measurement:
     from mdcli.api import run_specs
     from mdcli.decoding import BranchSpec
     from mdcli.events import Done, Finish
@@ -121,7 +135,7 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurem
     tokens: dict[int, list[int]] = {}
     stats = None
     kv = 0
-    for event in run_specs(model, specs, strategy="bench"):
+    for event in run_specs(model, specs, strategy="bench", speculate=speculate):
         if isinstance(event, Finish):
             tokens[event.branch] = event.token_ids
         elif isinstance(event, Done):
@@ -130,8 +144,10 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurem
     kv = _kv_bytes_per_token(model) * stats.peak_cache_tokens
     mean_cache_tokens = (stats.prefill_tokens + stats.peak_cache_tokens) / 2  # the cache grows linearly while decoding
     step_bytes = weight_bytes(model.model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
-    return Measurement("forest", case, seconds, kv, [tokens[i] for i in range(len(prompts))],
+    return Measurement("forest" if speculate == "off" else "forest+speculate", case, seconds, kv,
+                       [tokens[i] for i in range(len(prompts))],
                        step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
+                       forwards=stats.steps, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
                        reference_step_seconds=reference_step(model, prompts[0], case.new_tokens))
 
 
@@ -142,6 +158,10 @@ def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
     from mdcli.bench.step import ReferenceStepper, median_step_seconds
 
     return median_step_seconds({"reference": ReferenceStepper(model, prompt)}, steps)["reference"]
+
+
+def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    return forest(model, prompts, case, speculate="auto")
 
 
 def weight_bytes(model) -> int:
@@ -173,6 +193,30 @@ def sequential(model: LoadedModel, prompts: list[list[int]], case: Case) -> Meas
         tokens.append(out[0, len(prompt):].tolist())
         kv = max(kv, _kv_bytes_per_token(model) * (len(prompt) + case.new_tokens))
     return Measurement("sequential", case, time.perf_counter() - started, kv, tokens)
+
+
+# -- (f) Hugging Face prompt lookup, one question at a time ------------------------------------
+
+
+def hf_prompt_lookup(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    import torch
+
+    calls = [0]
+    hook = model.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    started = time.perf_counter()
+    tokens, kv = [], 0
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=model.device)
+            with torch.inference_mode():
+                out = model.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                           prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, **_greedy(model, case))
+            tokens.append(out[0, len(prompt):].tolist())
+            kv = max(kv, _kv_bytes_per_token(model) * (len(prompt) + case.new_tokens))
+    finally:
+        hook.remove()
+    seconds = time.perf_counter() - started
+    return Measurement("hf-prompt-lookup", case, seconds, kv, tokens, forwards=calls[0] - len(prompts))
 
 
 # -- (c) batched generate --------------------------------------------------------------------------

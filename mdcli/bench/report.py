@@ -89,6 +89,8 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
                 "step_read_gbps": _read_gbps(m),
                 "step_bandwidth_fraction": _fraction(_read_gbps(m), peak_bandwidth_gbps),
                 "same_tokens_as_forest": m.matches_forest,
+                "tokens_per_forward": _per_forward(m),
+                "drafts_accepted": round(m.accepted_tokens / m.draft_tokens, 3) if m.draft_tokens else None,
             }
         )
     return table
@@ -97,14 +99,16 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
 def markdown_table(table: list[dict]) -> str:
     header = (
         "| branches | context | new | approach | seconds | tok/s | KV MiB | forest is x faster | KV x forest "
-        "| step ms | step reads GB/s | of peak | transformers step ms | step x transformers | same tokens |\n"
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        "| step ms | step reads GB/s | of peak | transformers step ms | step x transformers | same tokens "
+        "| tokens/forward | drafts accepted |\n"
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n"
     )
     body = "".join(
         f"| {r['branches']} | {r['context_tokens']} | {r['new_tokens']} | {r['approach']} | {r['seconds']:.2f} "
         f"| {r['tokens_per_second']:.1f} | {r['kv_mib']:.1f} | {_num(r['forest_speedup'])} | {_num(r['kv_vs_forest'])} "
         f"| {_num(r['step_ms'])} | {_num(r['step_read_gbps'])} | {_percent(r['step_bandwidth_fraction'])} "
-        f"| {_num(r['reference_step_ms'])} | {_num(r['step_vs_reference'])} | {_yes(r['same_tokens_as_forest'])} |\n"
+        f"| {_num(r['reference_step_ms'])} | {_num(r['step_vs_reference'])} | {_yes(r['same_tokens_as_forest'])} "
+        f"| {_num(r.get('tokens_per_forward'))} | {_percent(r.get('drafts_accepted'))} |\n"
         for r in table
     )
     return header + body
@@ -143,6 +147,13 @@ def as_json(facts: dict, table: list[dict], command: str) -> dict:
 
 def _key(m: Measurement) -> tuple:
     return tuple(asdict(m.case).values())
+
+
+def _per_forward(m: Measurement) -> float | None:
+    """Generated tokens per decode forward (the prefill's forward excluded)."""
+    if not m.forwards:
+        return None
+    return round(m.case.branches * m.case.new_tokens / m.forwards, 2)
 
 
 def _read_gbps(m: Measurement) -> float | None:

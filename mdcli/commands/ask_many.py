@@ -10,8 +10,8 @@ import typer
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document,
-    read_questions_file, render, sampling_params,
+    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load,
+    read_document, read_questions_file, render, sampling_params, speculate_setting,
 )
 from mdcli.errors import UsageError
 
@@ -65,6 +65,7 @@ def ask_many(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Ask many questions about one document: every answer decodes at once over the document's cache.
@@ -85,6 +86,7 @@ def ask_many(
             _run_with_recipe(ctx, recipe, save_recipe)
             return
 
+        speculation = speculate_setting(speculate)
         questions = list(question or []) + read_questions_file(questions_file)
         job = AskMany(
             document=read_document(document),
@@ -104,7 +106,8 @@ def ask_many(
         from mdcli.api import run_specs
 
         events = run_specs(
-            lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens
+            lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens,
+            speculate=speculation,
         )
         render(events, mode, quiet, header=header(lm), progress=progress)
 
@@ -124,6 +127,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 
     p = ctx.params
+    speculation = speculate_setting(p["speculate"])
     base = _base_recipe(recipe_name) if recipe_name is not None else None
 
     def flag(name: str):
@@ -157,7 +161,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
 
     specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
     events = run_specs(
-        lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"]
+        lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
+        speculate=speculation,
     )
     render(events, mode, p["quiet"], header=header(lm), progress=p["progress"])
 

@@ -23,7 +23,11 @@ from mdcli.commands.common import (
 )
 from mdcli.errors import UsageError
 
-APPROACH_HELP = "Comma list of forest, sequential (generate per branch), batched (padded generate), prefix-copy."
+APPROACH_HELP = (
+    "Comma list of forest, sequential (generate per branch), batched (padded generate), prefix-copy, "
+    "forest+speculate (speculative decoding, auto), hf-prompt-lookup (generate(prompt_lookup_num_tokens=10) "
+    "per branch)."
+)
 
 
 def bench(
@@ -80,7 +84,7 @@ def bench(
         import torch
 
         from mdcli.bench import random_model as make_random
-        from mdcli.bench.ask import APPROACHES, Case, run_case
+        from mdcli.bench.ask import ALL_APPROACHES, Case, run_case
         from mdcli.bench.report import (
             as_json,
             combine_repeats,
@@ -91,9 +95,9 @@ def bench(
         )
 
         chosen = [a.strip() for a in approaches.split(",") if a.strip()]
-        unknown = [a for a in chosen if a not in APPROACHES]
+        unknown = [a for a in chosen if a not in ALL_APPROACHES]
         if unknown:
-            raise UsageError(f"unknown approach '{unknown[0]}'", fix=f"choose from {', '.join(APPROACHES)}")
+            raise UsageError(f"unknown approach '{unknown[0]}'", fix=f"choose from {', '.join(ALL_APPROACHES)}")
         if baseline_kernels not in BASELINE_KERNELS:
             raise UsageError(f"unknown --baseline-kernels '{baseline_kernels}'", fix="choose stock or mdcli")
         cases = [Case(b, c, n) for c in _ints(context, "--context") for n in _ints(new_tokens, "--new-tokens")
@@ -161,7 +165,7 @@ def _print_table(table: list[dict], facts: dict) -> None:
     # forest x: how many times faster the forest was than this row's approach
     # x ref: the forest's step over transformers' own single-sequence step on the same context
     for name in ("B", "ctx", "new", "approach", "s", "tok/s", "KV MiB", "forest x", "step ms", "ref ms", "x ref", "GB/s",
-                 "same"):
+                 "same", "tok/fwd", "accepted"):
         out.add_column(name, justify="left" if name == "approach" else "right")
     for r in table:
         out.add_row(str(r["branches"]), str(r["context_tokens"]), str(r["new_tokens"]), r["approach"], f"{r['seconds']:.2f}",
@@ -171,7 +175,9 @@ def _print_table(table: list[dict], facts: dict) -> None:
                     "" if r["reference_step_ms"] is None else f"{r['reference_step_ms']:.1f}",
                     "" if r["step_vs_reference"] is None else f"{r['step_vs_reference']:.2f}",
                     _bandwidth_cell(r),
-                    {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]])
+                    {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]],
+                    "" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}",
+                    "" if r["drafts_accepted"] is None else f"{100 * r['drafts_accepted']:.0f}%")
     Console().print(out)
     steps = [r for r in table if r["step_vs_reference"] is not None]
     if steps:

@@ -78,6 +78,14 @@ ProgressOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+SpeculateOpt = Annotated[
+    str,
+    typer.Option(
+        "--speculate",
+        help="Speculative decoding: auto | off | N (most draft tokens per branch per step). Drafts come from "
+        "the text each branch reads; the model verifies them, so the tokens never change, only the forwards.",
+    ),
+]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
 ]
@@ -120,6 +128,13 @@ def read_questions_file(path: Path | None) -> list[str]:
     if path is None:
         return []
     return [line.strip() for line in read_document(str(path)).splitlines() if line.strip()]
+
+
+def speculate_setting(value: str | None):
+    """--speculate checked before the model loads (None: not given, auto)."""
+    from mdcli.speculate import parse_speculate
+
+    return parse_speculate(value)
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None):

@@ -10,9 +10,9 @@ import typer
 
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
-    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, read_questions_file, render,
-    sampling_params,
+    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
+    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document,
+    read_questions_file, render, sampling_params, speculate_setting,
 )
 from mdcli.errors import UsageError
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
@@ -126,6 +126,7 @@ def margins(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
@@ -147,6 +148,7 @@ def margins(
         from mdcli.strategies.margins import Margins, MarginsPrompts
 
         questions = list(query or []) + read_questions_file(questions_file)
+        speculation = speculate_setting(speculate)
         job = Margins(
             documents=read_documents(documents),
             questions=questions,
@@ -176,7 +178,7 @@ def margins(
 
         from mdcli.strategies.margins import run_margins
 
-        events = run_margins(lm, job, max_forward_tokens=max_forward_tokens)
+        events = run_margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm), progress=progress, show_margins=show_margins)
 
 

@@ -27,6 +27,7 @@ from mdcli.commands.common import (
     QuietOpt,
     RemoteCodeOpt,
     SeedOpt,
+    SpeculateOpt,
     StopOpt,
     SystemOpt,
     TemperatureOpt,
@@ -81,6 +82,7 @@ def run(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    speculate: SpeculateOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
     debug: DebugOpt = False,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
@@ -91,7 +93,9 @@ def run(
     """
     with errors(debug):
         from mdcli.recipes import check_run_inputs, parse_vars, sampling_from_flags
+        from mdcli.speculate import parse_speculate
 
+        parse_speculate(speculate)  # a bad value fails before anything loads
         values = parse_vars(var or [])
         plan = load_with_overrides(
             recipe, values, system=system, no_chat_template=no_chat_template,
@@ -108,7 +112,9 @@ def run(
 
         from mdcli.recipes import recipe_events
 
-        events = recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens)
+        events = recipe_events(
+            plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
+        )
         render(events, mode, quiet, header=header(lm), progress=progress)
 
 

@@ -12,8 +12,8 @@ import typer
 from mdcli.commands.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render,
-    sampling_params, stderr_line,
+    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load,
+    read_document, render, sampling_params, speculate_setting, stderr_line,
 )
 from mdcli.errors import UsageError
 
@@ -101,6 +101,7 @@ def think(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Think along several paths at once, then conclude.
@@ -118,6 +119,7 @@ def think(
     with errors(debug):
         from mdcli.strategies.think import Think
 
+        speculation = speculate_setting(speculate)
         instructions = tuple(path_instruction or ())
         job = Think(
             question=read_question(question),
@@ -143,7 +145,7 @@ def think(
 
         from mdcli.strategies.think import run_think
 
-        events = run_think(lm, job, max_forward_tokens=max_forward_tokens)
+        events = run_think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
         render(events, mode, quiet, header=header(lm), progress=progress)

@@ -204,7 +204,7 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
         branches += f" ({pruned} pruned)"
     parts = [
         branches,
-        f"{stats.generated_tokens:,} tokens in {stats.steps:,} steps",
+        _tokens_part(stats),
         f"{stats.seconds:.1f} s",
         f"{stats.tokens_per_second:.1f} tok/s",
         f"cache peak {stats.peak_cache_tokens:,} tokens",
@@ -212,6 +212,15 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
     if interrupted:
         parts.append("interrupted")
     return " · ".join(parts)
+
+
+def _tokens_part(stats: Stats) -> str:
+    """``N tokens in S steps``; with speculative drafts, ``N tokens in F forwards (A% of drafts
+    accepted)``, F being the decode forwards (one per step)."""
+    if not stats.draft_tokens:
+        return f"{stats.generated_tokens:,} tokens in {stats.steps:,} steps"
+    accepted = 100 * stats.accepted_tokens / stats.draft_tokens
+    return f"{stats.generated_tokens:,} tokens in {stats.steps:,} forwards ({accepted:.0f}% of drafts accepted)"
 
 
 def color_disabled(no_color: bool) -> bool:

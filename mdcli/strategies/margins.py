@@ -76,7 +76,9 @@ __all__ = [
 ]
 
 
-def new_decoder(model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25) -> Decoder:
+def new_decoder(
+    model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "auto"
+) -> Decoder:
     from mdcli.engine import Engine
 
     engine = Engine(
@@ -86,7 +88,8 @@ def new_decoder(model: LoadedModel, *, max_forward_tokens: int = 1024, compact_r
         max_forward_tokens=max_forward_tokens,
     )
     return Decoder(
-        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio
+        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio,
+        speculate=speculate,
     )
 
 

@@ -451,7 +451,15 @@ class ThinkRun:
     cache and each later phase reuses what is already there.
     """
 
-    def __init__(self, model: LoadedModel, job: Think, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25):
+    def __init__(
+        self,
+        model: LoadedModel,
+        job: Think,
+        *,
+        max_forward_tokens: int = 1024,
+        compact_ratio: float = 0.25,
+        speculate: str = "auto",
+    ):
         from mdcli.engine import Engine
 
         self.model = model
@@ -466,7 +474,8 @@ class ThinkRun:
         # the attend merge reads every path's cached tokens: none may be compacted away meanwhile
         ratio = math.inf if job.merge == "attend" else compact_ratio
         self.decoder = Decoder(
-            self.engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=ratio
+            self.engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=ratio,
+            speculate=speculate,
         )
         self.extra = _ExtraCounts()
         self.last_id = -1

@@ -1,0 +1,240 @@
+"""Speculative decoding inside the forest: how many guesses to verify, and which ones to keep.
+
+Each step, a branch feeds its next token plus a tree of drafted tokens (mdcli/drafting.py) hanging
+off it; every node sits at its own depth and attends to its ancestors, so the model scores every
+guess of every branch in the same ONE forward. Walking down from the next token, a guess is
+accepted while it equals the token the branch would have chosen there anyway (greedy: the
+argmax; sampling: a draw from the branch's own generator at that node, the draw the unspeculated
+run would make), and the model's own token after the last accepted guess comes for free. The
+tokens are therefore exactly the unspeculated ones; only the number of forwards changes. The
+decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
+
+* `Speculate`: the `--speculate auto|off|N` setting.
+* `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
+  tokens whenever its source has guesses. auto: each node has an estimated acceptance
+  probability (learnt per match strength as the run goes); the nodes verified are those that
+  save the most expected time, by a cost model of a forward of m tokens learnt from the forwards
+  timed during the run (see `plan`, `ForwardCost`), and a branch whose drafts keep failing
+  pauses drafting for a while (after 3 failed steps in a row: 2, 4, ... 16 steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mdcli.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
+from mdcli.errors import UsageError
+
+AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
+LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
+PAUSE_AFTER = 3  # auto: steps in a row with every guess rejected before a branch pauses guessing ...
+MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
+
+
+@dataclass(frozen=True)
+class Speculate:
+    """`mode` is "auto", "off" or "fixed"; `most` is the draft tokens per branch per step."""
+
+    mode: str = "auto"
+    most: int = AUTO_MOST_PER_BRANCH
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def __str__(self) -> str:
+        return str(self.most) if self.mode == "fixed" else self.mode
+
+
+def parse_speculate(value: str | int | Speculate | None) -> Speculate:
+    """'auto' | 'off' | N (N >= 1 draft tokens per branch per step; 0 means off)."""
+    if isinstance(value, Speculate):
+        return value
+    if value is None:
+        return Speculate()
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return Speculate(text)
+    try:
+        most = int(text)
+    except ValueError:
+        most = -1
+    if most < 0:
+        raise UsageError(f"--speculate takes auto, off or a number of draft tokens, not '{value}'",
+                         fix="e.g. --speculate auto or --speculate 8")
+    return Speculate("off") if most == 0 else Speculate("fixed", most)
+
+
+def _critical_share(remaining: list[int]) -> list[float]:
+    """1 / c for each of the c branches with the most tokens left, 0 for the others."""
+    most = max(remaining)
+    critical = sum(1 for r in remaining if r == most)
+    return [1.0 / critical if r == most else 0.0 for r in remaining]
+
+
+class ForwardCost:
+    """Seconds for a forward of m tokens, learnt from the forwards timed during the run.
+
+    One token (a lone branch's plain step) often runs a cheaper kernel than several (a causal
+    kernel instead of a masked one: on one CPU core the second token of a forward can cost a third
+    of a step, later ones a few percent), so m = 1 is tracked on its own (a running mean) and
+    m >= 2 by a line t(m) = a + b m (weighted least squares, recent forwards weighing more, so it
+    follows the cache growing). Until forwards of several sizes are timed, a light prior says one
+    token costs 1/16 of a forward and m = 1 is on the line.
+    """
+
+    decay = 0.95
+    # sums of 1, m, m^2, t, m t over pseudo-forwards (m, t) = (2, 18) and (34, 50), weight 1/4 each
+    _prior = tuple(0.25 * v for v in (2.0, 36.0, 1160.0, 68.0, 1736.0))
+
+    def __init__(self) -> None:
+        self.seen = [0.0] * 5  # the same sums over timed forwards of 2+ tokens, in prior units
+        self.unit: float | None = None  # seconds per prior unit, set by the first measurement
+        self.single: float | None = None  # running mean of one-token forwards, in prior units
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.unit is None:  # the first forward lands on the prior's line
+            self.unit = seconds / (16 + tokens)
+        t = seconds / self.unit
+        if tokens == 1:
+            self.single = t if self.single is None else self.single + (1 - self.decay) * (t - self.single)
+            return
+        self.seen = [self.decay * v for v in self.seen]
+        for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
+            self.seen[i] += v
+
+    def __call__(self, tokens: int) -> float:
+        """Predicted cost of a forward of `tokens` tokens, in the model's own units."""
+        n, sm, smm, st, smt = (p + v for p, v in zip(self._prior, self.seen))
+        b = max((n * smt - sm * st) / (n * smm - sm * sm), 1e-3)
+        a = max((st - b * sm) / n, 1e-3)
+        if tokens == 1 and self.single is not None:
+            return self.single
+        return a + b * tokens
+
+
+@dataclass
+class BranchDrafts:
+    """One branch's drafter and its record."""
+
+    drafter: Drafter
+    synced: int = 0  # generated tokens already given to the drafter
+    failures: int = 0  # steps in a row whose drafts were all rejected
+    paused_until: int = 0  # auto: no drafts before this step
+    first_rate: float | None = None  # this branch's share of accepted first guesses (EMA)
+
+
+@dataclass
+class SpeculationPolicy:
+    setting: Speculate
+    source: DraftSource = field(default_factory=PromptLookup)
+    cost: ForwardCost = field(default_factory=ForwardCost)
+    # acceptance of a first guess and of a guess after an accepted one, per match strength
+    first: dict[int, float] = field(default_factory=lambda: {3: 0.5, 2: 0.3, 1: 0.1})
+    follow: dict[int, float] = field(default_factory=lambda: {3: 0.8, 2: 0.7, 1: 0.5})
+    step: int = 0
+    rate = 0.1  # EMA rate of the acceptance estimates
+
+    # -- drafting ----------------------------------------------------------------------------
+
+    def state(self, context: list[int]) -> BranchDrafts:
+        return BranchDrafts(self.source.drafter(context))
+
+    def draft(self, state: BranchDrafts, generated: list[int], most: int) -> DraftTree:
+        """The candidate tree of one branch whose accepted tokens are now `generated`."""
+        state.drafter.add(generated[state.synced :])
+        state.synced = len(generated)
+        if most < 1 or (self.setting.mode == "auto" and self.step < state.paused_until):
+            return DraftTree()
+        candidates = state.drafter.candidates(min(most, LOOKUP_DEPTH if self.setting.mode == "auto" else most))
+        first = self.first
+        if state.first_rate is not None:  # lean on how this branch has been doing
+            first = {n: (p + state.first_rate) / 2 for n, p in first.items()}
+        return merge_candidates(candidates, first, self.follow)
+
+    def plan(self, trees: list[DraftTree], room: int, remaining: list[int] | None = None) -> list[DraftTree]:
+        """Trim each branch's candidate tree to the nodes worth verifying this step.
+
+        room: most draft tokens in all; remaining: tokens each branch may still generate.
+
+        auto weighs a node by the step it may save. An accepted guess saves a step only when it
+        shortens the run, which the branches furthest from done decide together: for one of the c
+        branches with the most tokens left, a node accepted with chance p saves p / c of a step
+        t(k) (k: tokens fed without guesses); for a branch already ahead, nothing. Guesses cost
+        t(k + d) - t(k) for d of them. auto verifies the d likeliest-to-pay nodes, for the d that
+        saves the most time, if any (checked as a whole, since the first guess can cost more than
+        the next ones).
+        """
+        self.step += 1
+        fed = len(trees)
+        weight = _critical_share(remaining or [0] * fed)
+        ranked = sorted(
+            ((p * weight[b], b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
+            key=lambda item: (-item[0], item[1], item[2]),
+        )
+        chosen: list[list[int]] = [[] for _ in trees]
+        picked: list[tuple[float, int, int]] = []
+        for worth, b, node in ranked:
+            if len(picked) >= room:
+                break
+            parent = trees[b].parents[node]
+            if len(chosen[b]) >= self.setting.most or (parent >= 0 and parent not in chosen[b]):
+                continue
+            if self.setting.mode == "auto" and worth <= 0:
+                break
+            chosen[b].append(node)
+            picked.append((worth, b, node))
+        if self.setting.mode == "auto":
+            picked = picked[: self._best_count(picked, fed)]
+            chosen = [[] for _ in trees]
+            for _, b, node in picked:
+                chosen[b].append(node)
+        return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+
+    def _best_count(self, picked: list[tuple[float, int, int]], fed: int) -> int:
+        """How many of the ranked nodes to verify: the count that saves the most time."""
+        step = self.cost(fed)
+        best, best_gain, saved = 0, 0.0, 0.0
+        for count, (worth, _, _) in enumerate(picked, start=1):
+            saved += worth * step
+            gain = saved - (self.cost(fed + count) - step)
+            if gain > best_gain:
+                best, best_gain = count, gain
+        return best
+
+    # -- learning ----------------------------------------------------------------------------
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+
+    def observe(self, state: BranchDrafts, tree: DraftTree, accepted: list[int]) -> None:
+        """accepted: the draft nodes accepted, root first (a path of `tree`)."""
+        if not len(tree):
+            return
+        path = [-1, *accepted]
+        for depth, parent in enumerate(path):
+            offered = [i for i, p in enumerate(tree.parents) if p == parent]
+            if not offered:
+                break
+            hit = depth < len(accepted)
+            node = accepted[depth] if hit else offered[0]
+            table = self.first if parent < 0 else self.follow
+            n = tree.strength[node]
+            table[n] += self.rate * (float(hit) - table[n])
+            if parent < 0:
+                rate = state.first_rate
+                state.first_rate = float(hit) if rate is None else rate + 0.3 * (float(hit) - rate)
+            if not hit:
+                break
+        self._pace(state, bool(accepted))
+
+    def _pace(self, state: BranchDrafts, accepted_any: bool) -> None:
+        """auto: a branch whose drafts keep failing drafts less often (2, 4, ... 16 steps off)."""
+        if accepted_any:
+            state.failures = 0
+            return
+        state.failures += 1
+        if self.setting.mode == "auto" and state.failures >= PAUSE_AFTER:
+            state.paused_until = self.step + min(MAX_PAUSE, 2 ** (state.failures - PAUSE_AFTER + 1))

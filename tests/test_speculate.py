@@ -1,0 +1,348 @@
+"""Speculative decoding changes how many forwards a branch takes, never its tokens.
+
+Drafts come from prompt lookup (what followed the branch's last n tokens earlier in what it reads);
+the model verifies every draft node in the same forward as every branch's next token; rejected
+nodes leave the cache. Evidence: greedy tokens with `--speculate auto` and with a large forced N
+equal those with speculation off and `model.generate` alone (embedded model and tiny models of every
+architecture, sliding windows included, many branches, forks, compaction); seeded sampling draws the
+same tokens as without drafts; each tree node's logits equal its path run alone; after a rollback
+the cache holds exactly what feeding only the accepted tokens would have left.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mdcli.api import ask_many, run_specs
+from mdcli.decoding import BranchSpec, Decoder
+from mdcli.drafting import Candidate, PromptLookup, merge_candidates
+from mdcli.engine import Engine
+from mdcli.errors import UsageError
+from mdcli.events import Done, Finish, Start, Token
+from mdcli.forest import layout_trees
+from mdcli.loading import load_model
+from mdcli.sampling import SamplingParams
+from mdcli.speculate import ForwardCost, Speculate, SpeculationPolicy, parse_speculate
+from tests.reference import generate_alone
+from tests.test_engine_exactness import ARCHS, engine_for, tiny_model
+
+STORY = (
+    "Mara lived in a small lighthouse on the coast of Brittany. Every night she climbed the one hundred "
+    "steps to light the great lamp. One stormy evening, a fishing boat named the Petrel lost its way in "
+    "the fog. Mara rang the old bronze bell until the fishermen found the harbour.\n"
+)
+QUOTING = [
+    "Repeat the first sentence of the text word for word.",
+    "Copy the text above exactly.",
+    "What did Mara ring?",
+    "Where did Mara live?",
+]
+
+
+def finishes(events) -> dict[str, list[int]]:
+    return {e.label: e.token_ids for e in events if isinstance(e, Finish)}
+
+
+def done_stats(events):
+    return next(e for e in events if isinstance(e, Done)).stats
+
+
+# -- the setting ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "mode", "most"), [("auto", "auto", 16), ("off", "off", 16), ("0", "off", 16),
+                                                    ("12", "fixed", 12), (" AUTO ", "auto", 16)])
+def test_speculate_setting_reads_auto_off_and_a_draft_count(text, mode, most):
+    setting = parse_speculate(text)
+    assert (setting.mode, setting.most) == (mode, most)
+
+
+@pytest.mark.parametrize("text", ["-1", "many", "1.5"])
+def test_a_bad_speculate_setting_is_refused_with_the_fix(text):
+    with pytest.raises(UsageError, match="--speculate takes auto, off or a number"):
+        parse_speculate(text)
+
+
+# -- drafts --------------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_tokens_longest_match_first():
+    drafter = PromptLookup().drafter([1, 2, 3, 4, 5, 9, 7, 3, 8, 1, 2, 3])
+    found = drafter.candidates(3)
+    assert found[0] == Candidate((4, 5, 9), 3)  # "1 2 3" was followed by 4 5 9
+    assert Candidate((8, 1, 2), 1) in found  # "3" alone was also followed by 8
+    assert all(c.strength >= d.strength for c, d in zip(found, found[1:]))
+
+
+def test_prompt_lookup_also_reads_the_branch_own_answer_so_far():
+    drafter = PromptLookup().drafter([5, 6])
+    assert drafter.candidates(4) == []
+    drafter.add([10, 11, 12, 13, 10, 11])
+    assert drafter.candidates(2)[0] == Candidate((12, 13), 2)
+
+
+def test_candidates_merge_into_a_tree_whose_probabilities_never_rise_down_a_path():
+    first, follow = {3: 0.6, 2: 0.4, 1: 0.2}, {3: 0.9, 2: 0.8, 1: 0.7}
+    tree = merge_candidates([Candidate((4, 5, 6), 3), Candidate((4, 5, 7), 2), Candidate((8,), 1)], first, follow)
+    assert tree.tokens == [4, 5, 6, 7, 8]
+    assert tree.parents == [-1, 0, 1, 1, -1]  # shared prefix "4 5" is one path
+    for node, parent in enumerate(tree.parents):
+        if parent >= 0:
+            assert tree.probability[node] <= tree.probability[parent]
+    assert tree.children()[0] == {4: 0, 8: 4}
+
+
+def test_a_fixed_budget_keeps_at_most_n_nodes_per_branch_and_only_whole_paths():
+    policy = SpeculationPolicy(Speculate("fixed", 3))
+    drafter = PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 1, 2, 9, 9, 1, 2])
+    tree = policy.draft(_state(policy, drafter), [], 3)
+    [kept] = policy.plan([tree], room=100)
+    assert 0 < len(kept) <= 3
+    assert all(p < i for i, p in enumerate(kept.parents))
+
+
+def _state(policy, drafter):
+    from mdcli.speculate import BranchDrafts
+
+    return BranchDrafts(drafter)
+
+
+def test_auto_verifies_fewer_drafts_when_a_forward_token_costs_more():
+    def kept_with(cost_per_token: float) -> int:
+        policy = SpeculationPolicy(Speculate("auto"))
+        for m in (1, 4, 16, 32):
+            policy.observe_forward(m, 0.02 + cost_per_token * m)
+        drafter = PromptLookup().drafter(list(range(40)) * 2 + list(range(5)))
+        tree = policy.draft(_state(policy, drafter), [], 16)
+        return len(policy.plan([tree], room=100)[0])
+
+    assert kept_with(0.0001) > kept_with(0.02)
+
+
+def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
+    policy = SpeculationPolicy(Speculate("auto"))
+    drafter = PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3])
+    tree = policy.draft(_state(policy, drafter), [], 8)
+    ahead, behind = policy.plan([tree, tree], room=100, remaining=[10, 30])
+    assert len(ahead) == 0 and len(behind) > 0
+
+
+def test_the_cost_model_learns_one_token_forwards_apart_and_a_line_for_more():
+    cost = ForwardCost()
+    cost.observe(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
+    for _ in range(40):
+        for m in (2, 8, 16, 40):
+            cost.observe(m, 0.025 + 0.002 * m)
+    assert cost(10) / cost(2) == pytest.approx(0.045 / 0.029, rel=0.02)
+    assert cost(1) / cost(2) == pytest.approx(0.020 / 0.029, rel=0.02)
+
+
+def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
+    policy = SpeculationPolicy(Speculate("auto"))
+    state = _state(policy, PromptLookup().drafter([1, 2, 3, 1, 2]))
+    tree = policy.draft(state, [], 4)
+    for _ in range(3):
+        policy.plan([tree], 10)
+        policy.observe(state, tree, [])
+    assert len(policy.draft(state, [], 4)) == 0
+
+
+# -- trees in the engine ---------------------------------------------------------------------------
+
+
+def test_tree_layout_every_node_attends_exactly_its_ancestors_at_its_depth():
+    rows = torch.tensor([[True, True, False], [True, False, True]])  # two places in a 3-slot cache
+    layout = layout_trees(rows, [[-1, 0, 0, 1], [-1]], n_cache=3)
+    assert layout.positions.tolist() == [2, 3, 3, 4, 2]
+    assert layout.parents.tolist() == [1, 3, 3, 4, 2]
+    own = layout.allowed[:, 3:].int().tolist()
+    assert own == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [0, 0, 0, 0, 1]]
+    assert layout.allowed[:4, :3].tolist() == [[True, True, False]] * 4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tree_node_gets_the_logits_of_its_path_run_alone(arch):
+    model = tiny_model(arch, "sdpa")
+    engine = engine_for(model)
+    prompt = [5, 17, 3, 99, 42, 8, 8, 21, 7, 300, 11, 12]  # longer than the tiny sliding window
+    [first] = engine.extend([engine.forest.empty_row()], [prompt[:-1]])
+    tokens = [prompt[-1], 40, 41, 50, 42, 43, 44, 45, 46, 47]
+    parents = [-1, 0, 1, 0, 2, 4, 5, 6, 7, 3]
+    [result] = engine.forward_trees(first.row[None], [parents], [tokens])
+    for node in range(len(tokens)):
+        path, walk = [], node
+        while walk >= 0:
+            path.insert(0, tokens[walk])
+            walk = parents[walk]
+        with torch.inference_mode():
+            alone = model(torch.tensor([prompt[:-1] + path])).logits[0, -1]
+        assert torch.allclose(result.logits[node], alone, atol=1e-4), f"node {node}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_after_keeping_one_path_the_cache_is_what_feeding_that_path_leaves(arch):
+    model = tiny_model(arch, "eager")
+    prompt = [5, 17, 3, 99, 42, 8, 8, 21, 7, 300]
+    tokens, parents = [11, 40, 41, 50, 42, 43], [-1, 0, 1, 0, 3, 4]
+    kept = [0, 3, 4, 5]  # 11 -> 50 -> 42 -> 43
+
+    drafted = engine_for(model)
+    [first] = drafted.extend([drafted.forest.empty_row()], [prompt])
+    start = len(drafted)
+    [result] = drafted.forward_trees(first.row[None], [parents], [tokens])
+    keep = torch.tensor(kept)
+    drafted.keep_tail(start, keep + start)
+    row = torch.cat([result.rows[kept[-1]][:start], result.rows[kept[-1]][start:][keep]])
+
+    plain = engine_for(model)
+    [alone] = plain.extend([plain.forest.empty_row()], [prompt + [tokens[i] for i in kept]])
+    assert drafted.forest.tokens.tolist() == plain.forest.tokens.tolist()
+    assert drafted.forest.depth.tolist() == plain.forest.depth.tolist()
+    assert drafted.forest.parent.tolist() == plain.forest.parent.tolist()
+    assert drafted.forest.longest_cached_prefix(prompt + [11, 50, 42], 99) == (len(prompt) + 3, start + 2)
+    after_drafted = drafted.forward(row[None], [[7]])[0].logits
+    after_plain = plain.forward(alone.row[None], [[7]])[0].logits
+    assert torch.allclose(after_drafted, after_plain, atol=1e-4)
+
+
+# -- whole runs: the tokens never change ---------------------------------------------------------
+
+
+def tiny_specs(lm, *, children: bool) -> list[BranchSpec]:
+    document = STORY * 2
+    specs = []
+    for i, question in enumerate(QUOTING + ["Who?", "Why?"]):
+        ids = lm.tokenizer(f"{document}\nQ: {question}\nA:")["input_ids"]
+        kids = [BranchSpec(label="more", prompt_ids=lm.tokenizer("\nQ: And then?\nA:")["input_ids"],
+                           max_new_tokens=6)] if children and i % 2 == 0 else []
+        specs.append(BranchSpec(label=question, prompt_ids=list(ids), max_new_tokens=6 + 4 * i, children=kids))
+    return specs
+
+
+def assert_branches_equal_generate(model, events):
+    start = next(e for e in events if isinstance(e, Start))
+    prompts = {b.id: b.prompt_token_ids for b in start.branches}
+    prompts.update({e.branch.id: e.branch.prompt_token_ids for e in events if e.type == "fork"})
+    for finish in (e for e in events if isinstance(e, Finish)):
+        assert finish.token_ids == generate_alone(model, prompts[finish.branch], len(finish.token_ids)), finish.label
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "gemma3"])
+def test_greedy_tokens_are_the_same_with_any_speculation_on_every_architecture(tiny_dir, arch):
+    lm = load_model(str(tiny_dir(arch)), quiet=True)
+    runs = {}
+    for setting in ("off", "auto", "32"):
+        events = list(run_specs(lm, tiny_specs(lm, children=True), strategy="test", compact_ratio=0.0,
+                                speculate=setting))
+        runs[setting] = events
+    off = finishes(runs["off"])
+    assert finishes(runs["auto"]) == off
+    assert finishes(runs["32"]) == off
+    assert done_stats(runs["32"]).draft_tokens > 0
+    assert done_stats(runs["off"]).compactions > 0
+    assert_branches_equal_generate(lm.model, runs["32"])
+
+
+def test_embedded_answers_are_generate_alone_with_fewer_forwards(embedded):
+    runs = {s: list(ask_many(embedded, STORY, QUOTING, max_new_tokens=40, speculate=s)) for s in ("off", "auto", "24")}
+    off = finishes(runs["off"])
+    for setting in ("auto", "24"):
+        assert finishes(runs[setting]) == off, setting
+        stats = done_stats(runs[setting])
+        assert stats.accepted_tokens > 0
+        assert stats.steps < done_stats(runs["off"]).steps
+        assert stats.generated_tokens == done_stats(runs["off"]).generated_tokens
+    assert_branches_equal_generate(embedded.model, runs["24"])
+
+
+def test_one_token_event_per_accepted_token_in_order(embedded):
+    events = list(ask_many(embedded, STORY, QUOTING[:2], max_new_tokens=30, speculate="16"))
+    for finish in (e for e in events if isinstance(e, Finish)):
+        streamed = [e for e in events if isinstance(e, Token) and e.branch == finish.branch]
+        assert [e.token_id for e in streamed] == finish.token_ids
+        assert "".join(e.text for e in streamed) == finish.text
+        assert math.isclose(sum(e.logprob for e in streamed), finish.cumulative_logprob, abs_tol=1e-3)
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_drafts(embedded):
+    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    runs = {s: list(ask_many(embedded, STORY, QUOTING, sampling=sampling, max_new_tokens=32, speculate=s))
+            for s in ("off", "16")}
+    assert finishes(runs["16"]) == finishes(runs["off"])
+    assert done_stats(runs["16"]).accepted_tokens > 0
+
+
+def test_the_cache_ends_holding_only_accepted_tokens(embedded):
+    def final_forest(setting):
+        engine = Engine(embedded.model)
+        decoder = Decoder(engine, embedded.tokenizer, embedded.eos_token_ids, compact_ratio=math.inf,
+                          speculate=setting)
+        specs = [BranchSpec(label=q, prompt_ids=embedded.tokenizer(STORY + q)["input_ids"], max_new_tokens=24)
+                 for q in QUOTING[:2]]
+        decoder.announce(specs)
+        list(decoder.decode())
+        return sorted(zip(engine.forest.depth.tolist(), engine.forest.tokens.tolist()))
+
+    assert final_forest("16") == final_forest("off")
+
+
+def test_think_and_margins_give_the_same_text_with_speculation(embedded):
+    from mdcli.api import margins, think
+
+    for run in (
+        lambda s: think(embedded, "What is 12 + 30? Answer: ", paths=2, max_new_tokens=16, conclusion_tokens=12,
+                        path_instructions=["Be brief.", "Show steps."], speculate=s),
+        lambda s: margins(embedded, STORY, "Who rang the bell?", max_new_tokens=16, classify_tokens=6,
+                          answer_tokens=12, speculate=s),
+    ):
+        assert finishes(list(run("8"))) == finishes(list(run("off")))
+
+
+# -- settings from the command line and recipes -----------------------------------------------------
+
+
+def test_a_recipe_can_set_speculate_and_a_bad_value_names_the_field():
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text
+
+    base = "version: 1\nstrategy: ask-many\nquestions: [Who]\ncontext: {text: hi}\n"
+    assert load_recipe_text(base + "speculate: 4\n").speculate == 4
+    assert load_recipe_text(base + "speculate: 'off'\n").speculate == "off"
+    with pytest.raises(RecipeError, match="speculate"):
+        load_recipe_text(base + "speculate: sometimes\n")
+
+
+def test_a_beam_recipe_that_asks_to_speculate_is_refused(embedded):
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text, recipe_events
+
+    recipe = load_recipe_text("version: 1\nstrategy: beam\nprompt: Hello\nspeculate: 4\n")
+    with pytest.raises(RecipeError, match="beam search does not speculate"):
+        recipe_events(recipe, embedded)
+
+
+def test_the_command_line_refuses_a_bad_speculate_before_loading_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from mdcli.cli import app
+
+    document = tmp_path / "doc.txt"
+    document.write_text(STORY)
+    result = CliRunner().invoke(app, ["ask-many", str(document), "-q", "Who?", "--speculate", "lots"])
+    assert result.exit_code == 2
+    assert "--speculate takes auto, off or a number of draft tokens, not 'lots'" in result.stderr
+
+
+def test_the_summary_line_counts_forwards_and_accepted_drafts():
+    from mdcli.events import Stats
+    from mdcli.render.base import BranchBook, summary_line
+
+    stats = Stats(prompt_tokens=10, prefill_tokens=10, generated_tokens=412, steps=37, seconds=5.2,
+                  prefill_seconds=0.2, decode_seconds=5.0, peak_cache_tokens=1912, final_cache_tokens=1900,
+                  compactions=0, draft_tokens=400, accepted_tokens=252, forwards=38)
+    assert "412 tokens in 37 forwards (63% of drafts accepted)" in summary_line(BranchBook(), stats)
+    plain = Stats(**{**{f: getattr(stats, f) for f in stats.__slots__}, "draft_tokens": 0})
+    assert "412 tokens in 37 steps" in summary_line(BranchBook(), plain)
