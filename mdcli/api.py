@@ -30,11 +30,11 @@ def run_specs(
     seed: int | None = None,
     max_forward_tokens: int = 1024,
     compact_ratio: float = 0.25,
-    speculate: str = "auto",
+    speculate: str = "off",
 ) -> Iterator[Event]:
     """Decode independent branches (with optional follow-up children) in one shared cache.
-    `speculate`: "auto" | "off" | N draft tokens per branch per step (mdcli/speculate.py); the
-    tokens are the same either way."""
+    `speculate`: "off" (default) | "auto" | N draft tokens per branch per step (mdcli/speculate.py);
+    the tokens are the same either way."""
     from mdcli.engine import Engine
 
     engine = Engine(

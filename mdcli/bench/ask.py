@@ -148,7 +148,7 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculat
                        [tokens[i] for i in range(len(prompts))],
                        step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
                        forwards=stats.steps, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens))
+                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens) if speculate == "off" else None)
 
 
 def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:

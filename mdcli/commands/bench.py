@@ -178,12 +178,13 @@ def _print_table(table: list[dict], facts: dict) -> None:
                     {True: "yes", False: "NO", None: ""}[r["same_tokens_as_forest"]],
                     "" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}",
                     "" if r["drafts_accepted"] is None else f"{100 * r['drafts_accepted']:.0f}%")
-    Console().print(out)
-    steps = [r for r in table if r["step_vs_reference"] is not None]
+    wide = None if sys.stdout.isatty() else 200  # a pipe or file gets every column, not an 80-column crop
+    Console(width=wide).print(out)
+    steps = [r for r in table if r["step_vs_reference"] is not None and r["approach"] == "forest"]
     if steps:
         ratios = ", ".join(f"{r['branches']} branch{'es' if r['branches'] > 1 else ''} {r['step_vs_reference']:.2f}x"
                            for r in steps)
-        Console().print(f"forest step against transformers' own single-sequence step (stock kernels, same context): "
+        Console(width=wide).print(f"forest step against transformers' own single-sequence step (stock kernels, same context): "
                         f"{ratios}")
 
 

@@ -77,7 +77,7 @@ __all__ = [
 
 
 def new_decoder(
-    model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "auto"
+    model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "off"
 ) -> Decoder:
     from mdcli.engine import Engine
 

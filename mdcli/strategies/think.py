@@ -458,7 +458,7 @@ class ThinkRun:
         *,
         max_forward_tokens: int = 1024,
         compact_ratio: float = 0.25,
-        speculate: str = "auto",
+        speculate: str = "off",
     ):
         from mdcli.engine import Engine
 
