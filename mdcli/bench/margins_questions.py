@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mdcli.strategies.margins_job import CLASSIFICATION_RULES
+
 QUESTIONS = [
     "Which projects went over budget, and why?",
     "Which projects finished on time and under budget?",
@@ -42,16 +44,7 @@ QUESTIONS = [
 PHASES = ("margins", "classification", "answers")
 RULES_FIRST_CLASSIFICATION = (
     "I ask an LLM assistant whether a piece of document is related to a query, and show you its answer. "
-    "Should I save it for later?\n"
-    "Here are rules:\n"
-    "- Answer YES if the answer contains information about the query.\n"
-    "- Answer NO if the answer says the piece isn't related to the query.\n\n"
-    "Provide the answer in the format: <YES/NO>#<Explanation>.\n"
-    "Here are example answers:\n\n"
-    "YES#Yes, the information contains an excerpt from a book that is related to the question.\n"
-    "NO#No, the LLM assistant concluded the information isn't relevant.\n\n"
-    'Don\'t add any other comments, all your remarks should be included in the "Explanation" section.\n\n'
-    'The query: "$query"\nThe answer:\n```text\n$margin\n```'
+    + CLASSIFICATION_RULES + '\n\nThe query: "$query"\nThe answer:\n```text\n$margin\n```'
 )
 """--rules-first (an experiment, not mdcli's default): the paper's classifier prompt with its fixed
 rules moved before the query and the margin, so every classification branch shares them in the

@@ -37,9 +37,7 @@ MARGIN_TEMPLATE = (
 margin i+1's prompt begins with margin i's context, and so that every question's margin of one
 segment begins with the same tokens (shared in the cache)."""
 
-CLASSIFICATION_TEMPLATE = (
-    'I asked an LLM assistant whether a piece of document is related to the query: "$query". '
-    "This is its answer:\n```text\n$margin\n```\n"
+CLASSIFICATION_RULES = (
     "Should I save it for later?\n"
     "Here are rules:\n"
     "- Answer YES if the answer contains information about the query.\n"
@@ -49,6 +47,10 @@ CLASSIFICATION_TEMPLATE = (
     "YES#Yes, the information contains an excerpt from a book that is related to the question.\n"
     "NO#No, the LLM assistant concluded the information isn't relevant.\n\n"
     'Don\'t add any other comments, all your remarks should be included in the "Explanation" section.'
+)
+CLASSIFICATION_TEMPLATE = (
+    'I asked an LLM assistant whether a piece of document is related to the query: "$query". '
+    "This is its answer:\n```text\n$margin\n```\n" + CLASSIFICATION_RULES
 )
 """The paper's classifier prompt: the margin is judged without the segment it came from."""
 
