@@ -172,8 +172,14 @@ def stderr_line(message: str) -> None:
 
 
 def header(lm) -> str:
+    """The run's header line; on CPU it says which kernels mdcli's forwards use and why."""
+    from mdcli.kernels import kernel_choice
+
     dtype = str(lm.dtype).removeprefix("torch.")
-    return f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
+    line = f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
+    if lm.device.type == "cpu":
+        line += f" · kernels {kernel_choice(lm.device, lm.dtype)}"
+    return line
 
 
 def check_progress(quiet: bool, progress: bool) -> None:
