@@ -43,9 +43,11 @@ COMMANDS_MAY_IMPORT = (
 # -- today's offenders, in files other work in issue 12 is rewriting -----------------------------
 # Being fixed in issue 12; remove when merged.
 KNOWN_CYCLES: set[frozenset[str]] = {
-    # strategies import api.start_event from inside functions (the run layer removes it)
-    frozenset({"mdcli.api", "mdcli.strategies.think"}),
-    frozenset({"mdcli.api", "mdcli.strategies.margins"}),
+    # strategies/think.py and strategies/margins.py import api.start_event inside functions (the
+    # run layer takes Start/Done out of api)
+    frozenset({"mdcli.api", "mdcli.strategies.margins", "mdcli.strategies.think"}),
+    # bench/step.py's main() imports bench.ask's prompts; bench.ask measures with step's stepper
+    frozenset({"mdcli.bench.ask", "mdcli.bench.step"}),
 }
 # Being fixed in issue 12; remove when merged.
 LONG_MODULES = {"mdcli/recipes.py", "mdcli/strategies/think.py", "mdcli/strategies/beam.py"}
@@ -57,9 +59,7 @@ LAZY_IMPORT_FILES = {
     "mdcli/margins_recipe.py",
     "mdcli/packing.py",
     "mdcli/recipes.py",
-    "mdcli/speculate.py",
     "mdcli/strategies/margins.py",
-    "mdcli/strategies/margins_fit.py",
     "mdcli/strategies/think.py",
     "mdcli/verify.py",
     "mdcli/bench/step.py",
@@ -67,7 +67,10 @@ LAZY_IMPORT_FILES = {
     "mdcli/commands/run.py",
 }
 # Being fixed in issue 12; remove when merged.
-COMMANDS_OFF_API = {"mdcli/commands/run.py", "mdcli/commands/recipes.py"}
+COMMANDS_OFF_API = {"mdcli/commands/run.py"}
+# The recipe API outside mdcli.recipes: margins' --save-recipe. Being fixed in issue 12 (the
+# recipes package takes it in); remove when merged.
+RECIPE_API_ELSEWHERE = {"mdcli.margins_recipe"}
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,8 @@ def chain(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 def may_import_from_commands(target: str) -> bool:
+    if target in RECIPE_API_ELSEWHERE:
+        return True
     for allowed in COMMANDS_MAY_IMPORT:
         if allowed.endswith(".*"):
             prefix = allowed[:-2]
@@ -216,11 +221,26 @@ def may_import_from_commands(target: str) -> bool:
     return False
 
 
-def has_why_comment(lines: list[str], line: int) -> bool:
-    """A comment on the import's line or the line above it."""
-    here = lines[line - 1]
-    above = lines[line - 2].strip() if line >= 2 else ""
-    return "#" in here or above.startswith("#")
+def has_why_comment(lines: list[str], statement: Import, import_lines: set[int]) -> bool:
+    """A comment on the import's line, or on the line above it or above the block of imports it
+    belongs to (one comment may explain a group of imports written together)."""
+    if "#" in lines[statement.line - 1]:
+        return True
+    line = statement.line - 1
+    while line in import_lines:
+        if "#" in lines[line - 1]:
+            return True
+        line -= 1
+    return line >= 1 and lines[line - 1].strip().startswith("#")
+
+
+def import_lines_of(path: Path) -> set[int]:
+    """The line numbers every import statement in `path` spans (any module, any depth)."""
+    spans: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            spans.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return spans
 
 
 # -- the specifications -------------------------------------------------------------------------
@@ -274,13 +294,18 @@ def test_commands_use_only_the_public_api():
     assert not unexpected, f"commands importing past the public API (see COMMANDS_MAY_IMPORT): {unexpected}"
     fixed = COMMANDS_OFF_API - set(off_api)
     assert not fixed, f"now on the public API, remove them from COMMANDS_OFF_API: {sorted(fixed)}"
+    used = {target for name, path in MODULES.items() if name.startswith("mdcli.commands.")
+            for target in (i.target for i in first_party_imports(path))}
+    unused = RECIPE_API_ELSEWHERE - used
+    assert not unused, f"no command imports them any more, remove them from RECIPE_API_ELSEWHERE: {sorted(unused)}"
 
 
 def test_first_party_imports_inside_functions_say_why():
     unexplained: dict[str, list[int]] = {}
     for path in MODULES.values():
         lines = path.read_text(encoding="utf-8").splitlines()
-        bare = [i.line for i in first_party_imports(path) if i.in_function and not has_why_comment(lines, i.line)]
+        spans = import_lines_of(path)
+        bare = [i.line for i in first_party_imports(path) if i.in_function and not has_why_comment(lines, i, spans)]
         if bare:
             unexplained[relative_path(path)] = sorted(set(bare))
     unexpected = {path: lines for path, lines in unexplained.items() if path not in LAZY_IMPORT_FILES}
