@@ -7,7 +7,8 @@ dependency, only a hidden one. From that graph:
 * no import cycles;
 * no module over 500 lines;
 * the commands use only the public API (`COMMANDS_MAY_IMPORT`, written once below);
-* a first-party import inside a function says why, in a comment on its line or the line above.
+* a first-party import inside a function says why, in a comment on its line or the line above
+  (above it or above the group of imports it is written in).
 
 Other work in issue 12 (the run layer, the recipes package) is moving modules that still break
 these rules; the allowlists below name each such offender, in those files only. They are being
@@ -246,7 +247,7 @@ def import_lines_of(path: Path) -> set[int]:
 # -- the specifications -------------------------------------------------------------------------
 
 
-def test_the_import_graph_sees_imports_inside_functions_and_relative_imports(tmp_path):
+def test_the_import_graph_sees_imports_inside_functions_and_relative_imports():
     # The graph is only as good as its parser: check it on the cases that hide dependencies.
     assert "mdcli.api" in graph_of("mdcli")  # mdcli/__init__.py imports the API lazily
     assert "mdcli.render.base" in graph_of("mdcli.render")  # a package re-exporting its modules
@@ -328,3 +329,15 @@ def test_the_command_line_starts_without_torch():
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT.parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_literal_defaults_in_commands_are_the_apis():
+    # commands/margins.py spells the API's defaults as literals (importing them would load the
+    # decoding stack on `mdcli --help`): they must not drift apart.
+    from mdcli import api
+    from mdcli.commands import margins
+
+    assert (margins._SEGMENT_TOKENS, margins._MIN_SEGMENT_TOKENS) == (api.DEFAULT_SEGMENT_TOKENS, api.MIN_SEGMENT_TOKENS)
+    assert (margins._MARGIN_TOKENS, margins._CLASSIFY_TOKENS, margins._ANSWER_TOKENS) == (
+        api.DEFAULT_MARGIN_TOKENS, api.DEFAULT_CLASSIFY_TOKENS, api.DEFAULT_ANSWER_TOKENS,
+    )
