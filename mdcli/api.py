@@ -334,8 +334,11 @@ def think(
 # -- functions above, to check its arguments before loading a model, to load one, and to draw a
 # -- recipe's forest without one. Re-exported here so that callers depend on this module only.
 
+from mdcli.decoding import BranchSpec  # noqa: E402, F811
 from mdcli.explain import ForestLayout, plan_layout, render_explanation  # noqa: E402
+from mdcli.kernels import kernel_choice  # noqa: E402, F811
 from mdcli.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from mdcli.sampling import SamplingParams  # noqa: E402, F811
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
 from mdcli.speculate import Speculate, parse_speculate  # noqa: E402
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_TEMPLATE  # noqa: E402

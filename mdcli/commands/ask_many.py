@@ -136,7 +136,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     document_text = read_document(p["document"])
     questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
     if base is None:  # the same checks and messages as a plain ask-many
-        api.AskMany(document=document_text, questions=questions, template=p["template"] or api.ASK_MANY_TEMPLATE).validate()
+        template = p["template"] or api.ASK_MANY_TEMPLATE
+        api.AskMany(document=document_text, questions=questions, template=template).validate()
     plan = ask_many_recipe(
         base,
         questions=questions or None,
@@ -155,7 +156,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         p["trust_remote_code"], mode, p["quiet"],
     )
 
-    from mdcli.recipes import compile_recipe, resolved_seed  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
+    from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 
     specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
     events = api.run_specs(
@@ -166,7 +167,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
 
 
 def _base_recipe(name: str):
-    from mdcli.recipes import AskManyRecipe, load_recipe  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
+    # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
+    from mdcli.recipes import AskManyRecipe, load_recipe
 
     base = load_recipe(name)
     if not isinstance(base, AskManyRecipe):
