@@ -1,20 +1,20 @@
-"""mdcli: MultiDecode for Hugging Face models, exact parallel decoding in one shared KV cache."""
+"""mdcli: MultiDecode for Hugging Face models, exact parallel decoding in one shared KV cache.
+
+The Python API is mdcli/api.py; its main entry points are also here, as `mdcli.ask_many` etc.
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "ask_many", "beam_search", "load_model", "margins", "run_specs", "think"]
+__all__ = ["__version__", "ask_many", "beam_search", "load_model", "load_tokenizer", "margins", "run_specs", "think"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import mdcli` (and `mdcli --help`) must not import torch.
-    if name in ("ask_many", "beam_search", "margins", "run_specs", "think"):
+    if name in __all__ and name != "__version__":
+        # Here, on first use (PEP 562), not at the top: `import mdcli` (and `mdcli --help`) must not
+        # pay for the decoding stack the API imports.
         from mdcli import api
 
         return getattr(api, name)
-    if name == "load_model":
-        from mdcli.loading import load_model
-
-        return load_model
     raise AttributeError(f"module 'mdcli' has no attribute {name!r}")

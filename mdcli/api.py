@@ -328,3 +328,41 @@ def think(
     )
     job.validate()
     return run_think(model, job, **engine_options)
+
+
+# -- the rest of the public API: what a caller (the command line among them) needs besides the
+# -- functions above, to check its arguments before loading a model, to load one, and to draw a
+# -- recipe's forest without one. Re-exported here so that callers depend on this module only.
+
+from mdcli.decoding import BranchSpec  # noqa: E402, F811
+from mdcli.explain import ForestLayout, plan_layout, render_explanation  # noqa: E402
+from mdcli.kernels import kernel_choice  # noqa: E402, F811
+from mdcli.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from mdcli.sampling import SamplingParams  # noqa: E402, F811
+from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
+from mdcli.speculate import Speculate, parse_speculate  # noqa: E402
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_TEMPLATE  # noqa: E402
+from mdcli.strategies.ask_many import AskMany  # noqa: E402
+from mdcli.strategies.beam import BeamParams, parse_early_stopping  # noqa: E402
+from mdcli.strategies.margins import (  # noqa: E402
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_CLASSIFY_TOKENS,
+    DEFAULT_MARGIN_TOKENS,
+    Margins,
+    MarginsPrompts,
+)
+from mdcli.strategies.think import Think  # noqa: E402
+
+__all__ = [
+    # running: each returns an iterator of events (mdcli.events)
+    "ask_many", "beam_search", "margins", "run_specs", "think",
+    # loading
+    "LoadedModel", "load_model", "load_tokenizer",
+    # the jobs and settings the functions above build, for checking arguments before a model is loaded
+    "ASK_MANY_TEMPLATE", "AskMany", "BeamParams", "BranchSpec", "Margins", "MarginsPrompts", "SamplingParams",
+    "Speculate", "Think", "parse_early_stopping", "parse_speculate",
+    "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
+    "MIN_SEGMENT_TOKENS",
+    # describing a run without running it
+    "ForestLayout", "kernel_choice", "plan_layout", "render_explanation",
+]

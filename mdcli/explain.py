@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mdcli.decoding import BranchSpec, prefill_prompts
 from mdcli.engine import ChainResult, Engine
 from mdcli.forest import Forest, layout_chains, pad_rows
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
-    from mdcli.decoding import BranchSpec
 
 TOKEN_GRID_LIMIT = 48
 """Largest forest drawn token by token (--tokens); bigger ones get one row per radix edge."""
@@ -133,8 +133,6 @@ class _ModelFreeEngine:
 def plan_layout(prompts: Sequence[Sequence[int]], *, max_forward_tokens: int = 1024) -> ForestLayout:
     """Where a run would put these prompts' tokens: slots, positions (depths), parents, edges."""
     import torch
-
-    from mdcli.decoding import prefill_prompts
 
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")

@@ -8,6 +8,8 @@ import platform
 from functools import cache
 from pathlib import Path
 
+from mdcli.kernels import cpu_capability
+
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -23,8 +25,6 @@ def cpu_model() -> str:
 
 def has_avx512() -> bool:
     """AVX-512 as torch's CPU kernels see it (ATEN_CPU_CAPABILITY can lower it), else the CPU flags."""
-    from mdcli.kernels import cpu_capability
-
     try:
         return "AVX512" in cpu_capability()
     except ImportError:  # torch missing: fall back to what the CPU reports

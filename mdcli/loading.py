@@ -124,6 +124,15 @@ def load_model(
     )
 
 
+def load_tokenizer(
+    model: str | None = None, *, trust_remote_code: bool = False, quiet: bool = False
+) -> PreTrainedTokenizerBase:
+    """Just the tokenizer of `model` (None: the embedded SmolLM2), found the way `load_model` finds
+    it and refused with the same messages, without reading any weights (`mdcli explain`)."""
+    with quiet_loading(quiet):
+        return _load_tokenizer(_resolve_source(model, None), trust_remote_code)
+
+
 def resolve_device(device: str) -> torch.device:
     """The device to run on: "auto" is CUDA when present, else CPU; an absent GPU is an error."""
     import torch

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from mdcli.architectures import text_config
+
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     """Keys and values of one token in every layer: layers x 2 x kv_heads x head_dim x bytes."""
-    from mdcli.architectures import text_config
-
     config = text_config(config)
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     heads = getattr(config, "num_attention_heads", None) or config.n_head

@@ -432,3 +432,17 @@ def test_embedded_model_quantized_with_bitsandbytes(bits):
     with torch.no_grad():
         logits = loaded.model(chat_ids(loaded.tokenizer).to(loaded.device)).logits
     assert torch.isfinite(logits.float()).all()
+
+
+# --- the tokenizer alone (mdcli explain) -----------------------------------------------------
+
+
+def test_load_tokenizer_is_load_models_tokenizer_without_the_weights(tiny):
+    from mdcli import load_tokenizer
+
+    folder = str(tiny["qwen2"])
+    alone = load_tokenizer(folder)
+    assert alone("hello there")["input_ids"] == load_model(folder).tokenizer("hello there")["input_ids"]
+    with pytest.raises(UsageError) as info:
+        load_tokenizer("./no-such-model")
+    assert_one_line(info.value, "does not exist")

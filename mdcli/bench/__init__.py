@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mdcli.errors import UsageError
+
+# The rest of mdcli is imported inside the functions here: commands/bench.py imports this package
+# for its option constants on every `mdcli --help`, which should not pay for the kernels, the
+# host probe or the loader.
+
 if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
 
@@ -31,13 +37,14 @@ def baseline_kernels(lm: LoadedModel, choice: str):
     """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
     from contextlib import nullcontext
 
-    from mdcli.kernels import cpu_kernels
+    from mdcli.kernels import cpu_kernels  # lazy: see the module's imports
 
     return cpu_kernels(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
 
 
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
+    # lazy: see the module's imports
     from mdcli.hostinfo import cpu_line
     from mdcli.kernels import kernel_choice
 
@@ -52,8 +59,8 @@ def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    # lazy: see the module's imports
     from mdcli.embedded import embedded_model_dir
-    from mdcli.errors import UsageError
     from mdcli.loading import LoadedModel, resolve_device, resolve_dtype
 
     if shape not in RANDOM_SHAPES:

@@ -27,6 +27,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mdcli.api import run_specs
+from mdcli.bench import baseline_kernels as alternatives_context
+from mdcli.bench.step import ReferenceStepper, median_step_seconds
+from mdcli.cache import new_cache
+from mdcli.decoding import BranchSpec, common_prefix_length
+from mdcli.events import Done, Finish
+from mdcli.memory import kv_bytes_per_token
+from mdcli.prompts import fill_template, prompt_token_ids
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
+
 if TYPE_CHECKING:
 
     from mdcli.loading import LoadedModel
@@ -89,9 +99,6 @@ def document_of(tokenizer, context_tokens: int) -> str:
 
 
 def prompts_for(model: LoadedModel, case: Case) -> list[list[int]]:
-    from mdcli.prompts import fill_template, prompt_token_ids
-    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
-
     document = document_of(model.tokenizer, case.context_tokens)
     questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})") for i in range(case.branches)]
     return [
@@ -104,8 +111,6 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     """baseline_kernels: "stock" runs the alternatives as users run them (torch's own kernels);
     "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'."""
     from contextlib import nullcontext
-
-    from mdcli.bench import baseline_kernels as alternatives_context
 
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
@@ -125,10 +130,6 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
 
 
 def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculate: str = "off") -> Measurement:
-    from mdcli.api import run_specs
-    from mdcli.decoding import BranchSpec
-    from mdcli.events import Done, Finish
-
     specs = [BranchSpec(label=str(i), prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
              for i, p in enumerate(prompts)]
     started = time.perf_counter()
@@ -155,8 +156,6 @@ def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
     """Median seconds of transformers' own single-sequence decode step over `prompt` and as many
     steps as the forest took (stock kernels, stock cache: mdcli.bench.step), measured right after
     the forest, so both see the same machine."""
-    from mdcli.bench.step import ReferenceStepper, median_step_seconds
-
     return median_step_seconds({"reference": ReferenceStepper(model, prompt)}, steps)["reference"]
 
 
@@ -244,8 +243,6 @@ def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Mea
     """The best hand-made alternative: shared prefill, then a batch over per-branch KV copies."""
     import torch
 
-    from mdcli.cache import new_cache
-
     shared = _common_prefix_length(prompts)
     suffixes = [p[shared:] for p in prompts]
     width = max(len(s) for s in suffixes)
@@ -299,14 +296,10 @@ def _pad_id(model: LoadedModel) -> int:
 
 
 def _kv_bytes_per_token(model: LoadedModel) -> int:
-    from mdcli.memory import kv_bytes_per_token
-
     return kv_bytes_per_token(model.model.config, model.dtype.itemsize)
 
 
 def _common_prefix_length(prompts: list[list[int]]) -> int:
     """Tokens all prompts share, leaving every prompt at least one token of its own."""
-    from mdcli.decoding import common_prefix_length
-
     shortest = min(len(p) for p in prompts) - 1
     return min([shortest, *(common_prefix_length(prompts[0], other) for other in prompts[1:])])

@@ -16,6 +16,13 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+from mdcli.engine import Engine
+from mdcli.events import Finish
+from mdcli.loading import load_model
+from mdcli.memory import kv_bytes_per_token
+from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, BeamPrompt, BeamSearch
+
 if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
 
@@ -45,9 +52,6 @@ def bench_beam(
     hidden).
     """
     import torch
-
-    from mdcli.bench import baseline_kernels
-    from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO
 
     torch.set_num_threads(threads)
     prompt = benchmark_prompt(lm.tokenizer, prompt_tokens)
@@ -101,11 +105,6 @@ def benchmark_prompt(tokenizer, length: int) -> list[int]:
 
 
 def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, compact_ratio: float) -> dict:
-    from mdcli.engine import Engine
-    from mdcli.events import Finish
-    from mdcli.memory import kv_bytes_per_token
-    from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
-
     engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
     tokenizer = lm.tokenizer
 
@@ -187,8 +186,6 @@ def markdown(rows: list[dict], lm: LoadedModel, threads: int, kernels: str = "st
     import torch
     import transformers
 
-    from mdcli.bench import kernels_line
-
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
         f"Model: {lm.name}, {str(lm.dtype).removeprefix('torch.')}, {lm.attn}, {lm.device}. Machine: "
@@ -214,9 +211,6 @@ def markdown(rows: list[dict], lm: LoadedModel, threads: int, kernels: str = "st
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
-
-    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
-    from mdcli.loading import load_model
 
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.beam", description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=1000)

@@ -17,6 +17,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mdcli.bench.margins import machine
+from mdcli.cache import native_gqa_attention
+from mdcli.kernels import onednn_attention, onednn_linear, onednn_works
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,8 +52,6 @@ def linear_table(token_counts: list[int], repeats: int) -> str:
     import torch
     import torch.nn.functional as F
 
-    from mdcli.kernels import onednn_linear
-
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) for _ in range(LAYERS) for shape in SMOLLM2_LAYER]
     weights.append(torch.randn(VOCAB, 576, generator=generator))
@@ -75,9 +77,6 @@ def linear_table(token_counts: list[int], repeats: int) -> str:
 def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from mdcli.cache import native_gqa_attention
-    from mdcli.kernels import onednn_attention
 
     class Module(torch.nn.Module):
         num_key_value_groups = 3
@@ -110,9 +109,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-
-    from mdcli.bench.margins import machine
-    from mdcli.kernels import onednn_works
 
     torch.set_num_threads(args.threads)
     if not onednn_works():

@@ -30,6 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+from mdcli.bench.margins_questions import compare_questions
+from mdcli.decoding import common_prefix_length
+from mdcli.events import Finish
+from mdcli.hostinfo import cpu_line
+from mdcli.loading import load_model
+from mdcli.segmenting import split_text, token_counter
+from mdcli.strategies.margins import Margins, new_decoder
+
 OVER_BUDGET = [
     ("Falcon", "steel prices rose", "steel"),
     ("Osprey", "the vendor charged for extra training days", "training"),
@@ -104,9 +113,6 @@ class SideResult:
 
 def run_mdcli(lm, specs) -> SideResult:
     """The margins stage as `mdcli margins` runs it: one Decoder phase over one shared cache."""
-    from mdcli.events import Finish
-    from mdcli.strategies.margins import new_decoder
-
     decoder = new_decoder(lm)
     started = time.perf_counter()
     infos = decoder.announce(specs)
@@ -127,8 +133,6 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
     end of each segment after its margin is generated."""
     import torch
     from transformers import DynamicCache
-
-    from mdcli.decoding import common_prefix_length
 
     model, eos = lm.model, lm.eos_token_ids
     cache, cached, prefilled = DynamicCache(), 0, 0
@@ -162,8 +166,6 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
 
 def segment_budget_for(tokenizer, document: str, segments: int) -> int:
     """The smallest --segment-tokens (in steps of 8) that cuts the document into `segments`."""
-    from mdcli.segmenting import split_text, token_counter
-
     count = token_counter(tokenizer)
     budget = max(16, math.ceil(count(document) / segments))
     while len(split_text(document, budget, count)) > segments:
@@ -172,8 +174,6 @@ def segment_budget_for(tokenizer, document: str, segments: int) -> int:
 
 
 def margin_specs(lm, document: str, segment_tokens: int, margin_tokens: int, layout: str = "chain"):
-    from mdcli.strategies.margins import Margins
-
     job = Margins(
         documents=[document], query=QUERY, segment_tokens=segment_tokens, margin_tokens=margin_tokens,
         layout=layout,  # type: ignore[arg-type]
@@ -183,8 +183,6 @@ def margin_specs(lm, document: str, segment_tokens: int, margin_tokens: int, lay
 
 
 def compare(lm, document: str, segments: int, margin_tokens: int, repeats: int, kernels: str = "stock") -> bool:
-    from mdcli.bench import baseline_kernels
-
     budget = segment_budget_for(lm.tokenizer, document, segments)
     segs, specs = margin_specs(lm, document, budget, margin_tokens)
     prompts = [s.prompt_ids for s in specs]
@@ -231,15 +229,11 @@ def machine() -> str:
     import torch
     import transformers
 
-    from mdcli.hostinfo import cpu_line
-
     return (f"{cpu_line()}, nproc {os.cpu_count()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}, torch threads {torch.get_num_threads()}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
-
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.margins", description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--segments", type=int, default=8)
@@ -262,16 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from mdcli.bench import kernels_line
-    from mdcli.loading import load_model
-
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype="float32", device="cpu", quiet=True)
     document = bench_document(lm.tokenizer, args.doc_tokens)
     print(f"model: {lm.name}, fp32, greedy; machine: {machine()}; {kernels_line(lm, args.baseline_kernels)}\n")
     if args.questions:
-        from mdcli.bench.margins_questions import compare_questions
-
         budget = segment_budget_for(lm.tokenizer, document, args.segments)
         limits = {"margin_tokens": args.margin_tokens, "classify_tokens": args.classify_tokens,
                   "answer_tokens": args.answer_tokens}

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mdcli.events import Done, Finish, Fork, Start
+from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
 from mdcli.strategies.margins_job import CLASSIFICATION_RULES
 
 QUESTIONS = [
@@ -74,9 +76,6 @@ def run_stage(
     lm, document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], rules_first: bool = False
 ) -> StageResult:
     """One run_margins over `questions`, timed phase by phase from its events."""
-    from mdcli.events import Done, Finish, Fork, Start
-    from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
-
     prompts = MarginsPrompts(classification=RULES_FIRST_CLASSIFICATION) if rules_first else MarginsPrompts()
     job = Margins(
         documents=[document], questions=list(questions), segment_tokens=segment_tokens, prompts=prompts, **limits

@@ -8,6 +8,9 @@ from dataclasses import asdict
 from statistics import median
 from typing import TYPE_CHECKING
 
+from mdcli.hostinfo import cpu_model, has_avx512
+from mdcli.kernels import kernel_choice
+
 if TYPE_CHECKING:
     import torch
 
@@ -17,9 +20,6 @@ if TYPE_CHECKING:
 def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict:
     import torch
     import transformers
-
-    from mdcli.hostinfo import cpu_model, has_avx512
-    from mdcli.kernels import kernel_choice
 
     kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)

@@ -23,6 +23,12 @@ import platform
 import time
 from dataclasses import dataclass, replace
 
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+from mdcli.events import Finish, Fork, Note, Token
+from mdcli.loading import load_model
+from mdcli.sampling import SamplingParams
+from mdcli.strategies.think import Think, run_think
+
 QUESTION = (
     "Two trains run on the same straight line between the cities of Aster and Borel, which are 420 "
     "kilometres apart. The first train leaves Aster at 9:00 in the morning travelling towards Borel at a "
@@ -66,9 +72,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from mdcli.bench import baseline_kernels
-    from mdcli.loading import load_model
-
     lm = load_model(args.model, device="cpu", dtype="float32", quiet=True)
     ignore_eos = replace(lm, eos_token_ids=frozenset())  # equal work: every path runs to its limit
     prompt = _path_prompt(lm)
@@ -91,8 +94,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
-
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.think", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--paths", type=int, default=8)
@@ -104,9 +105,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _job(args, *, merge: str, greedy: bool = False):
-    from mdcli.sampling import SamplingParams
-    from mdcli.strategies.think import Think
-
     sampling = SamplingParams() if greedy else SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, seed=SEED)
     return Think(
         question=QUESTION,
@@ -134,9 +132,6 @@ def _warm_up(lm, prompt: list[int]) -> None:
 
 def _time_think(lm, args, *, merge: str, greedy: bool = False) -> tuple[Timing, MergeCost | None]:
     """One think run; the paths stage ends when the last path finishes."""
-    from mdcli.events import Finish, Fork, Note, Token
-    from mdcli.strategies.think import run_think
-
     job = _job(args, merge=merge, greedy=greedy)
     job.validate()
     started = time.perf_counter()
@@ -206,8 +201,6 @@ def _generate_sampled(lm, prompt: list[int], args, **extra):
 def _environment(lm, args, prompt_tokens: int, load_before, load_after) -> str:
     import torch
     import transformers
-
-    from mdcli.bench import kernels_line
 
     lines = [
         (

@@ -29,6 +29,9 @@ from pathlib import Path
 from statistics import median
 
 from mdcli.bench.ask import QUESTIONS
+from mdcli.bench.margins import bench_document
+from mdcli.embedded import embedded_model_dir
+from mdcli.errors import UsageError
 from mdcli.hostinfo import cpu_line
 
 PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
@@ -94,8 +97,6 @@ def run_plain(mode: str, model_dir: Path, report: Path, questions_file: Path, ne
 
 
 def report_text(tokenizer, tokens: int) -> str:
-    from mdcli.bench.margins import bench_document
-
     return bench_document(tokenizer, tokens)
 
 
@@ -103,8 +104,6 @@ def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: 
             approaches: tuple[str, ...] = PLAIN_MODES) -> list[ProcessRun]:
     """Every approach in turn, mdcli first (its answers pick the longest question)."""
     from transformers import AutoTokenizer
-
-    from mdcli.embedded import embedded_model_dir
 
     model_dir = embedded_model_dir()  # converted once, outside the timings
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -156,8 +155,6 @@ def markdown(runs: list[ProcessRun], questions: int, new_tokens: int, report_tok
 def run(report_tokens: int, questions: int, new_tokens: int, repeats: int, approaches: tuple[str, ...] = PLAIN_MODES,
         json_path: Path | None = None) -> str:
     """Measure and return the Markdown report (also written as JSON to `json_path`)."""
-    from mdcli.errors import UsageError
-
     unknown = [a for a in approaches if a not in PLAIN_MODES]
     if unknown:
         raise UsageError(f"unknown whole-process approach {unknown[0]!r}", fix=f"choose from {', '.join(PLAIN_MODES)}")

@@ -80,7 +80,7 @@ def ask_many(
     from a saved or built-in ask-many recipe.
     """
     with errors(debug):
-        from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
+        from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         if recipe is not None or save_recipe is not None:
             _run_with_recipe(ctx, recipe, save_recipe)
@@ -88,26 +88,24 @@ def ask_many(
 
         speculation = speculate_setting(speculate)
         questions = list(question or []) + read_questions_file(questions_file)
-        job = AskMany(
+        job = api.AskMany(
             document=read_document(document),
             questions=questions,
             system=system,
-            template=template or DEFAULT_TEMPLATE,
+            template=template or api.ASK_MANY_TEMPLATE,
             chat_template=not no_chat_template,
             sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
             max_new_tokens=max_new_tokens,
             stop=tuple(stop or ()),
         )
-        job.validate()
+        job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.api import run_specs
-
-        events = run_specs(
-            lm, job.branches(lm.tokenizer), strategy="ask-many", seed=seed, max_forward_tokens=max_forward_tokens,
-            speculate=speculation,
+        events = api.ask_many(
+            lm, job.document, job.questions, system=job.system, template=job.template,
+            chat_template=job.chat_template, sampling=job.sampling, max_new_tokens=job.max_new_tokens, stop=job.stop,
+            max_forward_tokens=max_forward_tokens, speculate=speculation,
         )
         render(events, mode, quiet, header=header(lm), progress=progress)
 
@@ -123,8 +121,9 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     Without --recipe every flag counts, defaults included, so the saved file pins them all. With
     --recipe only flags given on the command line override the file. The recipe is written before
     anything runs, and the run uses exactly the recipe that was written."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+    # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
     from mdcli.recipes import ask_many_recipe, dump_recipe, sampling_from_flags
-    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 
     p = ctx.params
     speculation = speculate_setting(p["speculate"])
@@ -137,11 +136,12 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     document_text = read_document(p["document"])
     questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
     if base is None:  # the same checks and messages as a plain ask-many
-        AskMany(document=document_text, questions=questions, template=p["template"] or DEFAULT_TEMPLATE).validate()
+        template = p["template"] or api.ASK_MANY_TEMPLATE
+        api.AskMany(document=document_text, questions=questions, template=template).validate()
     plan = ask_many_recipe(
         base,
         questions=questions or None,
-        template=flag("template") or (None if base is not None else DEFAULT_TEMPLATE),
+        template=flag("template") or (None if base is not None else api.ASK_MANY_TEMPLATE),
         system=flag("system"),
         chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
@@ -156,11 +156,10 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         p["trust_remote_code"], mode, p["quiet"],
     )
 
-    from mdcli.api import run_specs
-    from mdcli.recipes import compile_recipe, resolved_seed
+    from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 
     specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
-    events = run_specs(
+    events = api.run_specs(
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
         speculate=speculation,
     )
@@ -168,6 +167,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
 
 
 def _base_recipe(name: str):
+    # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
     from mdcli.recipes import AskManyRecipe, load_recipe
 
     base = load_recipe(name)

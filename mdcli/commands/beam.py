@@ -73,16 +73,16 @@ def beam(
     its own beam set over the document's cache.
     """
     with errors(debug):
-        from mdcli.strategies.beam import BeamParams, parse_early_stopping
+        from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-        params = BeamParams(
+        params = api.BeamParams(
             width=width,
             num_return=num_return,
             length_penalty=length_penalty,
-            early_stopping=parse_early_stopping(early_stopping),
+            early_stopping=api.parse_early_stopping(early_stopping),
             max_new_tokens=max_new_tokens,
         )
-        params.validate()
+        params.validate()  # before the model loads
         questions = list(question or []) + read_questions_file(questions_file)
         text = prompt
         if _is_input_file(prompt):
@@ -92,10 +92,7 @@ def beam(
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.api import beam_search
-
-        events = beam_search(
+        events = api.beam_search(
             lm,
             text,
             questions,

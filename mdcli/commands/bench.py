@@ -83,6 +83,7 @@ def bench(
             return
         import torch
 
+        # lazy: the harness costs `mdcli --help` ~15 ms
         from mdcli.bench import random_model as make_random
         from mdcli.bench.ask import ALL_APPROACHES, Case, run_case
         from mdcli.bench.report import (
@@ -129,7 +130,7 @@ def bench(
 
 
 def _whole_process(branches: str, context: str, new_tokens: str, repeats: int, json_path, markdown_path) -> None:
-    from mdcli.bench.whole_process import run as run_whole_process
+    from mdcli.bench.whole_process import run as run_whole_process  # lazy: as above, ~5 ms on every --help
 
     report = run_whole_process(report_tokens=_ints(context, "--context")[0], questions=max(_ints(branches, "--branches")),
                                new_tokens=_ints(new_tokens, "--new-tokens")[0], repeats=repeats, json_path=json_path)

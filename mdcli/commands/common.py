@@ -133,27 +133,27 @@ def read_questions_file(path: Path | None) -> list[str]:
 
 def speculate_setting(value: str | None):
     """--speculate checked before the model loads (None: not given, auto)."""
-    from mdcli.speculate import parse_speculate
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-    return parse_speculate(value)
+    return api.parse_speculate(value)
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None):
-    from mdcli.sampling import SamplingParams
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        return api.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     except ValueError as error:
         raise UsageError(str(error), fix="see mdcli --help") from error
 
 
 def load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet):
     """Load the model; progress lines on stderr unless quiet (and silent loaders for JSONL)."""
-    from mdcli.loading import load_model
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
     # transformers' own bars are noise next to our one-line progress: always silence them
     progress = None if quiet else stderr_line
-    return load_model(
+    return api.load_model(
         model,
         device=device,
         dtype=dtype,
@@ -173,12 +173,12 @@ def stderr_line(message: str) -> None:
 
 def header(lm) -> str:
     """The run's header line; on CPU it says which kernels mdcli's forwards use and why."""
-    from mdcli.kernels import kernel_choice
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
     dtype = str(lm.dtype).removeprefix("torch.")
     line = f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
     if lm.device.type == "cpu":
-        line += f" · kernels {kernel_choice(lm.device, lm.dtype)}"
+        line += f" · kernels {api.kernel_choice(lm.device, lm.dtype)}"
     return line
 
 
@@ -191,7 +191,7 @@ def check_progress(quiet: bool, progress: bool) -> None:
 def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: bool = False, *,
            show_margins: bool = False) -> None:
     """Feed events to the renderer; on Ctrl-C flush what was generated and exit 130."""
-    from mdcli.render import choose_renderer
+    from mdcli.render import choose_renderer  # lazy: rich costs `mdcli --help` ~50 ms
 
     renderer = choose_renderer(
         mode.value,

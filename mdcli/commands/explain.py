@@ -40,7 +40,10 @@ def explain(
     the margins' text, known only at run time).
     """
     with errors(debug):
-        from mdcli.recipes import Sampling, check_run_inputs, parse_vars
+        from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+        # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
+        from mdcli.recipes import Sampling, check_run_inputs, compile_recipe, parse_vars
+        from mdcli.render import color_disabled, make_console  # lazy: rich costs `mdcli --help` ~50 ms
 
         values = parse_vars(var or [])
         plan = load_with_overrides(
@@ -50,19 +53,14 @@ def explain(
         check_run_inputs(plan, input_text=input_text, vars=values)
         tokenizer = load_tokenizer(model, trust_remote_code)
 
-        from mdcli.explain import plan_layout, render_explanation
-        from mdcli.recipes import compile_recipe
-        from mdcli.render.base import color_disabled
-        from mdcli.render.live import make_console
-
         title = f"{plan.source} ({plan.strategy})"
         if plan.strategy == "margins":
             roots, title = margin_phase(plan, tokenizer, input_text, values)
         else:
             roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
-        layout = plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
+        layout = api.plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
         console = make_console(sys.stdout, color=not color_disabled("NO_COLOR" in os.environ))
-        render_explanation(
+        api.render_explanation(
             console, roots, layout, lambda token: tokenizer.decode([token]),
             title=title, tokens=tokens,
         )
@@ -70,7 +68,7 @@ def explain(
 
 def margin_phase(plan, tokenizer, input_text: str | None, values: dict[str, str]):
     """A margins recipe's margin branches (question-major) and a title that says what they are."""
-    from mdcli.recipes import margins_job
+    from mdcli.recipes import margins_job  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
 
     job = margins_job(plan, input_text=input_text, vars=values)
     job.validate()
@@ -85,11 +83,8 @@ def margin_phase(plan, tokenizer, input_text: str | None, values: dict[str, str]
 
 
 def load_tokenizer(model: str | None, trust_remote_code: bool):
-    """Just the tokenizer of `model` (default: the embedded one), found the way load_model finds it.
+    """Just the tokenizer of `model` (default: the embedded one), found the way load_model finds it,
+    so errors read exactly as for a full load."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-    Uses loading's own source resolution and tokenizer loader (private helpers: loading.py has no
-    public tokenizer-only entry point yet), so errors read exactly as for a full load."""
-    from mdcli.loading import _load_tokenizer, _resolve_source, quiet_loading
-
-    with quiet_loading(True):
-        return _load_tokenizer(_resolve_source(model, None), trust_remote_code)
+    return api.load_tokenizer(model, trust_remote_code=trust_remote_code, quiet=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,9 +16,11 @@ from mdcli.commands.common import (
     read_questions_file, render, sampling_params, speculate_setting,
 )
 from mdcli.errors import UsageError
-from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS
 
-# Plain literals (not imports from the strategy) keep `mdcli --help` free of torch.
+# The API's defaults, as literals: importing the API for them would load the decoding stack on
+# `mdcli --help`. tests/test_structure.py checks they agree.
+_SEGMENT_TOKENS = 512
+_MIN_SEGMENT_TOKENS = 16
 _MARGIN_TOKENS = 48
 _CLASSIFY_TOKENS = 24
 _ANSWER_TOKENS = 256
@@ -72,8 +75,8 @@ def margins(
         ),
     ] = None,
     segment_tokens: Annotated[
-        int, typer.Option("--segment-tokens", min=MIN_SEGMENT_TOKENS, help="Most tokens per segment.")
-    ] = DEFAULT_SEGMENT_TOKENS,
+        int, typer.Option("--segment-tokens", min=_MIN_SEGMENT_TOKENS, help="Most tokens per segment.")
+    ] = _SEGMENT_TOKENS,
     keep: Annotated[
         KeepMargins, typer.Option("--keep", help="Margins the answer reads: those classified relevant, or all.")
     ] = KeepMargins.relevant,
@@ -145,11 +148,11 @@ def margins(
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
     """
     with errors(debug):
-        from mdcli.strategies.margins import Margins, MarginsPrompts
+        from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)
         speculation = speculate_setting(speculate)
-        job = Margins(
+        job = api.Margins(
             documents=read_documents(documents),
             questions=questions,
             names=document_names(documents),
@@ -159,7 +162,7 @@ def margins(
             classify=not no_classify,
             with_segments=with_segments,
             prompts=prompts_with(
-                MarginsPrompts(system=system), margin_template, classification_template, answer_template
+                api.MarginsPrompts(system=system), margin_template, classification_template, answer_template
             ),
             chat_template=not no_chat_template,
             sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
@@ -167,18 +170,22 @@ def margins(
             classify_tokens=classify_tokens,
             answer_tokens=answer_tokens,
         )
-        job.validate()
+        job.validate()  # before the model loads
         if save_recipe is not None:
+            # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
             from mdcli.margins_recipe import margins_recipe_text, write_recipe
 
             write_recipe(save_recipe, margins_recipe_text(job, given_layout=context is not None))
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.strategies.margins import run_margins
-
-        events = run_margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+        events = api.margins(
+            lm, job.documents, job.query, questions=job.questions, names=job.names, context=job.layout,
+            segment_tokens=job.segment_tokens, keep=job.keep, classify=job.classify, with_segments=job.with_segments,
+            prompts=job.prompts, chat_template=job.chat_template, sampling=job.sampling,
+            max_new_tokens=job.margin_tokens, classify_tokens=job.classify_tokens, answer_tokens=job.answer_tokens,
+            memory_budget_bytes=job.memory_budget_bytes, max_forward_tokens=max_forward_tokens, speculate=speculation,
+        )
         render(events, mode, quiet, header=header(lm), progress=progress, show_margins=show_margins)
 
 
@@ -196,8 +203,6 @@ def document_names(sources: list[str]) -> list[str]:
 
 def prompts_with(prompts, margin: str | None, classification: str | None, answer: str | None):
     """The default prompts with any template given on the command line swapped in."""
-    from dataclasses import replace
-
     given = {"margin": margin, "classification": classification, "answer": answer}
     changes = {name: value for name, value in given.items() if value}
     return replace(prompts, **changes)

@@ -17,7 +17,6 @@ from mdcli.commands.common import (
 )
 from mdcli.errors import UsageError
 
-# Plain literals (not imports from the strategy) keep `mdcli --help` free of torch.
 _QUESTION_FILE_SUFFIXES = (".txt", ".md", ".text")
 
 
@@ -117,11 +116,11 @@ def think(
     the paths were produced; there was just nothing to count.
     """
     with errors(debug):
-        from mdcli.strategies.think import Think
+        from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         speculation = speculate_setting(speculate)
         instructions = tuple(path_instruction or ())
-        job = Think(
+        job = api.Think(
             question=read_question(question),
             paths=paths if paths is not None else (len(instructions) or 4),
             plan=plan,
@@ -138,14 +137,17 @@ def think(
             conclusion_tokens=conclusion_tokens,
             stop=tuple(stop or ()),
         )
-        job.validate()
+        job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.strategies.think import run_think
-
-        events = run_think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+        events = api.think(
+            lm, job.question, paths=job.paths, plan=job.plan, max_paths=job.max_paths, merge=job.merge, vote=job.vote,
+            answer_pattern=job.answer_pattern, path_instructions=job.path_instructions, system=job.system,
+            chat_template=job.chat_template, sampling=job.sampling, max_new_tokens=job.max_new_tokens,
+            plan_tokens=job.plan_tokens, conclusion_tokens=job.conclusion_tokens, stop=job.stop,
+            max_forward_tokens=max_forward_tokens, speculate=speculation,
+        )
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
         render(events, mode, quiet, header=header(lm), progress=progress)

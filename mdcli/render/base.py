@@ -1,5 +1,7 @@
 """What every renderer shares: the protocol, per-branch bookkeeping, and the text formats.
 
+The renderers import this module; it imports none of them (choosing one is render/choose.py).
+
 Renderers differ only in presentation. The facts they present (what each branch has said so
 far, whether it is done, what to print when the user presses Ctrl-C) are derived from the event
 stream in exactly the same way everywhere, so that derivation lives here once and is tested on
@@ -11,12 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TextIO
+from typing import Literal, Protocol
 
 from mdcli.events import Done, Event, Finish, Fork, Prune, Start, Stats, Token
 
 BranchStatus = Literal["running", "finished", "pruned"]
-RenderMode = Literal["auto", "live", "plain", "jsonl"]
 
 
 class Renderer(Protocol):
@@ -227,46 +228,3 @@ def color_disabled(no_color: bool) -> bool:
     """The --no-color flag, or the NO_COLOR convention (https://no-color.org): set and
     non-empty."""
     return no_color or bool(os.environ.get("NO_COLOR"))
-
-
-def choose_renderer(
-    mode: RenderMode,
-    *,
-    stdout: TextIO,
-    stderr: TextIO,
-    quiet: bool,
-    no_color: bool,
-    header: str | None = None,
-    progress: bool = False,
-    show_margins: bool = False,
-) -> Renderer:
-    """The renderer for `mode`; ``auto`` is a live display on a terminal and plain text in a
-    pipeline, where escape codes and redraws would only get in the way.
-
-    Progress (render/progress.py) goes to stderr: a transient status line when stderr is a
-    terminal, else one line every few seconds if `progress` (--progress) asks, never with
-    `quiet`; the live display shows it in its frame (see `choose_progress`).
-    """
-    # Imported here because those modules import this one for the shared helpers.
-    from mdcli.render.jsonl import JsonlRenderer
-    from mdcli.render.live import LiveRenderer, make_console
-    from mdcli.render.plain import PlainRenderer
-    from mdcli.render.progress import choose_progress
-
-    color = not color_disabled(no_color)
-    if mode == "auto":
-        mode = "live" if stdout.isatty() else "plain"
-    status = choose_progress(
-        mode, stdout, stderr, quiet=quiet, requested=progress, terminal=lambda: make_console(stderr, color=color)
-    )
-    if mode == "jsonl":
-        return JsonlRenderer(stdout, progress=status)
-    if mode == "plain":
-        return PlainRenderer(stdout, stderr, quiet=quiet, header=header, progress=status, show_margins=show_margins)
-    return LiveRenderer(
-        make_console(stdout, color=color),
-        make_console(stderr, color=color),
-        quiet=quiet,
-        header=header,
-        progress=status,
-    )

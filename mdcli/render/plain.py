@@ -20,6 +20,7 @@ from mdcli.render.base import (
     interrupted_finishes,
     summary_line,
 )
+from mdcli.render.margins import MarginsPlain
 from mdcli.render.progress import ProgressDisplay, ProgressFeed
 
 
@@ -58,8 +59,6 @@ class PlainRenderer:
         if not self._ended:
             self._progress.handle(event)
         if isinstance(event, Start) and event.strategy == "margins":
-            from mdcli.render.margins import MarginsPlain
-
             self._margins = MarginsPlain(self._stdout, self._book, show_margins=self._show_margins,
                                          before_write=self._progress.clear)
         if self._margins is not None and not isinstance(event, Done):
