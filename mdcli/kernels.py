@@ -100,6 +100,22 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     return KernelChoice("oneDNN", "AVX-512: measured faster there")
 
 
+def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
+    """True for a float32 CPU model on an x86-64 CPU with AVX2 but not AVX-512, where mdcli's own
+    decode forward (mdcli.fastforward) takes its AVX2 choices: linears stay on torch's kernels
+    (routed oneDNN was slower there), but the step multiplies by weight copies laid out for it
+    (oneDNN-packed for several tokens, transposed for one) and attends with two batched products.
+    Measured on a Zen 3 core (BENCHMARKS.md, "A faster decode step", AVX2). False wherever
+    MDCLI_CPU_KERNELS forces a side (torch: stock everywhere; onednn: the AVX-512 choices)."""
+    import torch
+
+    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
+        return False
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return False
+    return cpu_capability() == "AVX2" and _onednn_linear_works()
+
+
 def kernel_setting() -> str:
     """MDCLI_CPU_KERNELS as "auto", "torch" or "onednn"; anything else is a usage error."""
     raw = os.environ.get(OPT_OUT, "").strip().lower()
