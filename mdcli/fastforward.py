@@ -9,11 +9,13 @@ and the tests compare this one with it. What this forward changes, per layer:
   row slices of it (views: the same memory, the model's forward reads the same numbers);
 * rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
   per step by the model's own rotary module (every rope type transformers knows stays exact);
-* the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) attention
-  is two batched products per layer with the query heads of a key/value group stacked and the
+* the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) or on
+  an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a key/value group stacked and the
   mask's rows repeated for them once per step, elsewhere transformers' sdpa entry;
 * where linears run on oneDNN, the projections and the head multiply by weights packed once into
-  oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy);
+  oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy); on an AVX2-only
+  x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
+  [in, out] weights faster for one row);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
@@ -47,9 +49,17 @@ def fast_forward_for(model, **options) -> FastForward | None:
 
 
 def packing_wanted(model) -> bool:
-    """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN, unless turned off
-    (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the free memory."""
+    """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN or on an AVX2
+    x86-64 CPU, unless turned off (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the
+    free memory."""
     from mdcli.packing import packing_wanted as wanted
+
+    return wanted(model)
+
+
+def transposing_wanted(model) -> bool:
+    """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.packing)."""
+    from mdcli.packing import transposing_wanted as wanted
 
     return wanted(model)
 
@@ -126,9 +136,11 @@ class FastForward:
     entry, which mdcli.kernels may route); None: "bmm" where mdcli.kernels runs linears on oneDNN,
     else "transformers" (measured: bmm 2-5% faster there, 4-7% slower on stock AVX2 kernels).
     packed: run the projections on weights copied once into oneDNN's blocked layout (see
-    `packing_wanted`); None decides by that rule."""
+    `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
+    weight copies (see `transposing_wanted`); None decides by that rule."""
 
-    def __init__(self, model, *, attention: str | None = None, packed: bool | None = None) -> None:
+    def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
+                 transposed: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -139,8 +151,16 @@ class FastForward:
         self.scaling = first.scaling
         self.attention = attention or _attention_wanted(model)
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
-        self.packed = packing_wanted(model) if packed is None else packed
         self.head = model.lm_head.weight  # [V, hidden]
+        self.transposed = transposing_wanted(model) if transposed is None else transposed
+        self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
+        if self.transposed:  # copied from the plain weights, before packing replaces them below
+            from mdcli.packing import transposed_weights
+
+            copies, self.lone_head = transposed_weights(model, self.layers)
+            self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
+                         for layer, (qkv, o, gate_up, down) in zip(self.layers, copies)]
+        self.packed = packing_wanted(model) if packed is None else packed
         if self.packed:
             from mdcli.packing import packed_weights
 
@@ -154,14 +174,20 @@ class FastForward:
         indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
         import torch.nn.functional as F
 
-        linear = _packed_linear if self.packed else F.linear  # F.linear looked up per call: mdcli.kernels may route it
+        m = tokens.shape[0]
+        layers, head = self.layers, self.head
+        if m == 1 and self.transposed:
+            linear, layers, head = _transposed_linear, self.lone, self.lone_head
+        elif self.packed:
+            linear = _packed_linear
+        else:
+            linear = F.linear  # looked up per call: mdcli.kernels may route it
         hidden = self.inner.embed_tokens.weight[tokens][None]  # [1, M, hidden]
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        m = tokens.shape[0]
         masks = self._step_masks(mask)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias).view(1, m, heads + 2 * kv_heads, dim)  # [1, M, H + 2G, D]
@@ -178,7 +204,7 @@ class FastForward:
         if keep is None:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
-        return linear(rows, self.head, self.model.lm_head.bias)  # [C, V]
+        return linear(rows, head, self.model.lm_head.bias)  # [C, V]
 
     def _step_masks(self, mask):
         """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that
@@ -203,10 +229,15 @@ class FastForward:
 
 
 def _attention_wanted(model) -> str:
-    from mdcli.kernels import kernel_name
+    """bmm where measured faster than sdpa: with oneDNN linears (AVX-512, 2-5%) and on AVX2 x86-64
+    (Zen 3, stock MKL products: 1 query 263 -> 226 us, 8 queries 695 -> 592 us per layer over
+    1,724 keys)."""
+    from mdcli.kernels import avx2_step, kernel_name
 
     weight = model.model.layers[0].mlp.up_proj.weight
-    return "bmm" if kernel_name(weight.device, weight.dtype) == "oneDNN" else "transformers"
+    if kernel_name(weight.device, weight.dtype) == "oneDNN" or avx2_step(weight.device, weight.dtype):
+        return "bmm"
+    return "transformers"
 
 
 def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
@@ -233,6 +264,12 @@ def _packed_linear(x, weight, bias=None):
     from mdcli.packing import packed_linear
 
     return packed_linear(x, weight, bias)
+
+
+def _transposed_linear(x, weight_t, bias=None):
+    from mdcli.packing import transposed_linear
+
+    return transposed_linear(x, weight_t, bias)
 
 
 def _rms_norm(x, weight, eps: float):

@@ -18,7 +18,10 @@ per layer: 412 -> 292 us and 1092 -> 602 us).
 `cpu_kernels(device, dtype)` installs both where they were measured to pay: x86-64 CPUs with AVX-512
 (torch's reported CPU capability). On a Zen 3 core with AVX2 only the same routing was measured
 slower than torch's own kernels (prefill of a 1,819-token forest 9.18 s vs 8.40 s, 8-branch step
-160 vs 154 ms), so there mdcli keeps torch's. `kernel_choice` says which ran and why; reports and
+160 vs 154 ms), so there mdcli keeps torch's; re-measured on a real Zen 3 core with
+`python -m mdcli.bench.kernels` (benchmarks/results/step-zen3-kernels.txt): oneDNN linears 0.99x
+of MKL at 1 token, 0.92x at 8, 0.75x at 512, its attention products 0.65-0.94x of sdpa. (mdcli's
+own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) `kernel_choice` says which ran and why; reports and
 the `start` event carry it. `MDCLI_CPU_KERNELS=torch|onednn` forces either (`auto`, the default,
 decides by the CPU). They are process-wide switches (`F.linear` and transformers' "sdpa" entry),
 installed only while mdcli runs the model, so another thread's forwards during that time take them
@@ -98,6 +101,22 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     if "AVX512" not in capability:
         return KernelChoice("torch", f"{capability} without AVX-512: oneDNN measured slower there")
     return KernelChoice("oneDNN", "AVX-512: measured faster there")
+
+
+def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
+    """True for a float32 CPU model on an x86-64 CPU with AVX2 but not AVX-512, where mdcli's own
+    decode forward (mdcli.fastforward) takes its AVX2 choices: linears stay on torch's kernels
+    (routed oneDNN was slower there), but the step multiplies by weight copies laid out for it
+    (oneDNN-packed for several tokens, transposed for one) and attends with two batched products.
+    Measured on a Zen 3 core (BENCHMARKS.md, "A faster decode step", AVX2). False wherever
+    MDCLI_CPU_KERNELS forces a side (torch: stock everywhere; onednn: the AVX-512 choices)."""
+    import torch
+
+    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
+        return False
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return False
+    return cpu_capability() == "AVX2" and _onednn_linear_works()
 
 
 def kernel_setting() -> str:

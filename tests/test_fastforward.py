@@ -15,7 +15,7 @@ import torch
 from mdcli.decoding import prefill_prompts
 from mdcli.fastforward import FastForward, fast_forward_for, unsupported_reason
 from mdcli.forest import pad_rows
-from mdcli.kernels import kernel_name
+from mdcli.kernels import avx2_step, kernel_name, onednn_works
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
@@ -23,13 +23,14 @@ SUPPORTED = ["llama", "qwen2", "mistral"]
 VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
 
 
-def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024):
+def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
+                    transposed=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
     attention, packed = variant
-    own._fast = FastForward(model, attention=attention, packed=packed)
+    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -57,8 +58,8 @@ def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{'packed' if v[1] else 'plain'}")
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_own_forward_gives_transformers_logits_through_forks_chunks_and_compaction(arch, variant):
-    if variant[1] and kernel_name(torch.device("cpu"), torch.float32) != "oneDNN":
-        pytest.skip("packed weights are made only where linears run on oneDNN")
+    if variant[1] and not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(37, [3, 9, 1, 5])
     worst, _ = lockstep_logits(model, prompts, steps=10, drop_at=4, variant=variant, max_forward_tokens=16)
@@ -125,9 +126,53 @@ def test_real_model_own_forward_matches_transformers_and_generate(embedded):
 
 
 def test_packed_weights_are_made_once_per_model():
-    if kernel_name(torch.device("cpu"), torch.float32) != "oneDNN":
-        pytest.skip("packed weights are made only where linears run on oneDNN")
+    if not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model("llama", "sdpa")
     first, second = FastForward(model, packed=True), FastForward(model, packed=True)
     assert first.layers[0].qkv is second.layers[0].qkv
     assert model.model.layers[0].self_attn.q_proj.weight.layout == torch.strided  # the model keeps its own
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_transposed_weights_for_lone_tokens_give_transformers_logits_and_generate_tokens(arch, packed):
+    """The lone-token step on transposed weight copies (AVX2 hosts), wider steps on the others."""
+    if packed and not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
+    model = tiny_model(arch, "sdpa")
+    prompts = random_prompts(41, [6, 2, 8], seed=5)
+    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, variant=("bmm", packed), transposed=True,
+                               max_forward_tokens=16)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    alone = random_prompts(40, [5], seed=7)
+    worst, generated = lockstep_logits(model, alone, steps=8, variant=("bmm", packed), transposed=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    assert generated[0] == generate_alone(model, alone[0], 8)
+
+
+def test_transposed_copies_are_made_once_and_leave_the_models_weights_alone():
+    model = tiny_model("qwen2", "sdpa")
+    first, second = FastForward(model, packed=False, transposed=True), FastForward(model, packed=False, transposed=True)
+    assert first.lone[0].qkv is second.lone[0].qkv and first.lone_head is second.lone_head
+    assert torch.equal(first.lone[0].qkv, first.layers[0].qkv.t())
+    assert first.layers[0].qkv.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+
+
+def test_the_step_choices_follow_the_host_kind(monkeypatch):
+    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies, bmm attention; oneDNN
+    hosts (AVX-512): packed, bmm, no transposed copy; forced stock kernels: neither copy, sdpa."""
+    model = tiny_model("llama", "sdpa")
+    cpu = torch.device("cpu")
+    chosen = FastForward(model)
+    if avx2_step(cpu, torch.float32):
+        assert (chosen.packed, chosen.transposed, chosen.attention) == (True, True, "bmm")
+    elif kernel_name(cpu, torch.float32) == "oneDNN":
+        assert (chosen.packed, chosen.transposed, chosen.attention) == (True, False, "bmm")
+    monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
+    stock = FastForward(model)
+    assert (stock.packed, stock.transposed, stock.attention) == (False, False, "transformers")
+    monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
+    monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
+    unpacked = FastForward(model)
+    assert not unpacked.packed and not unpacked.transposed

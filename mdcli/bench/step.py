@@ -54,7 +54,8 @@ class EngineStepper:
     """mdcli's engine: one forward feeding one greedy token to each prompt's branch.
 
     forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
-    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:packed|plain"."""
+    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
+    plain, packed, transposed or packed+transposed (the copies the step multiplies by)."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
         import torch
@@ -67,7 +68,9 @@ class EngineStepper:
                              own_forward=forward.startswith("mdcli"))
         if forward.count(":") == 2:  # a variant, for comparing the choices fastforward makes
             _, attention, weights = forward.split(":")
-            self.engine._fast = FastForward(lm.model, attention=attention, packed=weights == "packed")
+            copies = set(weights.split("+"))
+            self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
+                                            transposed="transposed" in copies)
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
@@ -169,7 +172,7 @@ class StepProfile:
         vocab = self.lm.model.config.vocab_size
         linear = F.linear
 
-        packed_linear = fastforward._packed_linear
+        packed_linear, transposed_linear = fastforward._packed_linear, fastforward._transposed_linear
 
         def timed_linear(x, weight, bias=None):
             part = "lm_head" if weight.shape[0] == vocab else "linears"
@@ -179,6 +182,10 @@ class StepProfile:
             part = "lm_head" if weight.shape[0] == vocab else "linears"
             return self._timed(packed_linear, part)(x, weight, bias)
 
+        def timed_transposed_linear(x, weight_t, bias=None):
+            part = "lm_head" if weight_t.shape[1] == vocab else "linears"
+            return self._timed(transposed_linear, part)(x, weight_t, bias)
+
         patches = [
             (F, "linear", timed_linear),
             (F, "scaled_dot_product_attention", self._timed(F.scaled_dot_product_attention, "attention")),
@@ -187,6 +194,7 @@ class StepProfile:
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
             (fastforward, "_packed_linear", timed_packed_linear),
+            (fastforward, "_transposed_linear", timed_transposed_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
@@ -320,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
-                        help="engine forwards to compare: transformers, mdcli, mdcli:bmm|transformers:packed|plain")
+                        help="engine forwards to compare: transformers, mdcli, "
+                             "mdcli:bmm|transformers:plain|packed|transposed|packed+transposed")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
