@@ -48,7 +48,14 @@ from mdcli.recipes.files import (
 )
 from mdcli.recipes.load import builtin_descriptions, load_recipe, load_recipe_text, validate_recipe_data
 from mdcli.recipes.margins import MarginsRecipe, margins_job, margins_recipe_data
-from mdcli.recipes.overlay import ask_many_recipe, margins_recipe_text, parse_vars, sampling_from_flags, with_sampling
+from mdcli.recipes.overlay import (
+    ask_many_recipe,
+    margins_recipe_text,
+    parse_vars,
+    sampling_from_flags,
+    with_flags,
+    with_sampling,
+)
 from mdcli.recipes.registry import STRATEGY_MODELS, Recipe, strategy_names
 from mdcli.recipes.schema import RECIPE_VERSION, Branch, Context, RecipeBase, Sampling, TemplateSite
 from mdcli.recipes.templates import (
@@ -71,5 +78,5 @@ __all__ = [
     "escape_dollars", "fill", "format_path", "load_recipe", "load_recipe_text", "margins_job", "margins_recipe_data",
     "margins_recipe_text", "parse_vars", "parse_yaml", "read_recipe_source", "recipe_events", "resolved_seed",
     "sampling_from_flags", "strategy_names", "template_variables", "validate_recipe_data", "values_and_context",
-    "with_sampling",
+    "with_flags", "with_sampling",
 ]

@@ -1,5 +1,6 @@
 """Command-line layers: flags over a recipe, `--var` values, and the recipe a command line saves.
 
+    with_flags           --system, --no-chat-template and the sampling flags over a recipe
     with_sampling        sampling flags win over the recipe everywhere, per-branch layers included
     sampling_from_flags  the sampling flags as a `sampling:` layer (flag names in any error)
     parse_vars           `--var name=value` flags
@@ -30,6 +31,17 @@ from mdcli.recipes.templates import (
     names_or_none,
 )
 from mdcli.strategies.margins_job import Margins
+
+
+def with_flags(
+    recipe: Recipe, *, system: str | None = None, chat_template: bool | None = None, sampling: Sampling | None = None
+) -> Recipe:
+    """The recipe with the command line's explicit settings on top (None: not given, the
+    recipe's value stands). The result is the same strategy's model, as if the file said so."""
+    updates = {name: value for name, value in (("system", system), ("chat_template", chat_template)) if value is not None}
+    if updates:
+        recipe = recipe.model_copy(update=updates)
+    return with_sampling(recipe, sampling) if sampling is not None else recipe
 
 
 def with_sampling(recipe: Recipe, overrides: Sampling) -> Recipe:
