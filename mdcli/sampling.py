@@ -36,7 +36,9 @@ class SamplingParams(BaseModel):
         except ValidationError as error:
             first = error.errors()[0]
             field = str(first["loc"][0]) if first["loc"] else ""
-            raise ValueError(_RANGE_WORDS.get(field, f"{field}: {first['msg']}")) from None
+            out_of_range = first["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+            words = _RANGE_WORDS.get(field) if out_of_range else None
+            raise ValueError(words or f"{field}: {first['msg']}") from None
 
     @property
     def greedy(self) -> bool:
