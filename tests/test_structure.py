@@ -51,27 +51,20 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"mdcli.bench.ask", "mdcli.bench.step"}),
 }
 # Being fixed in issue 12; remove when merged.
-LONG_MODULES = {"mdcli/recipes.py", "mdcli/strategies/think.py", "mdcli/strategies/beam.py"}
+LONG_MODULES = {"mdcli/strategies/think.py", "mdcli/strategies/beam.py"}
 # Being fixed in issue 12; remove when merged.
 LAZY_IMPORT_FILES = {
     "mdcli/api.py",  # its existing functions (the run layer rewrites them)
     "mdcli/decoding.py",
     "mdcli/fastforward.py",
-    "mdcli/margins_recipe.py",
     "mdcli/packing.py",
-    "mdcli/recipes.py",
     "mdcli/strategies/margins.py",
     "mdcli/strategies/think.py",
     "mdcli/verify.py",
     "mdcli/bench/step.py",
-    "mdcli/commands/recipes.py",
-    "mdcli/commands/run.py",
 }
 # Being fixed in issue 12; remove when merged.
-COMMANDS_OFF_API = {"mdcli/commands/run.py"}
-# The recipe API outside mdcli.recipes: margins' --save-recipe. Being fixed in issue 12 (the
-# recipes package takes it in); remove when merged.
-RECIPE_API_ELSEWHERE = {"mdcli.margins_recipe"}
+COMMANDS_OFF_API: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -210,8 +203,6 @@ def chain(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 def may_import_from_commands(target: str) -> bool:
-    if target in RECIPE_API_ELSEWHERE:
-        return True
     for allowed in COMMANDS_MAY_IMPORT:
         if allowed.endswith(".*"):
             prefix = allowed[:-2]
@@ -295,10 +286,6 @@ def test_commands_use_only_the_public_api():
     assert not unexpected, f"commands importing past the public API (see COMMANDS_MAY_IMPORT): {unexpected}"
     fixed = COMMANDS_OFF_API - set(off_api)
     assert not fixed, f"now on the public API, remove them from COMMANDS_OFF_API: {sorted(fixed)}"
-    used = {target for name, path in MODULES.items() if name.startswith("mdcli.commands.")
-            for target in (i.target for i in first_party_imports(path))}
-    unused = RECIPE_API_ELSEWHERE - used
-    assert not unused, f"no command imports them any more, remove them from RECIPE_API_ELSEWHERE: {sorted(unused)}"
 
 
 def test_first_party_imports_inside_functions_say_why():

@@ -148,7 +148,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         source=recipe_name or "ask-many flags",
     )
     if save_to is not None:
-        _write_recipe(save_to, dump_recipe(plan))
+        write_recipe(save_to, dump_recipe(plan))
     mode = Output.jsonl if p["jsonl"] else p["output"]
     check_progress(p["quiet"], p["progress"])
     lm = load(
@@ -184,7 +184,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def _write_recipe(path: Path, text: str) -> None:
+def write_recipe(path: Path, text: str) -> None:
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as error:

@@ -173,7 +173,8 @@ def margins(
         job.validate()  # before the model loads
         if save_recipe is not None:
             # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
-            from mdcli.margins_recipe import margins_recipe_text, write_recipe
+            from mdcli.commands.ask_many import write_recipe
+            from mdcli.recipes import margins_recipe_text
 
             write_recipe(save_recipe, margins_recipe_text(job, given_layout=context is not None))
         mode = Output.jsonl if jsonl else output

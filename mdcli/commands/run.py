@@ -39,9 +39,9 @@ from mdcli.commands.common import (
     load,
     read_document,
     render,
+    speculate_setting,
 )
 from mdcli.errors import RecipeError, UsageError
-from mdcli.speculate import parse_speculate
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a built-in recipe.", show_default=False)]
 InputOpt = Annotated[
@@ -98,7 +98,7 @@ def run(
         # `mdcli --help` and every other command would pay
         from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags
 
-        parse_speculate(speculate)  # a bad value fails before anything loads
+        speculate_setting(speculate)  # a bad value fails before anything loads
         values = parse_vars(var or [])
         plan = load_with_overrides(
             recipe, values, system=system, no_chat_template=no_chat_template,
