@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli.decoding import BranchSpec, Decoder
-from mdcli.events import Done, Event, Start
-from mdcli.kernels import kernel_choice
+from mdcli.events import Event
+from mdcli.run import Run, start_event
 from mdcli.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,37 +35,15 @@ def run_specs(
     """Decode independent branches (with optional follow-up children) in one shared cache.
     `speculate`: "off" (default) | "auto" | N draft tokens per branch per step (mdcli/speculate.py);
     the tokens are the same either way."""
-    from mdcli.engine import Engine
-
-    engine = Engine(
-        model.model,
-        sliding_window=model.sliding_window,
-        mixed_layer_types=model.mixed_layer_types,
-        max_forward_tokens=max_forward_tokens,
-    )
-    decoder = Decoder(
-        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio,
-        speculate=speculate,
-    )
+    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+    decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
     branches = decoder.announce(specs)
-    yield start_event(model, strategy, seed, branches)
-    started = time.perf_counter()
+    yield run.start(strategy, seed, branches)
     yield from decoder.decode()
-    yield Done(stats=decoder.stats(time.perf_counter() - started))
+    yield run.done()
 
 
-def start_event(model: LoadedModel, strategy: str, seed: int | None, branches) -> Start:
-    return Start(
-        kernels=str(kernel_choice(model.device, model.dtype)),
-        model=model.name,
-        device=str(model.device),
-        dtype=str(model.dtype).removeprefix("torch."),
-        dtype_reason=model.dtype_reason,
-        attn=model.attn,
-        strategy=strategy,
-        seed=seed,
-        branches=branches,
-    )
+__all__ = ["ask_many", "beam_search", "margins", "run_specs", "start_event", "think"]
 
 
 def ask_many(
