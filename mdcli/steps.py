@@ -45,17 +45,18 @@ One step:
    speculative drafts when the run speculates and the policy allows it), sets each fed tip's row,
    logits and cached length, and yields `policy.progress(loop)` (if not None).
 
-Writing a policy: subclass `Policy`, implement `step` (and `progress`, `ended` if wanted):
+Writing a policy: subclass `Policy` and implement `step` (and `ended`, `progress` if wanted).
+`Policy.advance(loop, tips)` is the plain step for the tips it is given: each one's own next
+token (`choose`), accepted (`accept`), fed (`feed`), or, when it finishes the branch, handed to
+`self.ended` (default: `finish`). A policy that does something special for a few tips decides
+those and passes the rest to `advance`:
 
-    class Greedy(Policy):
+    class PruneAfterTen(Policy):
         def step(self, loop, tips):
-            for tip, token, logprob in zip(tips, *loop.choose(tips)):
-                event, reason = loop.accept(tip, token, logprob)
-                yield event
-                if reason is None:
-                    loop.feed(tip, [token])
-                else:
-                    yield from self.ended(loop, tip, reason)
+            long = [t for t in tips if len(t.tokens) >= 10]
+            for tip in long:
+                yield loop.prune(tip, "long enough")
+            yield from self.advance(loop, [t for t in tips if len(t.tokens) < 10])
 
 Step-level search (explore) on these verbs: fork k children of the current tip (`loop.fork(tip,
 label, seed_key=(seed, i)...)`, then choose/accept/feed each child now); after each accept test a
@@ -122,13 +123,26 @@ class Tip:
 
 class Policy:
     """What a strategy decides each step (see the module docstring). `speculative`: the loop may
-    verify drafted tokens for this policy's tips (only for policies whose `step` is the plain
-    choose/accept/feed of `Independent`, which the verify walk reproduces)."""
+    verify drafted tokens for this policy's tips: only for a policy whose `step` is `advance`
+    for every tip, which the verify walk reproduces token by token."""
 
     speculative = False
 
     def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
         raise NotImplementedError
+
+    def advance(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        """The plain step for `tips`: each one's own next token, accepted and fed, or, when it
+        ends the branch, `self.ended`. Speculation's verify walk reproduces exactly this."""
+        if not tips:
+            return
+        for tip, token, logprob in zip(tips, *loop.choose(tips)):
+            event, reason = loop.accept(tip, token, logprob)
+            yield event
+            if reason is None:
+                loop.feed(tip, [token])
+            else:
+                yield from self.ended(loop, tip, reason)
 
     def ended(self, loop: StepLoop, tip: Tip, reason: str) -> Iterator[Event]:
         """A tip's accepted token finished it: by default its Finish event."""
