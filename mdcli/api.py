@@ -9,14 +9,25 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli.decoding import BranchSpec, Decoder
-from mdcli.events import Done, Event, Start
-from mdcli.kernels import kernel_choice
+from mdcli.events import Event
+from mdcli.run import Run, start_event
 from mdcli.sampling import SamplingParams
+from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
+from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
+from mdcli.strategies.margins import (
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_CLASSIFY_TOKENS,
+    DEFAULT_MARGIN_TOKENS,
+    Margins,
+    MarginsPrompts,
+    run_margins,
+)
+from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
@@ -35,37 +46,15 @@ def run_specs(
     """Decode independent branches (with optional follow-up children) in one shared cache.
     `speculate`: "off" (default) | "auto" | N draft tokens per branch per step (mdcli/speculate.py);
     the tokens are the same either way."""
-    from mdcli.engine import Engine
-
-    engine = Engine(
-        model.model,
-        sliding_window=model.sliding_window,
-        mixed_layer_types=model.mixed_layer_types,
-        max_forward_tokens=max_forward_tokens,
-    )
-    decoder = Decoder(
-        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio,
-        speculate=speculate,
-    )
+    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+    decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
     branches = decoder.announce(specs)
-    yield start_event(model, strategy, seed, branches)
-    started = time.perf_counter()
+    yield run.start(strategy, seed, branches)
     yield from decoder.decode()
-    yield Done(stats=decoder.stats(time.perf_counter() - started))
+    yield run.done()
 
 
-def start_event(model: LoadedModel, strategy: str, seed: int | None, branches) -> Start:
-    return Start(
-        kernels=str(kernel_choice(model.device, model.dtype)),
-        model=model.name,
-        device=str(model.device),
-        dtype=str(model.dtype).removeprefix("torch."),
-        dtype_reason=model.dtype_reason,
-        attn=model.attn,
-        strategy=strategy,
-        seed=seed,
-        branches=branches,
-    )
+__all__ = ["ask_many", "beam_search", "margins", "run_specs", "start_event", "think"]
 
 
 def ask_many(
@@ -82,8 +71,6 @@ def ask_many(
     **engine_options,
 ) -> Iterator[Event]:
     """Answer every question about `document`, all decoding together over the document's cache."""
-    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
-
     job = AskMany(
         document=document,
         questions=list(questions),
@@ -127,16 +114,6 @@ def margins(
     reads segments 1..i; the default for one document) or "independent" (each reads its segment
     alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
     templates are documented in mdcli/strategies/margins.py."""
-    from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
-    from mdcli.strategies.margins import (
-        DEFAULT_ANSWER_TOKENS,
-        DEFAULT_CLASSIFY_TOKENS,
-        DEFAULT_MARGIN_TOKENS,
-        Margins,
-        MarginsPrompts,
-        run_margins,
-    )
-
     job = Margins(
         documents=[documents] if isinstance(documents, str) else list(documents),
         query=query or "",
@@ -186,8 +163,6 @@ def beam_search(
     the same forward. Options are checked, and a width that cannot fit in memory refused, here,
     before anything runs; the events come when the returned iterator is consumed.
     """
-    from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams
-
     params = BeamParams(
         width=width,
         num_return=num_return,
@@ -196,87 +171,10 @@ def beam_search(
         max_new_tokens=max_new_tokens,
     )
     params.validate()
-    prompts = _beam_prompts(model.tokenizer, prompt, list(questions), system, template, chat_template)
-    _check_beam_fits(model, [len(p.prompt_ids) for p in prompts], params)
+    prompts = beam_prompts(model.tokenizer, prompt, list(questions), system, template, chat_template)
+    check_beam_fits(model, [len(p.prompt_ids) for p in prompts], params)
     ratio = DEFAULT_COMPACT_RATIO if compact_ratio is None else compact_ratio
-    return _run_beam(model, prompts, params, max_forward_tokens=max_forward_tokens, compact_ratio=ratio)
-
-
-def _beam_prompts(tokenizer, prompt: str, questions: list[str], system, template, chat_template: bool):
-    """Token ids per beam set: the prompt alone, or the document with each question."""
-    from mdcli.errors import UsageError
-    from mdcli.prompts import fill_template, prompt_token_ids
-    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
-    from mdcli.strategies.beam import BeamPrompt
-
-    if not prompt.strip():
-        raise UsageError("the prompt is empty", fix="give some text, a file, or - for stdin")
-    if not questions:
-        return [BeamPrompt("beam", prompt_token_ids(tokenizer, prompt, system=system, chat_template=chat_template))]
-    prompts = []
-    for number, question in enumerate(questions, 1):
-        if not question.strip():
-            raise UsageError(f"question {number} is empty", fix="remove it or write the question")
-        text = fill_template(template or DEFAULT_TEMPLATE, "question", document=prompt, question=question)
-        ids = prompt_token_ids(tokenizer, text, system=system, chat_template=chat_template)
-        prompts.append(BeamPrompt(question, ids))
-    return prompts
-
-
-def _check_beam_fits(model: LoadedModel, prompt_lengths: list[int], params) -> None:
-    """Refuse, before any forward, a width whose cache and scores cannot fit in free memory."""
-    from mdcli.errors import UsageError
-    from mdcli.memory import available_memory_bytes, kv_bytes_per_token
-    from mdcli.strategies.beam import beam_memory_bytes
-
-    dtype_bytes = model.dtype.itemsize
-    needed = beam_memory_bytes(
-        kv_per_token=kv_bytes_per_token(model.model.config, dtype_bytes),
-        prompt_lengths=prompt_lengths,
-        width=params.width,
-        max_new_tokens=params.max_new_tokens,
-        vocab_size=model.model.get_output_embeddings().weight.shape[0],
-        dtype_bytes=dtype_bytes,
-    )
-    free = available_memory_bytes(model.device)
-    if free is not None and needed > free:
-        raise UsageError(
-            f"--width {params.width} needs about {needed / 2**30:,.1f} GiB for the KV cache and scores "
-            f"({len(prompt_lengths)} beam set(s), {params.max_new_tokens} new tokens), but only "
-            f"{free / 2**30:,.1f} GiB is free on {model.device}",
-            fix="lower --width or --max-new-tokens",
-        )
-
-
-def _run_beam(model: LoadedModel, prompts, params, *, max_forward_tokens: int, compact_ratio: float) -> Iterator[Event]:
-    from mdcli.engine import Engine
-    from mdcli.strategies.beam import BeamSearch, ignored_generation_settings
-
-    engine = Engine(
-        model.model,
-        sliding_window=model.sliding_window,
-        mixed_layer_types=model.mixed_layer_types,
-        max_forward_tokens=max_forward_tokens,
-    )
-    tokenizer = model.tokenizer
-
-    def decode(token_ids: list[int]) -> str:
-        return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    search = BeamSearch(
-        engine,
-        prompts,
-        params,
-        sorted(model.eos_token_ids),
-        decode=decode,
-        context_length=model.context_length,
-        compact_ratio=compact_ratio,
-    )
-    yield start_event(model, "beam", None, search.announce())
-    yield from ignored_generation_settings(getattr(model.model, "generation_config", None))
-    started = time.perf_counter()
-    yield from search.run()
-    yield Done(stats=search.stats(time.perf_counter() - started))
+    return run_beam(model, prompts, params, max_forward_tokens=max_forward_tokens, compact_ratio=ratio)
 
 
 def think(
@@ -307,8 +205,6 @@ def think(
 
     Arguments are checked here, before the first event is asked for.
     """
-    from mdcli.strategies.think import Think, run_think
-
     job = Think(
         question=question,
         paths=paths,

@@ -44,23 +44,15 @@ COMMANDS_MAY_IMPORT = (
 # -- today's offenders, in files other work in issue 12 is rewriting -----------------------------
 # Being fixed in issue 12; remove when merged.
 KNOWN_CYCLES: set[frozenset[str]] = {
-    # strategies/think.py and strategies/margins.py import api.start_event inside functions (the
-    # run layer takes Start/Done out of api)
-    frozenset({"mdcli.api", "mdcli.strategies.margins", "mdcli.strategies.think"}),
     # bench/step.py's main() imports bench.ask's prompts; bench.ask measures with step's stepper
     frozenset({"mdcli.bench.ask", "mdcli.bench.step"}),
 }
 # Being fixed in issue 12; remove when merged.
-LONG_MODULES = {"mdcli/strategies/think.py", "mdcli/strategies/beam.py"}
+LONG_MODULES: set[str] = set()
 # Being fixed in issue 12; remove when merged.
 LAZY_IMPORT_FILES = {
-    "mdcli/api.py",  # its existing functions (the run layer rewrites them)
-    "mdcli/decoding.py",
     "mdcli/fastforward.py",
     "mdcli/packing.py",
-    "mdcli/strategies/margins.py",
-    "mdcli/strategies/think.py",
-    "mdcli/verify.py",
     "mdcli/bench/step.py",
 }
 # Being fixed in issue 12; remove when merged.

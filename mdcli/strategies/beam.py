@@ -1,96 +1,48 @@
-"""beam: Hugging Face's beam search, as one tree in one shared KV cache.
+"""beam: Hugging Face's beam search, as one tree in one shared KV cache, as a step-loop policy.
 
-Every live beam is a leaf of the forest. Each step ONE engine forward feeds the newest token of
-every live beam of every beam set (one set per prompt); a beam that forks costs one new token
-hanging off its parent's row, and a beam that loses leaves the step at once (its cache slots are
-reclaimed by compaction once enough of the cache is dead).
+Every live beam is a tip of the step loop (mdcli/steps.py). Each step ONE engine forward feeds
+the newest token of every live beam of every beam set (one set per prompt); a beam that forks
+costs one new token hanging off its parent's row (`loop.fork` + `loop.feed`), and a beam that
+loses is pruned at once (`loop.prune`: its cache slots are reclaimed by compaction once enough
+of the cache is dead). The selection rules and scores, HF's exactly, are in beam_rules.py.
 
-The selection rules are a line-by-line replica of `GenerationMixin._beam_search` in transformers
-5.23 with `do_sample=False` and no logits processors, in fp32 and with the same torch ops in the
-same order, so sequences and `sequences_scores` match `generate(num_beams=W)`:
-
-* log_softmax of the fp32 logits plus each beam's running score, flattened to [W * V]; the top
-  K = max(2, 1 + n_eos) * W candidates (enough that W of them do not end, whatever the EOS ids);
-* a candidate *ends* when its token is an EOS id or it reaches max_new_tokens;
-* the next running beams are the best W candidates that do not end (ending ones get -1e9);
-* only ending candidates among the top W of the K (not all K) may become finished hypotheses,
-  scored cumulative logprob / (generated length incl. EOS) ** length_penalty; the set keeps the
-  best W hypotheses so far;
-* the set stops when no running beam can beat the worst kept hypothesis (HF's heuristic, which
-  depends on `early_stopping`), when early_stopping is True and W hypotheses are kept, or when
-  every candidate ended (max length).
-
-Before the first step HF holds W identical copies of the prompt with running scores
-[0, -1e9, ...]; here the W slots all point at the one prompt row, which gives the same tensors
-without W copies of the prompt in the cache.
-
-This module knows token ids only; texts come from the `decode` callable it is given.
+This module also holds beam's input checks (`beam_prompts`, `check_beam_fits`) and its run
+(`run_beam`: Start, the search, Done over the run layer). It knows token ids only; texts come
+from the `decode` callable it is given.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING
 
-from mdcli.decoding import DecodeCounters, prefill_steps, progress_events
 from mdcli.engine import Engine
-from mdcli.errors import ContextTooLongError, UsageError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Prune, Stats, Token
-from mdcli.forest import pad_rows
+from mdcli.errors import UsageError
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
+from mdcli.memory import available_memory_bytes, kv_bytes_per_token
+from mdcli.prompts import fill_template, prompt_token_ids
+from mdcli.run import Run
+from mdcli.steps import Policy, StepLoop, Tip
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
+from mdcli.strategies.beam_rules import (
+    DEFAULT_COMPACT_RATIO,
+    IMPOSSIBLE,
+    BeamParams,
+    BeamSet,
+    EarlyStopping,
+    beam_memory_bytes,
+    parse_early_stopping,
+)
 
 if TYPE_CHECKING:
-    import torch
+    from mdcli.loading import LoadedModel
 
-EarlyStopping = Union[bool, Literal["never"]]
-
-IMPOSSIBLE = -1.0e9
-"""HF's score for "cannot be chosen": added, never assigned, so the order of additions matters."""
-
-DEFAULT_COMPACT_RATIO = 0.1
-"""Compact once this fraction of the cache is unreachable from any live beam. Measured (SmolLM2,
-1,000-token prompt, W=8, 1 CPU thread; BENCHMARKS.md): the time did not depend on it within noise
-(a compaction copies the cache once; dead slots cost a little attention), while the peak cache
-fell from 3,040 tokens (never compacting) to 2,477 (0.25) and 2,042 (0.1) over 256 new tokens."""
-
-
-@dataclass(frozen=True)
-class BeamParams:
-    """HF's beam-search knobs, with HF's defaults (GenerationConfig: early_stopping=False,
-    length_penalty=1.0)."""
-
-    width: int = 4
-    num_return: int = 1
-    length_penalty: float = 1.0
-    early_stopping: EarlyStopping = False
-    max_new_tokens: int = 64
-
-    def validate(self) -> None:
-        if not isinstance(self.width, int) or self.width < 1:
-            raise UsageError(f"--width must be at least 1 (got {self.width})", fix="use --width 1 or more")
-        if not isinstance(self.num_return, int) or self.num_return < 1:
-            raise UsageError(f"--num-return must be at least 1 (got {self.num_return})", fix="use --num-return 1 or more")
-        if self.num_return > self.width:
-            raise UsageError(
-                f"--num-return {self.num_return} is more than --width {self.width}",
-                fix="beam search keeps only `width` hypotheses: raise --width or lower --num-return",
-            )
-        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise UsageError(
-                f"--early-stopping must be true, false or never (got {self.early_stopping!r})",
-                fix="use --early-stopping true|false|never",
-            )
-        if self.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1", fix="use a positive number")
-
-
-def parse_early_stopping(text: str) -> EarlyStopping:
-    """The command line's spelling of HF's `early_stopping` (True, False or "never")."""
-    value = {"true": True, "false": False, "never": "never"}.get(text.strip().lower())
-    if value is None:
-        raise UsageError(f"--early-stopping must be true, false or never (got '{text}')", fix="use true|false|never")
-    return value
+__all__ = [
+    "DEFAULT_COMPACT_RATIO", "IMPOSSIBLE", "BeamParams", "BeamPrompt", "BeamSearch", "EarlyStopping",
+    "beam_memory_bytes", "beam_prompts", "check_beam_fits", "ignored_generation_settings", "parse_early_stopping",
+    "run_beam",
+]
 
 
 @dataclass(frozen=True)
@@ -101,24 +53,44 @@ class BeamPrompt:
     prompt_ids: list[int]
 
 
-# -- memory ---------------------------------------------------------------------------------
+# -- input checks -------------------------------------------------------------------------------
 
 
-def beam_memory_bytes(
-    *, kv_per_token: int, prompt_lengths: Sequence[int], width: int, max_new_tokens: int, vocab_size: int, dtype_bytes: int
-) -> int:
-    """An upper estimate of what a run holds at its peak, to refuse a hopeless width up front.
+def beam_prompts(tokenizer, prompt: str, questions: list[str], system, template, chat_template: bool) -> list[BeamPrompt]:
+    """Token ids per beam set: the prompt alone, or the document with each question."""
+    if not prompt.strip():
+        raise UsageError("the prompt is empty", fix="give some text, a file, or - for stdin")
+    if not questions:
+        return [BeamPrompt("beam", prompt_token_ids(tokenizer, prompt, system=system, chat_template=chat_template))]
+    prompts = []
+    for number, question in enumerate(questions, 1):
+        if not question.strip():
+            raise UsageError(f"question {number} is empty", fix="remove it or write the question")
+        text = fill_template(template or DEFAULT_TEMPLATE, "question", document=prompt, question=question)
+        ids = prompt_token_ids(tokenizer, text, system=system, chat_template=chat_template)
+        prompts.append(BeamPrompt(question, ids))
+    return prompts
 
-    KV: every prompt (sharing ignored) plus W beams of max_new tokens per set (nothing compacted).
-    Per step: logits, log-probs and accumulated scores, W x V fp32 each per set, and the mask
-    rows of the W x sets new tokens over the whole cache.
-    """
-    sets = len(prompt_lengths)
-    tokens = sum(prompt_lengths) + sets * width * max_new_tokens
-    kv = kv_per_token * tokens
-    scores = 3 * sets * width * vocab_size * 4
-    mask = sets * width * tokens * (dtype_bytes + 1)
-    return kv + scores + mask
+
+def check_beam_fits(model: LoadedModel, prompt_lengths: list[int], params: BeamParams) -> None:
+    """Refuse, before any forward, a width whose cache and scores cannot fit in free memory."""
+    dtype_bytes = model.dtype.itemsize
+    needed = beam_memory_bytes(
+        kv_per_token=kv_bytes_per_token(model.model.config, dtype_bytes),
+        prompt_lengths=prompt_lengths,
+        width=params.width,
+        max_new_tokens=params.max_new_tokens,
+        vocab_size=model.model.get_output_embeddings().weight.shape[0],
+        dtype_bytes=dtype_bytes,
+    )
+    free = available_memory_bytes(model.device)
+    if free is not None and needed > free:
+        raise UsageError(
+            f"--width {params.width} needs about {needed / 2**30:,.1f} GiB for the KV cache and scores "
+            f"({len(prompt_lengths)} beam set(s), {params.max_new_tokens} new tokens), but only "
+            f"{free / 2**30:,.1f} GiB is free on {model.device}",
+            fix="lower --width or --max-new-tokens",
+        )
 
 
 _PROCESSOR_SETTINGS = (
@@ -154,181 +126,24 @@ def _neutral(name: str, value) -> bool:
     return value == 0 and not isinstance(value, bool)
 
 
-# -- one beam set: HF's rules ----------------------------------------------------------------
-
-
-@dataclass
-class _Beam:
-    """A live hypothesis: a leaf of the forest."""
-
-    branch: int
-    label: str
-    tokens: list[int]  # generated so far
-    shown: str = ""  # settled text of `tokens` (all of them, also those before a fork)
-    parent: _Beam | None = None  # until fed: the beam whose row its newest token hangs off
-    row: torch.Tensor | None = None  # [n] bool ancestor row of its newest token, once fed
-    logits: torch.Tensor | None = None  # [V] fp32 next-token logits, once fed
-
-
-@dataclass
-class _Hypothesis:
-    """A sequence the set keeps (HF's `sequences` / `beam_scores` slots)."""
-
-    tokens: list[int]
-    cumulative_logprob: float
-
-
-@dataclass
-class _Candidate:
-    parent: _Beam
-    token: int
-    logprob: float  # of this token alone
-
-
-@dataclass
-class _Step:
-    """What one set decided this step."""
-
-    running: list[_Candidate]  # the W beams to decode next, best first
-    done: bool
-
-
-class _BeamSet:
-    """One prompt's beam search state, mirroring HF's per-batch-item tensors."""
-
-    def __init__(
-        self, prompt: BeamPrompt, branch: int, params: BeamParams, eos: Sequence[int], max_new: int, device
-    ) -> None:
-        import torch
-
-        self.label = prompt.label
-        self.prompt_ids = list(prompt.prompt_ids)
-        self.branch = branch
-        self.params = params
-        self.max_new = max_new
-        self.eos_ids = frozenset(int(t) for t in eos)
-        self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=device)  # [n_eos]
-        width = params.width
-        self.candidates_kept = max(2, 1 + len(self.eos_ids)) * width  # HF's `beams_to_keep`
-        self.top_width = torch.arange(self.candidates_kept, device=device) < width  # [K] HF's `top_num_beam_mask`
-        self.beams: list[_Beam] = []  # [W] slots, best first (slot order is HF's beam order)
-        self.running_scores = torch.zeros(width, device=device)  # [W]: only slot 0 is real before step 1
-        self.running_scores[1:] = IMPOSSIBLE
-        self.kept: list[_Hypothesis | None] = [None] * width  # [W] best first
-        self.kept_scores = torch.full((width,), IMPOSSIBLE, device=device)  # [W] length-normalised
-        self.kept_finished = torch.zeros(width, dtype=torch.bool, device=device)  # [W]
-        self.improvable = True  # HF's `is_early_stop_heuristic_unsatisfied`
-        self.generated = 0  # tokens generated by every running beam
-        self.done = False
-
-    def start(self, row: torch.Tensor, logits: torch.Tensor) -> None:
-        """All W slots hold the prompt (HF copies it W times; here they share one row)."""
-        root = _Beam(branch=self.branch, label=self.label, tokens=[], row=row, logits=logits)
-        self.beams = [root] * self.params.width
-
-    def step(self) -> _Step:
-        """Choose the next running beams and update the kept hypotheses (HF steps b-g)."""
-        import torch
-
-        logits = torch.stack([beam.logits for beam in self.beams])  # [W, V] fp32
-        vocab = logits.shape[-1]
-        log_probs = torch.nn.functional.log_softmax(logits, dim=-1)  # [W, V]
-        accumulated = (log_probs + self.running_scores[:, None]).reshape(-1)  # [W * V]
-        top_scores, top_index = torch.topk(accumulated, k=self.candidates_kept)  # [K], [K]
-        parents = top_index // vocab  # [K] slot of each candidate's beam
-        tokens = top_index % vocab  # [K]
-        length = self.generated + 1  # generated length after this token (EOS included)
-        ends = torch.isin(tokens, self.eos) | (length >= self.max_new)  # [K] HF's stopping criteria
-
-        candidates = [
-            _Candidate(self.beams[p], t, lp)
-            for p, t, lp in zip(parents.tolist(), tokens.tolist(), log_probs[parents, tokens].tolist())
-        ]  # [K], best first
-
-        running_index = self._next_running(top_scores, ends)  # [W] indices into the K candidates
-        self._keep_finished(top_scores, ends, candidates, length)
-        self.generated = length
-        self.improvable = self.improvable and self._can_improve()
-        self.done = not self.improvable or self._full_and_early() or bool(ends.all())
-        return _Step(running=[candidates[i] for i in running_index.tolist()], done=self.done)
-
-    def _next_running(self, top_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """HF `_get_running_beams_for_next_iteration`: best W candidates that do not end."""
-        import torch
-
-        running_scores = top_scores + ends.to(torch.float32) * IMPOSSIBLE  # [K]
-        index = torch.topk(running_scores, k=self.params.width)[1]  # [W]
-        self.running_scores = running_scores[index]
-        return index
-
-    def _keep_finished(self, top_scores, ends, candidates: list[_Candidate], length: int) -> None:
-        """HF `_update_finished_beams`: merge the candidates that just ended among the top W
-        into the W kept hypotheses, by length-normalised score (penalties added as HF adds them,
-        so even its -1e9 placeholders sort the same)."""
-        import torch
-
-        width = self.params.width
-        just_ended = ends & self.top_width  # [K]
-        normalised = top_scores / (length**self.params.length_penalty)  # [K]
-        normalised += float(self._full_and_early()) * IMPOSSIBLE
-        normalised += float(not self.improvable) * IMPOSSIBLE
-        normalised += (~just_ended) * IMPOSSIBLE
-        merged = torch.cat((self.kept_scores, normalised))  # [W + K]
-        chosen = torch.topk(merged, k=width)[1]  # [W]
-        cumulative = top_scores.tolist()
-        kept: list[_Hypothesis | None] = []
-        for index in chosen.tolist():
-            if index < width:
-                kept.append(self.kept[index])
-                continue
-            c = candidates[index - width]
-            kept.append(_Hypothesis(c.parent.tokens + [c.token], cumulative[index - width]))
-        self.kept = kept
-        self.kept_scores = merged[chosen]
-        self.kept_finished = torch.cat((self.kept_finished, just_ended))[chosen]
-
-    def _full_and_early(self) -> bool:
-        """early_stopping=True: stop as soon as W hypotheses are kept (HF tests `is True`)."""
-        return bool(self.kept_finished.all()) and self.params.early_stopping is True
-
-    def _can_improve(self) -> bool:
-        """HF `_check_early_stop_heuristic`: could the best running beam still beat the worst
-        kept hypothesis? Its best possible length is the current one, except with
-        early_stopping="never" and a positive length penalty, where it is max_new_tokens."""
-        import torch
-
-        params = self.params
-        if params.early_stopping == "never" and params.length_penalty > 0.0:
-            best_length = self.max_new
-        else:
-            best_length = self.generated
-        best_possible = self.running_scores[:1] / (best_length**params.length_penalty)  # [1]
-        worst_kept = torch.where(self.kept_finished, torch.min(self.kept_scores), IMPOSSIBLE)  # [W]
-        return bool(torch.any(best_possible > worst_kept))
-
-    def results(self) -> list[tuple[_Hypothesis, float]]:
-        """The best `num_return` hypotheses with their scores (HF's sequences_scores)."""
-        scores = self.kept_scores.tolist()
-        return [(h, s) for h, s in zip(self.kept[: self.params.num_return], scores) if h is not None]
-
-
-# -- the search over one engine ----------------------------------------------------------------
+# -- the search over one run ------------------------------------------------------------------
 
 
 def _no_text(token_ids: list[int]) -> str:
     return ""
 
 
-class BeamSearch:
-    """Beam search for several prompts at once over one engine: ONE forward per step.
+class BeamSearch(Policy):
+    """Beam search for several prompts at once over one run: ONE forward per step.
 
     Usage: `announce()` for the Start event's branches, iterate `run()` for the rest, then
-    `stats(seconds)` for Done.
+    `stats(seconds)` for Done. `engine` may be a Run (the CLI's) or a bare Engine (tests).
+    As a step-loop policy it chooses across every beam of a set, forks, and prunes.
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Run,
         prompts: Sequence[BeamPrompt],
         params: BeamParams,
         eos_token_ids: Sequence[int],
@@ -340,141 +155,104 @@ class BeamSearch:
         params.validate()
         if not prompts:
             raise UsageError("beam search needs at least one prompt", fix="give a prompt")
-        self.engine = engine
+        self.run_layer = engine if isinstance(engine, Run) else Run(
+            engine, context_length=context_length, compact_ratio=compact_ratio
+        )
+        self.engine = self.run_layer.engine
+        self.counters = self.run_layer.counters
         self.params = params
         self.decode = decode
-        self.compact_ratio = compact_ratio
-        self.context_length = context_length
-        self.counters = DecodeCounters()
-        self.sets = [
-            _BeamSet(p, i, params, eos_token_ids, self._fit_to_context(p), engine.device) for i, p in enumerate(prompts)
-        ]
-        self._next_branch = len(self.sets)
+        self.loop = StepLoop(self.run_layer, self)
+        self.roots: list[Tip] = []
+        self.sets: list[BeamSet] = []
+        for p in prompts:
+            max_new = self.run_layer.fit(p.label, len(p.prompt_ids), params.max_new_tokens)
+            self.roots.append(self.loop.tip(p.label, list(p.prompt_ids), max_new_tokens=max_new, fit=False))
+            self.roots[-1].asked_new_tokens = params.max_new_tokens
+            self.roots[-1].data = ""  # a beam's data: the settled text of its tokens
+            self.sets.append(BeamSet(p.label, p.prompt_ids, params, eos_token_ids, max_new, self.engine.device))
+        self.active = list(self.sets)
 
     # -- public --------------------------------------------------------------------------------
 
     def announce(self) -> list[BranchInfo]:
-        return [BranchInfo(id=s.branch, label=s.label, prompt_token_ids=list(s.prompt_ids)) for s in self.sets]
+        return [t.info() for t in self.roots]
 
     def run(self) -> Iterator[Event]:
         """Prefill every prompt (shared prefixes once), then step all sets until each is done."""
-        yield from self._cap_notes()
-        started = time.perf_counter()
-        yield from self._prefill()
-        self.counters.prefill_seconds += time.perf_counter() - started
-        started = time.perf_counter()
-        active = list(self.sets)
-        while active:
-            for beam_set in active:
-                yield from self._step(beam_set)
-            active = [s for s in active if not s.done]
-            yield Progress("decode", len(self.sets) - len(active), len(self.sets), "beam sets")
-            if active:
-                self._feed(active)
-        self.counters.decode_seconds += time.perf_counter() - started
+        yield from self.loop.capped_notes(self.roots)
+        yield from self.loop.prefill(self.roots, "prefill")
+        for beam_set, root in zip(self.sets, self.roots):
+            beam_set.start(root)
+        yield from self.loop.run_tips(self.roots)
 
     def stats(self, seconds: float) -> Stats:
-        return self.counters.stats(self.engine, seconds)
+        return self.run_layer.stats(seconds)
 
-    # -- setup ---------------------------------------------------------------------------------
+    # -- the policy ----------------------------------------------------------------------------
 
-    def _fit_to_context(self, prompt: BeamPrompt) -> int:
-        length, limit = len(prompt.prompt_ids), self.context_length
-        if length == 0:
-            raise ContextTooLongError(f"the prompt of '{prompt.label}' is empty", fix="give it some text")
-        if limit is None:
-            return self.params.max_new_tokens
-        if length >= limit:
-            raise ContextTooLongError(
-                f"the prompt of '{prompt.label}' is {length} tokens, {length - limit + 1} more than the "
-                f"model's context of {limit} allows",
-                fix="shorten the document or the question, or use a model with a longer context",
-            )
-        return min(self.params.max_new_tokens, limit - length)
+    def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        """Every live tip is a beam of an active set: each set chooses among its own."""
+        for beam_set in self.active:
+            yield from self._step(loop, beam_set)
+        self.active = [s for s in self.active if not s.done]
 
-    def _cap_notes(self) -> Iterator[Event]:
-        for s in self.sets:
-            if s.max_new < self.params.max_new_tokens:
-                yield Note(
-                    kind="capped",
-                    message=f"'{s.label}': max new tokens capped at {s.max_new} by the model's context",
-                    data={"branch": s.branch, "max_new_tokens": s.max_new},
-                )
+    def progress(self, loop: StepLoop) -> Progress:
+        return Progress("decode", len(self.sets) - len(self.active), len(self.sets), "beam sets")
 
-    def _prefill(self) -> Iterator[Event]:
-        before = len(self.engine)
-        steps = prefill_steps(self.engine, [s.prompt_ids for s in self.sets])
-        results = yield from progress_events("prefill", steps)
-        for beam_set, result in zip(self.sets, results):
-            beam_set.start(result.row, result.logits)
-            self.counters.prompt_tokens += len(beam_set.prompt_ids)
-        self.counters.prefill_tokens += len(self.engine) - before
-
-    # -- one step ------------------------------------------------------------------------------
-
-    def _step(self, beam_set: _BeamSet) -> Iterator[Event]:
-        """Run HF's selection for one set and describe it: tokens, forks, prunes, results."""
+    def _step(self, loop: StepLoop, beam_set: BeamSet) -> Iterator[Event]:
+        """Run HF's selection for one set and describe it: tokens, forks, prunes, results.
+        The beams' new tokens and texts are set once every candidate has been described: a
+        fork's path is its parent's tokens before this step."""
         old = _unique(beam_set.beams)
         choice = beam_set.step()
         self.counters.generated_tokens += len(choice.running)
         if choice.done:
             for beam in old:
-                yield Prune(branch=beam.branch, label=beam.label, reason="search ended")
+                yield loop.prune(beam, "search ended")
             yield from self._results(beam_set)
             beam_set.beams = []
             return
         continuing: set[int] = set()
-        new_beams = []
+        grown = []
         for candidate in choice.running:
             parent = candidate.parent
             if id(parent) not in continuing:
                 continuing.add(id(parent))
-                beam = _Beam(branch=parent.branch, label=parent.label, tokens=parent.tokens + [candidate.token])
+                beam = parent
             else:
-                beam = self._fork(beam_set, parent, candidate.token)
-                yield Fork(
-                    branch=BranchInfo(
-                        id=beam.branch,
-                        label=beam.label,
-                        prompt_token_ids=beam_set.prompt_ids + parent.tokens,
-                        parent=parent.branch,
-                    )
-                )
-            beam.parent = parent
-            text = self._new_text(beam, parent)
-            yield Token(branch=beam.branch, token_id=candidate.token, text=text, logprob=candidate.logprob)
-            new_beams.append(beam)
+                beam, fork = loop.fork(parent, f"{beam_set.label}#{loop.run.next_id}", counted=False)
+                beam.path_ids = parent.path_ids  # every beam counts its tokens from the set's prompt
+                yield fork
+            loop.feed(beam, [candidate.token])
+            tokens = parent.tokens + [candidate.token]
+            settled = self.decode(tokens).rstrip("\ufffd")  # held back while a UTF-8 character is incomplete
+            shown: str = parent.data  # type: ignore[assignment]
+            text = settled[len(shown) :] if settled.startswith(shown) else ""  # a fork's text starts at the fork
+            yield Token(branch=beam.id, token_id=candidate.token, text=text, logprob=candidate.logprob)
+            grown.append((beam, tokens, settled))
         for beam in old:
             if id(beam) not in continuing:
-                yield Prune(branch=beam.branch, label=beam.label, reason="outscored")
-        beam_set.beams = new_beams
+                yield loop.prune(beam, "outscored")
+        for beam, tokens, settled in grown:
+            beam.tokens, beam.data = tokens, settled
+        beam_set.beams = [beam for beam, _, _ in grown]
 
-    def _fork(self, beam_set: _BeamSet, parent: _Beam, token: int) -> _Beam:
-        branch = self._next_branch
-        self._next_branch += 1
-        return _Beam(branch=branch, label=f"{beam_set.label}#{branch}", tokens=parent.tokens + [token])
-
-    def _new_text(self, beam: _Beam, parent: _Beam) -> str:
-        """The newly settled text of `beam`'s newest token (held back while a UTF-8 character
-        is incomplete). A fork's text starts at the fork point: it measures from its parent's."""
-        settled = self.decode(beam.tokens).rstrip("\ufffd")
-        beam.shown = settled
-        return settled[len(parent.shown) :] if settled.startswith(parent.shown) else ""
-
-    def _results(self, beam_set: _BeamSet) -> Iterator[Event]:
+    def _results(self, beam_set: BeamSet) -> Iterator[Event]:
         """One new branch per returned hypothesis, best first, each finished at once.
 
         New ids rather than the beams' own: a beam's branch may have been pruned, may have
         grown past the hypothesis, or may have produced two of them. Each result hangs off the
         prompt's branch, whose path (the prompt) is what it attends to before its tokens, so
-        renderers (which print in announcement or tree order) show them in rank order.
+        renderers (which print in announcement or tree order) show them in rank order. They are
+        branches without cache: nothing is fed for them.
         """
         results = beam_set.results()
+        root = beam_set.root
         for rank, (hypothesis, score) in enumerate(results, 1):
-            branch = self._next_branch
-            self._next_branch += 1
+            branch = self.run_layer.new_id()
             label = beam_set.label if len(results) == 1 else f"{beam_set.label} [{rank}/{len(results)}]"
-            info = BranchInfo(id=branch, label=label, prompt_token_ids=list(beam_set.prompt_ids), parent=beam_set.branch)
+            info = BranchInfo(id=branch, label=label, prompt_token_ids=list(beam_set.prompt_ids), parent=root.id)
             yield Fork(branch=info)
             ended_by_eos = bool(hypothesis.tokens) and hypothesis.tokens[-1] in beam_set.eos_ids
             yield Finish(
@@ -487,36 +265,6 @@ class BeamSearch:
                 score=score,
             )
 
-    # -- the forward ---------------------------------------------------------------------------
-
-    def _feed(self, active: list[_BeamSet]) -> None:
-        """Every live beam's newest token, one chain of one token each, in ONE forward."""
-        import torch
-
-        beams = [beam for s in active for beam in s.beams]
-        self._maybe_compact(_unique([beam.parent for beam in beams]))
-        n = len(self.engine)
-        rows = torch.stack([pad_rows(beam.parent.row[None], n)[0] for beam in beams])  # [L, N]
-        results = self.engine.forward(rows, [[beam.tokens[-1]] for beam in beams])
-        self.counters.steps += 1
-        for beam, result in zip(beams, results):
-            beam.row, beam.logits, beam.parent = result.row, result.logits, None
-
-    def _maybe_compact(self, parents: list[_Beam]) -> None:
-        """Drop the slots no live beam reaches once they are `compact_ratio` of the cache.
-
-        `parents` are the beams the next tokens hang off: their rows are everything still live.
-        """
-        import torch
-
-        n = len(self.engine)
-        rows = torch.stack([pad_rows(p.row[None], n)[0] for p in parents])  # [P, N]
-        dead = n - int(rows.any(0).sum())
-        if dead == 0 or dead < self.compact_ratio * n:
-            return
-        for parent, row in zip(parents, self.engine.compact(rows)):
-            parent.row = row
-
 
 def _unique(beams: list) -> list:
     """Distinct objects, in first-seen order (before the first step, W slots share one beam)."""
@@ -527,3 +275,20 @@ def _unique(beams: list) -> list:
             seen.add(id(beam))
             out.append(beam)
     return out
+
+
+def run_beam(
+    model: LoadedModel, prompts: list[BeamPrompt], params: BeamParams, *, max_forward_tokens: int, compact_ratio: float
+) -> Iterator[Event]:
+    """The events of a beam run: Start, ignored-settings note, the search, Done."""
+    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio)
+    tokenizer = model.tokenizer
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    search = BeamSearch(run, prompts, params, sorted(model.eos_token_ids), decode=decode)
+    yield run.start("beam", None, search.announce())
+    yield from ignored_generation_settings(getattr(model.model, "generation_config", None))
+    yield from search.run()
+    yield run.done()

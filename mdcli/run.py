@@ -1,0 +1,338 @@
+"""The run layer: what every strategy shares between its first event and its last.
+
+A `Run` owns one engine (one shared KV cache) from the Start event to the Done event:
+
+* the engine, built from a LoadedModel and the engine options (`Run.for_model`);
+* the Start event (`start_event`) and the Done event with the run's stats (`Run.done`);
+* branch ids, unique over every phase of the run (`Run.new_id`);
+* fitting a branch to the model's context (`Run.fit`) and the "capped" note when it had to;
+* the shared prefill of prompts as a radix tree of token prefixes (`Run.prefill`, built on
+  `prefill_steps`), with Progress events;
+* compaction: dropping the cache slots no live row reaches (`Run.maybe_compact`);
+* the counters behind the Done event's stats (`DecodeCounters`).
+
+Strategies decide which branches exist; the step loop (mdcli/steps.py) decodes them over a Run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from mdcli.engine import ChainResult, Engine, run_to_end
+from mdcli.errors import ContextTooLongError
+from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
+from mdcli.forest import pad_rows
+from mdcli.kernels import kernel_choice
+from mdcli.speculate import SpeculationPolicy, parse_speculate
+
+if TYPE_CHECKING:
+    import torch
+
+    from mdcli.loading import LoadedModel
+
+R = TypeVar("R")
+
+
+@dataclass
+class DecodeCounters:
+    """What a run did, for the `done` event (shared by every phase and strategy of a run)."""
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def stats(self, engine: Engine, seconds: float) -> Stats:
+        return Stats(
+            prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
+            generated_tokens=self.generated_tokens,
+            steps=self.steps,
+            seconds=round(seconds, 4),
+            prefill_seconds=round(self.prefill_seconds, 4),
+            decode_seconds=round(self.decode_seconds, 4),
+            peak_cache_tokens=engine.peak_tokens,
+            final_cache_tokens=len(engine),
+            compactions=engine.compactions,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            forwards=engine.forwards,
+        )
+
+
+def new_engine(model: LoadedModel, *, max_forward_tokens: int = 1024) -> Engine:
+    """The engine for a loaded model: its sliding window and layer types, one empty cache."""
+    return Engine(
+        model.model,
+        sliding_window=model.sliding_window,
+        mixed_layer_types=model.mixed_layer_types,
+        max_forward_tokens=max_forward_tokens,
+    )
+
+
+def start_event(model: LoadedModel, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
+    return Start(
+        kernels=str(kernel_choice(model.device, model.dtype)),
+        model=model.name,
+        device=str(model.device),
+        dtype=str(model.dtype).removeprefix("torch."),
+        dtype_reason=model.dtype_reason,
+        attn=model.attn,
+        strategy=strategy,
+        seed=seed,
+        branches=branches,
+    )
+
+
+class Run:
+    """One engine and its bookkeeping, from Start to Done.
+
+    Build it with `Run.for_model(model, ...)` (the CLI and API) or `Run(engine, ...)` (tests and
+    benches that make their own engine). `speculate`: "off" | "auto" | N draft tokens per branch
+    per step (mdcli/speculate.py), for the step loops whose policy allows it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model: LoadedModel | None = None,
+        context_length: int | None = None,
+        compact_ratio: float = 0.25,
+        speculate: str | object = "off",
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.context_length = context_length
+        self.compact_ratio = compact_ratio
+        setting = parse_speculate(speculate)
+        # one drafting policy per run: "auto" keeps what it measured from phase to phase
+        self.speculation = SpeculationPolicy(setting) if setting.on else None
+        self.counters = DecodeCounters()
+        self.started = time.perf_counter()
+        self._next_id = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        model: LoadedModel,
+        *,
+        max_forward_tokens: int = 1024,
+        compact_ratio: float = 0.25,
+        speculate: str = "off",
+    ) -> Run:
+        return cls(
+            new_engine(model, max_forward_tokens=max_forward_tokens),
+            model=model,
+            context_length=model.context_length,
+            compact_ratio=compact_ratio,
+            speculate=speculate,
+        )
+
+    # -- Start and Done ------------------------------------------------------------------------
+
+    def start(self, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
+        """The Start event; the run's clock starts here."""
+        self.started = time.perf_counter()
+        assert self.model is not None, "start() needs the LoadedModel (Run.for_model)"
+        return start_event(self.model, strategy, seed, branches)
+
+    def stats(self, seconds: float | None = None) -> Stats:
+        if seconds is None:
+            seconds = time.perf_counter() - self.started
+        return self.counters.stats(self.engine, seconds)
+
+    def done(self) -> Done:
+        return Done(stats=self.stats())
+
+    # -- branches ------------------------------------------------------------------------------
+
+    def new_id(self) -> int:
+        """The next branch id: ids are unique over every phase of the run."""
+        branch = self._next_id
+        self._next_id += 1
+        return branch
+
+    @property
+    def next_id(self) -> int:
+        return self._next_id
+
+    def fit(self, label: str, prompt_len: int, max_new: int) -> int:
+        """The most new tokens a branch with this prompt may generate within the context.
+        Raises ContextTooLongError for an empty prompt or one that fills the context."""
+        if prompt_len == 0:
+            raise ContextTooLongError(f"branch '{label}' has an empty prompt", fix="give it some text")
+        limit = self.context_length
+        if limit is None:
+            return max_new
+        if prompt_len >= limit:
+            raise ContextTooLongError(
+                f"the prompt of '{label}' is {prompt_len} tokens, {prompt_len - limit + 1} more than the "
+                f"model's context of {limit} allows",
+                fix="shorten the document or the question, or use a model with a longer context",
+            )
+        return min(max_new, limit - prompt_len)
+
+    @staticmethod
+    def capped_note(label: str, branch: int, capped: int, asked: int) -> Note | None:
+        """The note that says a branch's max new tokens was capped by the context (None if not)."""
+        if capped >= asked:
+            return None
+        return Note(
+            kind="capped",
+            message=f"'{label}': max new tokens capped at {capped} by the model's context",
+            data={"branch": branch, "max_new_tokens": capped},
+        )
+
+    # -- prefill and compaction ----------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]], phase: str) -> Generator[Progress, None, list[ChainResult]]:
+        """Feed prompts as a radix tree (see prefill_steps), with Progress events; counts the
+        tokens fed and the time (prompt tokens are counted where branches are made)."""
+        started = time.perf_counter()
+        before = len(self.engine)
+        results = yield from progress_events(phase, prefill_steps(self.engine, prompts))
+        self.counters.prefill_tokens += len(self.engine) - before
+        self.counters.prefill_seconds += time.perf_counter() - started
+        return results
+
+    def maybe_compact(self, rows: list[torch.Tensor]) -> torch.Tensor | None:
+        """Reclaim the cache slots none of `rows` (every row anyone still holds) attends to, once
+        they are `compact_ratio` of the cache. Returns the rows remapped ([L, K] bool), or None
+        when nothing was compacted (the rows stay valid as they are)."""
+        import torch
+
+        n = len(self.engine)
+        if not rows or n == 0:
+            return None
+        stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [L, N]
+        dead = n - int(stacked.any(0).sum())
+        if dead == 0 or dead < self.compact_ratio * n:
+            return None
+        return self.engine.compact(stacked)
+
+    def empty_cache(self) -> None:
+        """Free every slot (between phases whose later prompts reuse nothing)."""
+        import torch
+
+        engine = self.engine
+        if len(engine):
+            engine.compact(torch.zeros((0, len(engine)), dtype=torch.bool, device=engine.device))
+
+
+# -- the radix prefill --------------------------------------------------------------------------
+
+
+def progress_events(phase: str, steps: Generator[tuple[int, int], None, R]) -> Generator[Progress, None, R]:
+    """Turn ``(done, total)`` steps into Progress events, passing the steps' result through."""
+    while True:
+        try:
+            done, total = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        yield Progress(phase, done, total)
+
+
+def prefill_prompts(engine: Engine, prompts: list[list[int]]) -> list[ChainResult]:
+    """Feed prompts as a radix tree hanging off what the cache already holds (see prefill_steps)."""
+    return run_to_end(prefill_steps(engine, prompts))
+
+
+def prefill_steps(
+    engine: Engine, prompts: list[list[int]]
+) -> Generator[tuple[int, int], None, list[ChainResult]]:
+    """Feed prompts as a radix tree hanging off what the cache already holds, yielding
+    ``(tokens fed, tokens to feed)`` before the first forward and after each one.
+
+    Tokenize full prompts first, then share: BPE merges differ at the seams of separately
+    tokenized pieces, so only token-level sharing keeps each branch identical to its prompt alone.
+    Each prompt first reuses the longest path already cached (a document prefilled earlier, a
+    question whose answer is being merged); the rest goes in as a radix tree, one forward (or a
+    few, for long edges) per tree level. At least one token per prompt is always fed, since its
+    next-token logits are needed.
+    """
+    results: list[ChainResult | None] = [None] * len(prompts)
+    attach: dict[int, list[int]] = {}  # cached slot (-1: new root) -> prompts hanging there
+    starts = [0] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        starts[i], slot = engine.forest.longest_cached_prefix(prompt, limit=len(prompt) - 1)
+        attach.setdefault(slot, []).append(i)
+    pending = []
+    for slot, members in attach.items():
+        row = engine.forest.row_of(slot) if slot >= 0 else engine.forest.empty_row()
+        by_start: dict[int, list[int]] = {}
+        for i in members:
+            by_start.setdefault(starts[i], []).append(i)
+        for start, group in by_start.items():
+            pending.extend((row, sub, start) for sub in _group_by_token(prompts, group, start))
+    done, total = 0, sum(_trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
+    yield done, total
+    while pending:
+        edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in pending]
+        steps = engine.extend_steps([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
+        outs = yield from _running_count(steps, done, total)
+        done += sum(end - start for _, _, start, end in edges)
+        pending = []
+        for (_, group, _, end), out in zip(edges, outs):
+            for i in group:
+                if len(prompts[i]) == end:
+                    results[i] = out
+            longer = [i for i in group if len(prompts[i]) > end]
+            pending.extend((out.row, sub, end) for sub in _group_by_token(prompts, longer, end))
+    return results  # type: ignore[return-value]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _running_count(
+    steps: Generator[int, None, R], done: int, total: int
+) -> Generator[tuple[int, int], None, R]:
+    """Per-forward token counts -> ``(tokens fed so far, tokens to feed)``."""
+    while True:
+        try:
+            done += next(steps)
+        except StopIteration as stop:
+            return stop.value
+        yield done, total
+
+
+def _trie_size(sequences: list[list[int]]) -> int:
+    """Nodes of the token trie of `sequences`: the tokens a radix prefill of them feeds."""
+    ordered = sorted(sequences)
+    shared = sum(common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:]))
+    return sum(len(s) for s in ordered) - shared
+
+
+def _group_by_token(prompts: list[list[int]], indices: list[int], at: int) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(prompts[i][at], []).append(i)
+    return list(groups.values())
+
+
+def _common_prefix_end(prompts: list[list[int]], group: list[int], start: int) -> int:
+    """End of the longest common prefix of the group's prompts (all agree on token `start`)."""
+    first = prompts[group[0]]
+    end = min(len(prompts[i]) for i in group)
+    for i in group[1:]:
+        other = prompts[i]
+        j = start
+        while j < end and other[j] == first[j]:
+            j += 1
+        end = j
+    return end

@@ -1,0 +1,435 @@
+"""The step loop: ONE engine forward per step for every live tip, a policy deciding for each tip.
+
+Every strategy decodes through `StepLoop` (independent branches with follow-ups, beam search, an
+approximate merge at an explicit depth, step-level search); only its `Policy` differs.
+
+A *tip* (`Tip`) is a branch's growing end: its prompt (`path_ids`), the tokens it generated
+(`tokens`), its ancestor row (`row`), the next-token logits after its last fed token (`logits`,
+[V] fp32), its cumulative logprob (`logprob`), its sampler (one generator per branch, seeded from
+(seed, `seed_key`)) and streaming detokenizer, and a free slot for the policy (`data`).
+
+One step:
+
+1. The loop hands the policy every live tip that has logits: `yield from policy.step(loop, tips)`.
+2. For every tip it is given, the policy calls exactly ONE of these verbs (a tip it does not
+   mention is dropped without an event):
+
+   * `loop.feed(tip, tokens)`: feed tokens the tip generated (normally the one token just
+     accepted) in this step's forward; the tip gets new logits.
+   * `loop.wait(tip)`: feed nothing; the tip keeps its row and logits and is offered again next
+     step (e.g. it reached a boundary and waits for its siblings).
+   * `loop.finish(tip, reason)`: the branch ends ("stop" | "length"); returns its Finish event.
+   * `loop.prune(tip, reason)`: the branch is dropped; returns its Prune event.
+
+   Finished and pruned tips leave the cache's live set: their slots become dead unless a child
+   still hangs off them, and the loop compacts them away once `compact_ratio` of the cache is dead.
+   Helpers the policy may call on the way:
+
+   * `loop.choose(tips)` -> (tokens, logprobs): each tip's next token by its own sampler (greedy
+     argmax, or a draw from its own generator), batched; `ignore_eos` tips never get EOS.
+   * `loop.accept(tip, token, logprob)` -> (Token event, finish reason or None): the one
+     token-accept path (counters, cumulative logprob, detokenizer, EOS / stop string / length).
+     Speculation's verify walk accepts through it too, so no strategy repeats it.
+   * `loop.fork(parent, label, continuation, ...)` -> (child, Fork event): a new branch whose
+     path is the parent's prompt + the parent's tokens + `continuation` (a prompt continuation,
+     e.g. a rating question), with its own sampling / seed key / budget / stop strings. Fork a
+     tip several times for several children. If the child has tokens to feed (the parent's
+     token(s) not yet in the cache and/or the continuation) the loop feeds them as one chain in
+     this step's forward and the child is offered to the policy next step with its own logits.
+     Otherwise (a live parent, nothing to add) the child shares the parent's row and logits and
+     the policy must decide for it NOW, like any tip: e.g. `loop.choose([child])`, `accept`,
+     `feed`. Each child's first draw comes from its own generator, so k sampled children of one
+     tip are k independent samples.
+
+3. The loop compacts (when a tip ended this step), runs ONE forward for every chain fed (with
+   speculative drafts when the run speculates and the policy allows it), sets each fed tip's row,
+   logits and cached length, and yields `policy.progress(loop)` (if not None).
+
+Writing a policy: subclass `Policy` and implement `step` (and `ended`, `progress` if wanted).
+`Policy.advance(loop, tips)` is the plain step for the tips it is given: each one's own next
+token (`choose`), accepted (`accept`), fed (`feed`), or, when it finishes the branch, handed to
+`self.ended` (default: `finish`). A policy that does something special for a few tips decides
+those and passes the rest to `advance`:
+
+    class PruneAfterTen(Policy):
+        def step(self, loop, tips):
+            long = [t for t in tips if len(t.tokens) >= 10]
+            for tip in long:
+                yield loop.prune(tip, "long enough")
+            yield from self.advance(loop, [t for t in tips if len(t.tokens) < 10])
+
+Step-level search (explore) on these verbs:
+
+* k candidates: `loop.fork(tip, f"cand {i}", sampling=SamplingParams(temperature=..., seed=seed),
+  seed_key=i)` k times; each child's generator is seeded from (seed, i). The tip's tokens are all
+  fed, so each child shares its logits and is decided at once: `yield from self.advance(loop,
+  children)` draws every child's own first token.
+* a boundary per tip: after `accept`, test `tip.detok.text` (a sentence or line end) or
+  `len(tip.tokens)` (every N tokens). Still `feed` the boundary token (the tip's logits then
+  follow its whole text), remember the tip is there, and `loop.wait(tip)` on the following steps
+  until every sibling is there too.
+* scores: `tip.logprob / len(tip.tokens)` is the mean token logprob of a candidate (a child's
+  tokens start at its fork). A judge: `loop.fork(cand, "judge", continuation=rating_ids,
+  sampling=SamplingParams(), max_new_tokens=1)` feeds the rating prompt as one chain this step;
+  next step `judge.logits` ([V]) gives the YES/NO logits, then `loop.prune(judge, ...)`.
+* choosing: `loop.prune(loser, f"score {s:.3f}")` for the losers (their slots are reclaimed by
+  compaction), fork the next round's candidates from the winner, then prune or finish the winner
+  itself (its cached tokens stay: the children hang off them).
+
+Explicit depth (an approximate merge): `loop.start_at(tip, row, chain, depth)` feeds `chain`
+hanging off any row at position `depth`; the tip then keeps its own depth counter (`tip.depth`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mdcli.detok import StreamingDetokenizer
+from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
+from mdcli.forest import pad_rows
+from mdcli.run import Run
+from mdcli.sampling import Sampler, SamplingParams, choose_tokens
+from mdcli.verify import feed_with_drafts
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(eq=False)
+class Tip:
+    """A live branch end (see the module docstring). Identity, not value, tells tips apart."""
+
+    id: int
+    label: str
+    path_ids: list[int]  # everything the branch attends to before its first generated token
+    tokens: list[int]  # generated so far (the detokenizer's list when there is one)
+    max_new_tokens: int
+    sampler: Sampler | None = None
+    detok: StreamingDetokenizer | None = None
+    asked_new_tokens: int = 0  # before fitting to the context (for the "capped" note)
+    parent: int | None = None
+    row: torch.Tensor | None = None  # [n] bool: ancestor row of the last token fed
+    logits: torch.Tensor | None = None  # [V] fp32 next-token logits after it
+    logprob: float = 0.0  # cumulative over `tokens`
+    cached: int = 0  # tokens of path_ids + tokens held in the cache on `row`
+    depth: int | None = None  # explicit position of the next fed token (None: follows the row)
+    ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens)
+    exact: bool = True
+    data: object = None  # the policy's own (e.g. the BranchSpec with the children to fork)
+    # speculative decoding (mdcli/verify.py): the token already chosen after the last accepted
+    # guess (token, logprob); a chain still to feed (a child forked after a verify); the drafter
+    pending: tuple[int, float] | None = None
+    chain: list[int] | None = None
+    drafts: object | None = None
+
+    def info(self) -> BranchInfo:
+        return BranchInfo(
+            id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent, exact=self.exact
+        )
+
+
+class Policy:
+    """What a strategy decides each step (see the module docstring). `speculative`: the loop may
+    verify drafted tokens for this policy's tips: only for a policy whose `step` is `advance`
+    for every tip, which the verify walk reproduces token by token."""
+
+    speculative = False
+
+    def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        raise NotImplementedError
+
+    def advance(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        """The plain step for `tips`: each one's own next token, accepted and fed, or, when it
+        ends the branch, `self.ended`. Speculation's verify walk reproduces exactly this."""
+        if not tips:
+            return
+        feed = loop._fed.append  # loop.feed, without a call per token
+        for tip, token, logprob in zip(tips, *loop.choose(tips)):
+            event, reason = loop.accept(tip, token, logprob)
+            yield event
+            if reason is None:
+                feed((tip, [token]))
+            else:
+                yield from self.ended(loop, tip, reason)
+
+    def ended(self, loop: StepLoop, tip: Tip, reason: str) -> Iterator[Event]:
+        """A tip's accepted token finished it: by default its Finish event."""
+        yield loop.finish(tip, reason)
+
+    def progress(self, loop: StepLoop) -> Progress | None:
+        return None
+
+
+class StepLoop:
+    """Decodes tips over a Run: one forward per step, a policy deciding (module docstring)."""
+
+    def __init__(
+        self, run: Run, policy: Policy, tokenizer=None, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
+        self.run = run
+        self.engine = run.engine
+        self.counters = run.counters
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.speculation = run.speculation if policy.speculative else None
+        self.live: list[Tip] = []  # tips decoding (after `run`: those still going)
+        self._fed: list[tuple[Tip, list[int]]] = []
+        self._waiting: list[Tip] = []
+        self._ended = False
+        self._walking = False  # True while the verify walk runs after the forward
+        self.deferred: list[Tip] = []  # children forked during the walk, fed next step
+        self.explicit_depths = False  # a tip was started at an explicit depth (start_at)
+
+    # -- tips ----------------------------------------------------------------------------------
+
+    def tip(
+        self,
+        label: str,
+        path_ids: list[int],
+        *,
+        sampling: SamplingParams | None = None,
+        seed_key: int | None = None,
+        max_new_tokens: int = 256,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        parent: int | None = None,
+        data: object = None,
+        fit: bool = True,
+        counted: bool = True,
+    ) -> Tip:
+        """A new tip (not in the cache yet). `fit`: cap its budget by the context (raising
+        ContextTooLongError when its prompt fills it); `counted`: add its path to prompt_tokens."""
+        max_new = self.run.fit(label, len(path_ids), max_new_tokens) if fit else max_new_tokens
+        branch = self.run.new_id()
+        detok = StreamingDetokenizer(self.tokenizer, stop) if self.tokenizer is not None else None
+        sampler = None
+        if sampling is not None:
+            sampler = Sampler(sampling, branch if seed_key is None else seed_key, self.engine.device)
+        if counted:
+            self.counters.prompt_tokens += len(path_ids)
+        return Tip(
+            id=branch,
+            label=label,
+            path_ids=path_ids,
+            tokens=detok.token_ids if detok is not None else [],
+            max_new_tokens=max_new,
+            sampler=sampler,
+            detok=detok,
+            asked_new_tokens=max_new_tokens,
+            parent=parent,
+            ignore_eos=ignore_eos,
+            data=data,
+        )
+
+    def prefill(self, tips: list[Tip], phase: str) -> Iterator[Event]:
+        """Feed the tips' prompts as one radix tree (sharing what the cache holds)."""
+        results = yield from self.run.prefill([t.path_ids for t in tips], phase)
+        for tip, result in zip(tips, results):
+            tip.row, tip.logits, tip.cached = result.row, result.logits, len(tip.path_ids)
+
+    def start_at(self, tip: Tip, row: torch.Tensor, chain: list[int], depth: int) -> None:
+        """Feed `chain` hanging off `row` with its first token at position `depth` (a deliberate
+        approximation: the position is no longer the number of tokens attended to); the tip
+        keeps counting its own depth from there. Counted as prefill."""
+        import torch
+
+        start = self.engine.forward(row[None], [chain], start_depths=torch.tensor([depth]))[0]
+        self.explicit_depths = True
+        self.counters.prefill_tokens += len(chain)
+        tip.row, tip.logits, tip.depth, tip.cached = start.row, start.logits, depth + len(chain), len(tip.path_ids)
+
+    def capped_notes(self, tips: list[Tip]) -> Iterator[Event]:
+        for tip in tips:
+            note = self.run.capped_note(tip.label, tip.id, tip.max_new_tokens, tip.asked_new_tokens)
+            if note is not None:
+                yield note
+
+    def run_tips(self, tips: list[Tip]) -> Iterator[Event]:
+        """Step the given tips (and every tip forked from them) until none is live."""
+        started = time.perf_counter()
+        self.live = list(tips)
+        while self.live:
+            yield from self._step()
+            progress = self.policy.progress(self)
+            if progress is not None:
+                yield progress
+        self.counters.decode_seconds += time.perf_counter() - started
+
+    # -- the verbs -----------------------------------------------------------------------------
+
+    def choose(self, tips: Sequence[Tip]) -> tuple[list[int], list[float]]:
+        """Each tip's next token by its own sampler, and its logprob (batched; a token already
+        chosen after a speculative step is taken as it is)."""
+        import torch
+
+        tokens = [t.pending[0] if t.pending else -1 for t in tips]
+        logprobs = [t.pending[1] if t.pending else 0.0 for t in tips]
+        todo = [i for i, t in enumerate(tips) if t.pending is None]
+        if todo:
+            sub = [tips[i] for i in todo]
+            logits = self.suppress_eos(torch.stack([t.logits for t in sub]), sub)  # [k, V]
+            chosen = choose_tokens(logits, [t.sampler for t in sub])
+            picked = torch.log_softmax(logits, -1)[torch.arange(len(sub)), torch.tensor(chosen)].tolist()
+            for i, token, logprob in zip(todo, chosen, picked):
+                tokens[i], logprobs[i] = token, logprob
+        for t in tips:
+            t.pending = None
+        return tokens, logprobs
+
+    def suppress_eos(self, logits: torch.Tensor, tips: Sequence[Tip]) -> torch.Tensor:
+        """[k, V] -> EOS at -inf for tips that ignore it, as generate's min_new_tokens does."""
+        rows = [i for i, t in enumerate(tips) if t.ignore_eos]
+        if not rows or not self.eos:
+            return logits
+        logits = logits.clone()
+        logits[_index(rows, logits.device)[:, None], _index(sorted(self.eos), logits.device)] = float("-inf")
+        return logits
+
+    def accept(self, tip: Tip, token: int, logprob: float) -> tuple[Token, str | None]:
+        """The tip generated `token`: count it, detokenize it, and say whether it ends the branch
+        (EOS or a stop string: "stop"; its budget: "length"). Feeding it is the caller's call."""
+        self.counters.generated_tokens += 1
+        tip.logprob += logprob
+        detok = tip.detok
+        text = detok.add(token)
+        if token in self.eos or detok.stopped_at is not None:
+            reason = "stop"
+        elif len(detok.token_ids) >= tip.max_new_tokens:
+            reason = "length"
+        else:
+            return Token(branch=tip.id, token_id=token, text=text, logprob=logprob), None
+        return Token(branch=tip.id, token_id=token, text=text + detok.finish(), logprob=logprob), reason
+
+    def feed(self, tip: Tip, tokens: list[int]) -> None:
+        self._fed.append((tip, tokens))
+
+    def wait(self, tip: Tip) -> None:
+        self._waiting.append(tip)
+
+    def finish(self, tip: Tip, reason: str, *, score: float | None = None) -> Finish:
+        self._ended = True
+        return Finish(
+            branch=tip.id,
+            label=tip.label,
+            text=tip.detok.final_text if tip.detok is not None else "",
+            token_ids=list(tip.tokens),
+            finish_reason=reason,  # type: ignore[arg-type]
+            cumulative_logprob=tip.logprob,
+            score=score,
+        )
+
+    def prune(self, tip: Tip, reason: str) -> Prune:
+        self._ended = True
+        return Prune(branch=tip.id, label=tip.label, reason=reason)
+
+    def fork(
+        self,
+        parent: Tip,
+        label: str,
+        continuation: Sequence[int] = (),
+        *,
+        sampling: SamplingParams | None = None,
+        seed_key: int | None = None,
+        max_new_tokens: int = 256,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        data: object = None,
+        prompt_ids: list[int] | None = None,
+        counted: bool = True,
+    ) -> tuple[Tip, Fork]:
+        """A child of `parent` (module docstring). `prompt_ids`: what the Fork event shows as
+        the child's prompt, by default its whole path; `counted`: add the path to prompt_tokens."""
+        path = parent.path_ids + parent.tokens + list(continuation)
+        child = self.tip(
+            label, path, sampling=sampling, seed_key=seed_key, max_new_tokens=max_new_tokens, stop=stop,
+            ignore_eos=ignore_eos, parent=parent.id, data=data, counted=counted,
+        )
+        child.row, child.cached, child.depth, child.exact = parent.row, parent.cached, parent.depth, parent.exact
+        chain = path[parent.cached :]
+        if not chain:
+            child.logits = parent.logits
+        elif self._walking:
+            child.chain = chain  # this step's forward already ran: fed first thing next step
+            self.deferred.append(child)
+        else:
+            self._fed.append((child, chain))
+        info = child.info() if prompt_ids is None else BranchInfo(
+            id=child.id, label=label, prompt_token_ids=prompt_ids, parent=parent.id, exact=child.exact
+        )
+        return child, Fork(branch=info)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self) -> Iterator[Event]:
+        deciding = self.live
+        fed: list[tuple[Tip, list[int]]] = []
+        if self.deferred:  # children forked after the last forward (a verify walk): their chains go first
+            fed = [(tip, tip.chain) for tip in self.deferred]
+            deciding = [tip for tip in self.live if tip.chain is None]
+            for tip in self.deferred:
+                tip.chain = None
+            self.deferred = []
+        self._fed, self._waiting, self._ended = fed, [], False
+        yield from self.policy.step(self, deciding)
+        if self._ended:
+            self.compact([t for t, _ in fed] + self._waiting)
+        if not fed:
+            self.live = self._waiting
+            return
+        if self.speculation is not None:
+            self._walking, self.deferred = True, []
+            try:
+                going = yield from feed_with_drafts(self, fed)
+            finally:
+                self._walking = False
+            self.live = going + self.deferred + self._waiting
+            return
+        self.forward(fed)
+        self.live = [t for t, _ in fed] + self._waiting
+
+    def forward(self, fed: list[tuple[Tip, list[int]]]) -> None:
+        """ONE forward for every chain (several, when chains exceed max_forward_tokens)."""
+        import torch
+
+        rows = [t.row for t, _ in fed]
+        chains = [chain for _, chain in fed]
+        if self.explicit_depths:
+            n = len(self.engine)
+            stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
+            depths = torch.tensor([t.depth if t.depth is not None else int(r.sum()) for (t, _), r in zip(fed, stacked)])
+            results = self.engine.forward(stacked, chains, start_depths=depths)
+            for (tip, chain), result in zip(fed, results):
+                if tip.depth is not None:
+                    tip.depth += len(chain)
+        elif all(len(c) == 1 for c in chains):  # a decode step: one token per tip
+            n = len(self.engine)
+            stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
+            results = self.engine.forward(stacked, chains)
+            self.counters.steps += 1
+            for (tip, _), result in zip(fed, results):
+                tip.row, tip.logits = result.row, result.logits
+                tip.cached += 1
+            return
+        else:
+            results = self.engine.extend(rows, chains)
+        self.counters.steps += 1
+        for (tip, chain), result in zip(fed, results):
+            tip.row, tip.logits = result.row, result.logits
+            tip.cached += len(chain)
+
+    def compact(self, live: list[Tip]) -> None:
+        """Reclaim the slots no live tip reaches (their rows: the places the next tokens hang off)."""
+        remapped = self.run.maybe_compact([t.row for t in live])
+        if remapped is not None:
+            for tip, row in zip(live, remapped):
+                tip.row = row
+
+
+def _index(values: list[int], device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values, dtype=torch.long, device=device)
