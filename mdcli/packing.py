@@ -22,6 +22,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from mdcli.kernels import avx2_step, kernel_name
+from mdcli.memory import available_memory_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -50,23 +53,17 @@ def _copies_allowed(model) -> bool:
 
 
 def _onednn_host(model) -> bool:
-    from mdcli.kernels import kernel_name
-
     weight = model.model.layers[0].mlp.up_proj.weight
     return kernel_name(weight.device, weight.dtype) == "oneDNN"
 
 
 def _avx2_host(model) -> bool:
-    from mdcli.kernels import avx2_step
-
     weight = model.model.layers[0].mlp.up_proj.weight
     return avx2_step(weight.device, weight.dtype)
 
 
 def _fits(model, copies: int) -> bool:
     import torch
-
-    from mdcli.memory import available_memory_bytes
 
     weight = model.model.layers[0].mlp.up_proj.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from mdcli.api import run_specs
 from mdcli.bench import baseline_kernels as alternatives_context
-from mdcli.bench.step import ReferenceStepper, median_step_seconds
+from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
 from mdcli.cache import new_cache
 from mdcli.decoding import BranchSpec, common_prefix_length
 from mdcli.events import Done, Finish

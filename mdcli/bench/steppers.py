@@ -1,0 +1,107 @@
+"""The steppers the step benchmarks time: transformers' own single-sequence decode step and mdcli's
+engine step, and the interleaved median that compares them (used by `mdcli bench` and
+`python -m mdcli.bench.step`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from mdcli.decoding import prefill_prompts
+from mdcli.engine import Engine
+from mdcli.fastforward import FastForward
+from mdcli.forest import pad_rows
+
+if TYPE_CHECKING:
+    from mdcli.loading import LoadedModel
+
+
+class ReferenceStepper:
+    """transformers' own single-sequence decode: the prompt prefilled into a stock `DynamicCache`,
+    then one greedy token per forward, on torch's stock kernels (what `generate` does per token)."""
+
+    def __init__(self, lm: LoadedModel, prompt: list[int]) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        self.model, self.cache = lm.model, DynamicCache()
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=lm.device)
+            self.logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                                     logits_to_keep=1).logits[:, -1]  # [1, V]
+
+    def step(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            token = self.logits.argmax(-1, keepdim=True)  # [1, 1]
+            self.logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+
+
+class EngineStepper:
+    """mdcli's engine: one forward feeding one greedy token to each prompt's branch.
+
+    forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
+    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
+    plain, packed, transposed or packed+transposed (the copies the step multiplies by)."""
+
+    def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
+        import torch
+
+        self.engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types,
+                             own_forward=forward.startswith("mdcli"))
+        if forward.count(":") == 2:  # a variant, for comparing the choices fastforward makes
+            _, attention, weights = forward.split(":")
+            copies = set(weights.split("+"))
+            self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
+                                            transposed="transposed" in copies)
+        outs = prefill_prompts(self.engine, prompts)
+        self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
+
+    def step(self) -> None:
+        import torch
+
+        tokens = self.logits.argmax(-1).tolist()
+        stacked = torch.stack([_pad(r, len(self.engine)) for r in self.rows])  # [B, N]
+        outs = self.engine.forward(stacked, [[t] for t in tokens])
+        self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])
+
+
+def median_step_seconds(steppers: dict[str, object], steps: int, observe=None) -> dict[str, float]:
+    """Median seconds per step of each stepper, taking their steps in turn (one of each, then the
+    next), so a change in the machine's load falls on all of them alike.
+
+    observe: an optional context manager factory entered around every timed step (the profiler)."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, stepper in steppers.items():
+            with observe() if observe is not None else _nothing():
+                started = time.perf_counter()
+                stepper.step()
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """What one thread reads per second here: the best of a few sums over a buffer much larger
+    than any cache (a decode step's weights are read the same way, once each)."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def _pad(row, length: int):
+    return pad_rows(row[None], length)[0]
+
+
+@contextmanager
+def _nothing():
+    yield
