@@ -17,6 +17,7 @@ from mdcli.events import Event
 from mdcli.run import Run, start_event
 from mdcli.sampling import SamplingParams
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
+from mdcli.strategies.explore import Explore, explore  # noqa: F401 - re-exported: step-level search (issue 12)
 
 if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
