@@ -6,34 +6,51 @@ never depend on which other branches exist or in which order they step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
+class SamplingParams(BaseModel):
+    """How a branch chooses its next token. The fields, their defaults and their bounds are
+    written only here: a recipe's `sampling:` layer (recipes.Sampling) takes these fields as they
+    are, each optional, and gives the sampler this type (Sampling.params())."""
+
+    # strict: `temperature: "0.5"` in a recipe is a mistake to report, not to guess at
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+    temperature: float = Field(0.0, ge=0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)  # 1 = off
+    top_k: int = Field(0, ge=0)  # 0 = off
+    min_p: float = Field(0.0, ge=0, lt=1)  # 0 = off
     seed: int | None = None
 
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 means greedy)")
-        if self.top_k < 0:
-            raise ValueError("top-k must be >= 0 (0 turns it off)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top-p must be in (0, 1]")
-        if not 0 <= self.min_p < 1:
-            raise ValueError("min-p must be in [0, 1)")
+    def __init__(self, **values: Any) -> None:
+        # Built in Python (flags, the API): one plain ValueError in words, as the flags' errors
+        # show it. A recipe's layer keeps pydantic's error and its field path (recipes.errors).
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = str(first["loc"][0]) if first["loc"] else ""
+            out_of_range = first["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+            words = _RANGE_WORDS.get(field) if out_of_range else None
+            raise ValueError(words or f"{field}: {first['msg']}") from None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_RANGE_WORDS = {
+    "temperature": "temperature must be >= 0 (0 means greedy)",
+    "top_k": "top-k must be >= 0 (0 turns it off)",
+    "top_p": "top-p must be in (0, 1]",
+    "min_p": "min-p must be in [0, 1)",
+}
 
 
 def branch_seed(seed: int | None, key: int) -> int:

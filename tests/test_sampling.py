@@ -56,3 +56,27 @@ def test_a_branch_stream_depends_only_on_seed_and_branch_key():
     assert draws[0] == first[0]
     assert draws != [other(logits) for _ in range(20)]
     assert branch_seed(11, 3) != branch_seed(11, 4) and branch_seed(None, 3) == branch_seed(0, 3)
+
+
+def test_settings_out_of_range_are_one_plain_line_naming_the_bound():
+    """Built in Python (the subcommands' flags), a bad setting is a ValueError the CLI shows as is."""
+    import pytest
+
+    for settings_, words in [({"temperature": -1.0}, "temperature must be >= 0 (0 means greedy)"),
+                             ({"top_p": 0.0}, "top-p must be in (0, 1]"), ({"top_k": -2}, "top-k must be >= 0"),
+                             ({"min_p": 1.0}, "min-p must be in [0, 1)")]:
+        with pytest.raises(ValueError) as raised:
+            SamplingParams(**settings_)
+        assert str(raised.value).startswith(words) and "\n" not in str(raised.value)
+
+
+def test_a_recipe_sampling_layer_states_only_what_it_changes_and_inherits_the_rest():
+    """recipe -> branch -> child: unset fields come from the layer around; the sampler gets SamplingParams."""
+    from mdcli.recipes import Sampling
+
+    recipe = Sampling(temperature=0.7, seed=3, max_new_tokens=40)
+    branch = recipe.then(Sampling(temperature=0.0))
+    child = branch.then(Sampling(top_k=5))
+    assert child.params() == SamplingParams(temperature=0.0, seed=3, top_k=5)
+    assert (child.new_tokens(), Sampling().new_tokens(), Sampling().params()) == (40, 256, SamplingParams())
+    assert Sampling(top_k=5).temperature is None  # unset, not the default: a layer says only what it sets

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from mdcli.commands.common import DebugOpt, errors
+from mdcli.errors import RecipeError
 
 app = typer.Typer(
     name="recipes",
@@ -23,6 +24,8 @@ app = typer.Typer(
 def list_recipes(debug: DebugOpt = False) -> None:
     """List the built-in recipes: name and what it does. Run one with `mdcli run NAME`."""
     with errors(debug):
+        # the recipes package is imported here, not at the top: building its schema (pydantic)
+        # costs about a second, which `mdcli --help` would pay
         from mdcli.recipes import builtin_descriptions
 
         rows = builtin_descriptions()
@@ -38,7 +41,7 @@ def show(
 ) -> None:
     """Print a recipe's YAML, e.g. to copy a built-in and change it."""
     with errors(debug):
-        from mdcli.recipes import read_recipe_source
+        from mdcli.recipes import read_recipe_source  # not at the top: see list_recipes
 
         text, _, _ = read_recipe_source(name)
         typer.echo(text, nl=not text.endswith("\n"))
@@ -55,8 +58,7 @@ def validate(
     means "required at run time") for a file to validate on its own.
     """
     with errors(debug):
-        from mdcli.errors import RecipeError
-        from mdcli.recipes import load_recipe
+        from mdcli.recipes import load_recipe  # not at the top: see list_recipes
 
         bad = 0
         for file in files:

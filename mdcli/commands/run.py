@@ -40,6 +40,8 @@ from mdcli.commands.common import (
     read_document,
     render,
 )
+from mdcli.errors import RecipeError, UsageError
+from mdcli.speculate import parse_speculate
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a built-in recipe.", show_default=False)]
 InputOpt = Annotated[
@@ -92,8 +94,9 @@ def run(
     `mdcli recipes list` for the built-in recipes.
     """
     with errors(debug):
-        from mdcli.recipes import check_run_inputs, parse_vars, sampling_from_flags
-        from mdcli.speculate import parse_speculate
+        # here, not at the top: building the recipe schema (pydantic) costs about a second, which
+        # `mdcli --help` and every other command would pay
+        from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags
 
         parse_speculate(speculate)  # a bad value fails before anything loads
         values = parse_vars(var or [])
@@ -109,9 +112,6 @@ def run(
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
-
-        from mdcli.recipes import recipe_events
-
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )
@@ -120,17 +120,10 @@ def run(
 
 def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_template, sampling):
     """The recipe with the command line's explicit settings on top (shared by run and explain)."""
-    from mdcli.recipes import load_recipe, with_sampling
+    from mdcli.recipes import load_recipe, with_flags  # not at the top: see run()
 
     plan = load_recipe(recipe, var_names=values)
-    updates = {}
-    if system is not None:
-        updates["system"] = system
-    if no_chat_template:
-        updates["chat_template"] = False
-    if updates:
-        plan = plan.model_copy(update=updates)
-    return with_sampling(plan, sampling)
+    return with_flags(plan, system=system, chat_template=False if no_chat_template else None, sampling=sampling)
 
 
 def recipe_input(plan, source: str | None) -> str | None:
@@ -140,8 +133,6 @@ def recipe_input(plan, source: str | None) -> str | None:
         return read_document(source)
     if plan.context is None or not plan.context.input:
         return None
-    from mdcli.errors import RecipeError, UsageError
-
     missing = RecipeError(
         f"{plan.source}: context.input: the recipe reads its context from --input",
         fix="give --input FILE, or pipe the text to stdin",

@@ -1,0 +1,121 @@
+"""From a checked recipe to a run: its variable values, its context text, then its events.
+
+    check_run_inputs   the variables and the context source, before the slow model load
+    compile_recipe     a recipe with a branch list -> [BranchSpec] (tokenized; `mdcli explain`)
+    recipe_events      any recipe -> its events (the strategy's own `events` method)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mdcli.recipes.errors import Problem, recipe_error
+from mdcli.recipes.schema import RecipeBase
+from mdcli.recipes.templates import RESERVED_VARIABLES, template_variables
+
+if TYPE_CHECKING:
+    from mdcli.decoding import BranchSpec
+    from mdcli.events import Event
+    from mdcli.loading import LoadedModel
+
+
+def resolved_seed(recipe: RecipeBase) -> int | None:
+    """The run's seed as reported in the Start event: the recipe-wide one."""
+    return recipe.sampling.seed
+
+
+def compile_recipe(
+    recipe: RecipeBase, tokenizer, *, input_text: str | None = None, vars: dict[str, str] | None = None
+) -> list[BranchSpec]:
+    """The recipe's root branch specs (children nested), tokenized as the engine will see them.
+
+    Roots are whole prompts (prompts.prompt_token_ids: chat template, system, the context through
+    $context); children are continuation turns after their parent's answer
+    (prompts.continuation_token_ids). Raises RecipeError (also for a recipe with no branch list)."""
+    return recipe.branch_specs(tokenizer, input_text=input_text, vars=vars)
+
+
+def recipe_events(
+    recipe: RecipeBase, model: LoadedModel, *, input_text: str | None = None, vars: dict[str, str] | None = None,
+    max_forward_tokens: int = 1024, speculate: str | None = None,
+) -> Iterator[Event]:
+    """The events of running `recipe` (sampling overrides already applied with with_sampling).
+    Arguments are checked here, before the first event is asked for. Raises RecipeError/UsageError."""
+    speculation = recipe.speculation(speculate)
+    values, context = values_and_context(recipe, input_text, vars)
+    return recipe.events(model, values, context, max_forward_tokens=max_forward_tokens, speculation=speculation)
+
+
+def check_run_inputs(
+    recipe: RecipeBase, *, input_text: str | None = None, vars: dict[str, str] | None = None
+) -> None:
+    """What compile_recipe checks before it needs a tokenizer: variables and the context source.
+    Commands call it before loading the model, so a missing --input fails in a blink."""
+    values_and_context(recipe, input_text, vars)
+
+
+def values_and_context(
+    recipe: RecipeBase, input_text: str | None, vars: dict[str, str] | None
+) -> tuple[dict[str, str], str | None]:
+    """The recipe's variable values (with $context set when it has one) and its context text.
+    Raises RecipeError naming the field."""
+    try:
+        values = _variable_values(recipe, vars or {})
+        context = _context_text(recipe, input_text)
+    except Problem as problem:
+        raise recipe_error(recipe.source, problem.path, problem.problem, problem.fix) from None
+    if context is not None:
+        values["context"] = context
+    return values, context
+
+
+def _variable_values(recipe: RecipeBase, given: dict[str, str]) -> dict[str, str]:
+    sites = list(recipe.template_sites())
+    used = {name for site in sites for name in template_variables(site.text, site.path)}
+    for name in given:
+        if name not in used:
+            known = ", ".join(sorted(used - set(RESERVED_VARIABLES))) or "none"
+            raise Problem((f"--var {name}",), f"no prompt uses ${name}", f"drop it; this recipe's variables: {known}")
+    values = {name: value for name, value in recipe.vars.items() if value is not None}
+    values.update(given)
+    for site in sites:
+        for name in template_variables(site.text):
+            if name not in values and name not in RESERVED_VARIABLES:
+                raise Problem(site.path, f"uses ${name}, which has no value", f"pass --var {name}=VALUE")
+    return values
+
+
+def _context_text(recipe: RecipeBase, input_text: str | None) -> str | None:
+    context = recipe.context
+    takes_input = context is not None and bool(context.input)
+    if input_text is not None and not takes_input:
+        raise Problem(
+            ("context",), "this recipe does not read --input", "drop --input, or set `context: {input: true}`"
+        )
+    if context is None:
+        return None
+    if context.input:
+        if input_text is None:
+            raise Problem(
+                ("context", "input"), "the recipe reads its context from --input",
+                "give --input FILE, or pipe text to stdin",
+            )
+        return input_text
+    if context.text is not None:
+        return context.text
+    return _read_context_file(recipe.base_dir / context.file)
+
+
+def _read_context_file(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except OSError as error:
+        raise Problem(
+            ("context", "file"), f"cannot read {path}: {error.strerror}", "check the path and its permissions"
+        ) from None
+    except UnicodeDecodeError:
+        raise Problem(
+            ("context", "file"), f"{path} is not UTF-8 text", "convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None

@@ -1,0 +1,152 @@
+"""The margins recipe: Writing in the Margins over the context, run as a strategies.margins job.
+
+Both ways between the recipe and the job: `job()` is the job a recipe runs (`mdcli run`, and
+`mdcli explain` draws its margin phase); `margins_recipe_data(job)` is the recipe a `mdcli margins`
+command line saves (--save-recipe). The document becomes `context: {input: true}`, so
+`mdcli run FILE --input DOC` runs the same prompts and gives the same tokens. The segment size and
+every token limit are written out, so the recipe does not change meaning if the command's defaults
+do. A recipe has one context, so a run over several documents cannot be saved (refused before
+anything runs, in one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
+
+from mdcli.errors import UsageError
+from mdcli.recipes.checks import check_questions
+from mdcli.recipes.compile import values_and_context
+from mdcli.recipes.errors import Problem
+from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase, TemplateSite
+from mdcli.recipes.templates import escape_dollars, fill
+from mdcli.strategies.margins import run_margins
+from mdcli.strategies.margins_job import Margins, MarginsPrompts
+
+if TYPE_CHECKING:
+    from mdcli.events import Event
+    from mdcli.loading import LoadedModel
+    from mdcli.speculate import Speculate
+
+_TEMPLATE_FIELDS = {"margin_template": "margin", "classification_template": "classification",
+                    "answer_template": "answer"}
+
+
+class MarginsRecipe(RecipeBase):
+    """margins: Writing in the Margins over the context (the document). `query` (one question)
+    or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin;
+    the classification and answer have their own limits."""
+
+    strategy: Literal["margins"]
+    query: str | None = None
+    questions: list[str] | None = None
+    layout: Literal["chain", "independent"] | None = None
+    segment_tokens: int | None = Field(None, ge=1)
+    keep: Literal["all", "relevant"] = "relevant"
+    classify: bool = True
+    with_segments: bool = False
+    margin_template: str | None = None
+    classification_template: str | None = None
+    answer_template: str | None = None
+    classify_tokens: int | None = Field(None, ge=1)
+    answer_tokens: int | None = Field(None, ge=1)
+
+    def check(self, var_names: set[str]) -> None:
+        if self.context is None:
+            raise Problem(("context",), "missing: margins reads a document", "add `context: {input: true}` (or text: / file:)")
+        if (self.query is None) == (self.questions is None):
+            raise Problem(
+                ("query",), "give `query:` (one question) or `questions:` (a list), not both" if self.query is not None
+                else "missing: margins needs a question", "write `query: ...` or `questions: [...]`",
+            )
+        if self.questions is not None:
+            check_questions(self.questions)
+        elif not self.query.strip():
+            raise Problem(("query",), "is empty", "write the question to answer from the document")
+        for field, name in _TEMPLATE_FIELDS.items():
+            text = getattr(self, field)
+            if text is None:
+                continue
+            try:
+                dataclasses.replace(MarginsPrompts(), **{name: text}).check()
+            except UsageError as error:
+                raise Problem((field,), error.problem, error.fix or "see docs/recipes.md") from None
+
+    def template_sites(self) -> Iterator[TemplateSite]:
+        if self.query is not None:
+            yield TemplateSite(("query",), self.query, "query")
+        for index, question in enumerate(self.questions or []):
+            yield TemplateSite(("questions", index), question, "query")
+
+    def events(
+        self, model: LoadedModel, values: dict[str, str], context: str | None, *,
+        max_forward_tokens: int, speculation: Speculate | None,
+    ) -> Iterator[Event]:
+        job = self.job(values, context)
+        job.validate()  # here, before the first event is asked for
+        return run_margins(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+
+    def job(self, values: dict[str, str], context: str) -> Margins:
+        """The strategies.margins job this recipe runs, its variables' values known."""
+        overrides = {name: getattr(self, field) for field, name in _TEMPLATE_FIELDS.items()}
+        prompts = MarginsPrompts(system=self.system, **{k: v for k, v in overrides.items() if v is not None})
+        limits = {"segment_tokens": self.segment_tokens, "margin_tokens": self.sampling.max_new_tokens,
+                  "classify_tokens": self.classify_tokens, "answer_tokens": self.answer_tokens}
+        return Margins(
+            documents=[context], query=fill(self.query, values) if self.query is not None else "",
+            questions=[fill(question, values) for question in self.questions or []], layout=self.layout,
+            keep=self.keep, classify=self.classify, with_segments=self.with_segments, prompts=prompts,
+            chat_template=self.chat_template, sampling=self.sampling.params(),
+            **{name: value for name, value in limits.items() if value is not None},
+        )
+
+
+def margins_job(recipe: MarginsRecipe, *, input_text: str | None = None, vars: dict[str, str] | None = None) -> Margins:
+    """The strategies.margins.Margins job a margins recipe runs (explain draws its margin phase)."""
+    values, context = values_and_context(recipe, input_text, vars)
+    return recipe.job(values, context)
+
+
+def margins_recipe_data(job: Margins, *, given_layout: bool) -> dict[str, Any]:
+    """The margins recipe (as plain data, to validate) equivalent to a `mdcli margins` job."""
+    if len(job.documents) != 1:
+        raise UsageError(
+            f"--save-recipe: a margins recipe reads one document (its context), and {len(job.documents)} were given",
+            fix="save the recipe with one document, then run it on each with `mdcli run FILE --input DOC`",
+        )
+    questions = [escape_dollars(q) for q in job.all_questions()]
+    data: dict[str, Any] = {
+        "version": RECIPE_VERSION,
+        "description": "Saved from mdcli margins.",
+        "strategy": "margins",
+        "context": {"input": True},
+    }
+    if job.prompts.system is not None:
+        data["system"] = job.prompts.system
+    if not job.chat_template:
+        data["chat_template"] = False
+    sampling = job.sampling
+    data["sampling"] = {
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "min_p": sampling.min_p, "max_new_tokens": job.margin_tokens,
+    }
+    if sampling.seed is not None:
+        data["sampling"]["seed"] = sampling.seed
+    if len(questions) == 1:
+        data["query"] = questions[0]
+    else:
+        data["questions"] = questions
+    if given_layout:
+        data["layout"] = job.resolved_layout()
+    data.update(
+        segment_tokens=job.segment_tokens, keep=job.keep, classify=job.classify, with_segments=job.with_segments,
+    )
+    defaults = MarginsPrompts()
+    for name in ("margin", "classification", "answer"):
+        if getattr(job.prompts, name) != getattr(defaults, name):
+            data[f"{name}_template"] = getattr(job.prompts, name)
+    data.update(classify_tokens=job.classify_tokens, answer_tokens=job.answer_tokens)
+    return data

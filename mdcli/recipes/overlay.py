@@ -1,0 +1,148 @@
+"""Command-line layers: flags over a recipe, `--var` values, and the recipe a command line saves.
+
+    with_flags           --system, --no-chat-template and the sampling flags over a recipe
+    with_sampling        sampling flags win over the recipe everywhere, per-branch layers included
+    sampling_from_flags  the sampling flags as a `sampling:` layer (flag names in any error)
+    parse_vars           `--var name=value` flags
+    ask_many_recipe      the recipe equivalent to `mdcli ask-many` flags (--save-recipe, --recipe)
+    margins_recipe_text  the recipe equivalent to a `mdcli margins` job (--save-recipe)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from mdcli.errors import UsageError
+from mdcli.recipes.ask_many import AskManyRecipe
+from mdcli.recipes.errors import RANGE_FIXES, bound, short
+from mdcli.recipes.files import dump_recipe
+from mdcli.recipes.load import validate_recipe_data
+from mdcli.recipes.margins import margins_recipe_data
+from mdcli.recipes.registry import Recipe
+from mdcli.recipes.schema import RECIPE_VERSION, Branch, Sampling
+from mdcli.recipes.templates import (
+    RESERVED_VARIABLES,
+    document_template_to_recipe,
+    escape_dollars,
+    is_identifier,
+    names_or_none,
+)
+from mdcli.strategies.margins_job import Margins
+
+
+def with_flags(
+    recipe: Recipe, *, system: str | None = None, chat_template: bool | None = None, sampling: Sampling | None = None
+) -> Recipe:
+    """The recipe with the command line's explicit settings on top (None: not given, the
+    recipe's value stands). The result is the same strategy's model, as if the file said so."""
+    updates = {name: value for name, value in (("system", system), ("chat_template", chat_template)) if value is not None}
+    if updates:
+        recipe = recipe.model_copy(update=updates)
+    return with_sampling(recipe, sampling) if sampling is not None else recipe
+
+
+def with_sampling(recipe: Recipe, overrides: Sampling) -> Recipe:
+    """The recipe with `overrides` (flags given on the command line) winning everywhere: set at
+    the top and cleared from every branch, so the result also reads right when saved."""
+    given = overrides.stated()
+    if not given:
+        return recipe
+    copy = recipe.model_copy(deep=True)
+    copy.sampling = copy.sampling.then(overrides)
+    for branch in _all_branches(copy.branch_tree()):
+        if branch.sampling is not None:
+            branch.sampling = branch.sampling.without(given)
+    return copy
+
+
+def _all_branches(branches: list[Branch]) -> Iterator[Branch]:
+    for branch in branches:
+        yield branch
+        yield from _all_branches(branch.children)
+
+
+_FLAG_NAMES = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+               "seed": "--seed", "max_new_tokens": "--max-new-tokens", "stop": "--stop"}
+
+
+def sampling_from_flags(**flags: Any) -> Sampling:
+    """Sampling from command-line values (None = not given), with flag names in any error.
+
+    A repeatable flag that was not given arrives as an empty tuple: that is "not given" too."""
+    stop = flags.get("stop")
+    flags["stop"] = list(stop) if stop else None
+    try:
+        return Sampling.model_validate(flags)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = str(first["loc"][0])
+        raise UsageError(f"{_FLAG_NAMES.get(field, field)} {short(first.get('input'))} is out of range "
+                         f"(must be {bound(first)})", fix=RANGE_FIXES.get(field, "see mdcli --help")) from None
+
+
+def parse_vars(assignments: Iterable[str]) -> dict[str, str]:
+    """`--var name=value` flags -> {name: value}."""
+    values: dict[str, str] = {}
+    for assignment in assignments:
+        name, equals, value = assignment.partition("=")
+        name = name.strip()
+        if not equals or not is_identifier(name):
+            raise UsageError(
+                f"--var '{assignment}' is not name=value", fix="write --var name=value, e.g. --var topic=cats"
+            )
+        if name in RESERVED_VARIABLES:
+            raise UsageError(f"--var {name}: ${name} is filled by mdcli", fix="use --input for the context")
+        values[name] = value
+    return values
+
+
+# -- the recipe a command line saves ------------------------------------------------------------
+
+
+def ask_many_recipe(
+    base: AskManyRecipe | None,
+    *,
+    questions: list[str] | None = None,
+    template: str | None = None,
+    system: str | None = None,
+    chat_template: bool | None = None,
+    sampling: Sampling | None = None,
+    source: str = "ask-many flags",
+) -> AskManyRecipe:
+    """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
+
+    None means "not given": the base's value stays. The document argument becomes
+    `context: {input: true}`, so the recipe runs again with `mdcli run FILE --input DOC`.
+    `template` is in ask-many form ($document); questions are literal text (`$` is escaped)."""
+    data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True) if base else {}
+    data.update(version=RECIPE_VERSION, strategy="ask-many", context={"input": True})
+    data.setdefault("description", "Saved from mdcli ask-many.")
+    if questions is not None:
+        data["questions"] = [escape_dollars(question) for question in questions]
+        data.pop("branches", None)
+        _drop_vars_nothing_uses(data)
+    if template is not None:
+        data["template"] = document_template_to_recipe(template)
+    if system is not None:
+        data["system"] = system
+    if chat_template is not None:
+        data["chat_template"] = chat_template
+    base_dir = base.base_dir if base else None
+    recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
+    return with_sampling(recipe, sampling) if sampling is not None else recipe
+
+
+def _drop_vars_nothing_uses(data: dict[str, Any]) -> None:
+    """Questions from flags replace the recipe's: its variables for the old questions go too."""
+    texts = [*data.get("questions", []), data.get("template") or ""]
+    used = {name for text in texts for name in names_or_none(text)}
+    data["vars"] = {name: value for name, value in data.get("vars", {}).items() if name in used}
+
+
+def margins_recipe_text(job: Margins, *, given_layout: bool) -> str:
+    """The recipe's YAML, checked by the same validator `mdcli run` uses."""
+    recipe = validate_recipe_data(margins_recipe_data(job, given_layout=given_layout), source="margins flags")
+    return dump_recipe(recipe)
