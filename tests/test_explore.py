@@ -231,3 +231,34 @@ def test_a_step_ends_at_the_end_of_a_sentence_or_line(text, ends):
 def test_with_chunk_tokens_a_step_is_that_many_tokens_whatever_the_text():
     assert ends_step(" The sea.", 3, 4) is False
     assert ends_step(" The sea is", 4, 4) is True
+
+
+# -- the recipe -----------------------------------------------------------------------------------
+
+STORY = "Mara kept the lighthouse for forty years. One foggy night she rang the bell until the boat was safe.\n"
+
+
+def test_the_builtin_explore_recipe_runs_through_mdcli_run_as_explore_with_its_settings(embedded, tmp_path):
+    from mdcli.recipes import load_recipe
+
+    story = tmp_path / "story.txt"
+    story.write_text(STORY, encoding="utf-8")
+    result = runner.invoke(app, ["run", "explore", "--input", str(story), "-n", "8", "--jsonl"],
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert events[0]["strategy"] == "explore" and events[-2]["type"] == "finish"
+    recipe = load_recipe("explore")
+    expected = explore(
+        embedded, recipe.prompt.replace("$context", STORY.rstrip("\n")), k=recipe.k, keep=recipe.keep,
+        sampling=SamplingParams(temperature=0.8, seed=1), max_new_tokens=8,
+    )
+    assert events[-2]["token_ids"] == answer(list(expected)).token_ids
+
+
+def test_a_recipe_keep_above_k_is_refused_naming_the_field():
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text
+
+    with pytest.raises(RecipeError, match="keep"):
+        load_recipe_text("version: 1\nstrategy: explore\nprompt: hi\nk: 2\nkeep: 3\n")
