@@ -173,15 +173,18 @@ class StepLoop:
         parent: int | None = None,
         data: object = None,
         fit: bool = True,
+        counted: bool = True,
     ) -> Tip:
-        """A new tip (not in the cache yet): checked against the context, counted as prompt."""
+        """A new tip (not in the cache yet). `fit`: cap its budget by the context (raising
+        ContextTooLongError when its prompt fills it); `counted`: add its path to prompt_tokens."""
         max_new = self.run.fit(label, len(path_ids), max_new_tokens) if fit else max_new_tokens
         branch = self.run.new_id()
         detok = StreamingDetokenizer(self.tokenizer, stop) if self.tokenizer is not None else None
         sampler = None
         if sampling is not None:
             sampler = Sampler(sampling, branch if seed_key is None else seed_key, self.engine.device)
-        self.counters.prompt_tokens += len(path_ids)
+        if counted:
+            self.counters.prompt_tokens += len(path_ids)
         return Tip(
             id=branch,
             label=label,
@@ -314,13 +317,10 @@ class StepLoop:
         """A child of `parent` (module docstring). `prompt_ids`: what the Fork event shows as
         the child's prompt, by default its whole path; `counted`: add the path to prompt_tokens."""
         path = parent.path_ids + parent.tokens + list(continuation)
-        before = self.counters.prompt_tokens
         child = self.tip(
             label, path, sampling=sampling, seed_key=seed_key, max_new_tokens=max_new_tokens, stop=stop,
-            ignore_eos=ignore_eos, parent=parent.id, data=data,
+            ignore_eos=ignore_eos, parent=parent.id, data=data, counted=counted,
         )
-        if not counted:
-            self.counters.prompt_tokens = before
         child.row, child.cached, child.depth, child.exact = parent.row, parent.cached, parent.depth, parent.exact
         chain = path[parent.cached :]
         if not chain:

@@ -50,12 +50,12 @@ with the stats of all phases. Segment and question numbers are 1-based, as in th
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli.decoding import BranchSpec, Decoder
-from mdcli.events import BranchInfo, Done, Event, Finish, Fork, Note
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.run import Run
 from mdcli.segmenting import Segment
 from mdcli.strategies.margins_fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
 from mdcli.strategies.margins_job import (
@@ -79,35 +79,23 @@ __all__ = [
 def new_decoder(
     model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "off"
 ) -> Decoder:
-    from mdcli.engine import Engine
-
-    engine = Engine(
-        model.model,
-        sliding_window=model.sliding_window,
-        mixed_layer_types=model.mixed_layer_types,
-        max_forward_tokens=max_forward_tokens,
-    )
-    return Decoder(
-        engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=compact_ratio,
-        speculate=speculate,
-    )
+    """A Decoder over a new Run for `model` (one engine, one cache) for every phase."""
+    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+    return Decoder(run, model.tokenizer, model.eos_token_ids)
 
 
 def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[Event]:
     """The three phases over one decoder; see the module docstring for the event stream."""
-    from mdcli.api import start_event
-
     job.validate()
     tokenizer = model.tokenizer
     segments = job.segments(tokenizer)
     specs = job.margin_specs(tokenizer, segments)
     prefill_tokens = check_fits(model, job, segments, specs)
     decoder = new_decoder(model, **engine_options)
-    started = time.perf_counter()
 
     count = len(segments)
     infos = grouped(job, decoder.announce(specs), [i // count for i in range(len(specs))])
-    yield start_event(model, "margins", job.sampling.seed, infos)
+    yield decoder.run.start("margins", job.sampling.seed, infos)
     yield layout_note(job, segments, specs, prefill_tokens)
     yield from split_notes(job, segments)
     finishes = yield from _collect_finishes(decoder.decode("margins"))
@@ -119,14 +107,14 @@ def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[
         )
         for i, info in enumerate(infos)
     ]
-    _empty_cache(decoder)
+    decoder.run.empty_cache()
 
     if job.classify:
         yield from classify_margins(decoder, job, margins)
-        _empty_cache(decoder)
+        decoder.run.empty_cache()
 
     yield from answer(decoder, job, margins, count)
-    yield Done(stats=decoder.stats(time.perf_counter() - started))
+    yield decoder.run.done()
 
 
 def grouped(job: Margins, infos: list[BranchInfo], questions: list[int]) -> list[BranchInfo]:
@@ -255,12 +243,3 @@ def _collect_finishes(events: Iterator[Event]):
             finishes[event.branch] = event
         yield event
     return finishes
-
-
-def _empty_cache(decoder: Decoder) -> None:
-    """Between phases every branch has finished and no later prompt reuses the cache: free it."""
-    import torch
-
-    engine = decoder.engine
-    if len(engine):
-        engine.compact(torch.zeros((0, len(engine)), dtype=torch.bool, device=engine.device))

@@ -35,274 +35,59 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, Decoder
-from mdcli.detok import StreamingDetokenizer
+from mdcli.decoding import BranchSpec, Decoder, Independent
 from mdcli.errors import ContextTooLongError, UsageError
-from mdcli.events import BranchInfo, Done, Event, Finish, Fork, Note, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note
 from mdcli.prompts import fill_template
-from mdcli.sampling import Sampler, SamplingParams
+from mdcli.run import Run
+from mdcli.sampling import SamplingParams
+from mdcli.steps import StepLoop
+from mdcli.strategies.think_text import (  # re-exported: think's texts and their parsing
+    ANSWER_MARKER_PATTERN,
+    ATTEND_INSTRUCTION,
+    CONCLUSION_INTRO_PATHS,
+    CONCLUSION_INTRO_PLAN,
+    CONCLUSION_TEMPLATE,
+    EMPTY_PATH_TEXT,
+    ITEM_TEMPLATE,
+    LABEL_WIDTH,
+    LAST_NUMBER_PATTERN,
+    PATH_ENTRY_TEMPLATE,
+    PLAN_INSTRUCTION,
+    REASONING_INSTRUCTION,
+    Turn,
+    Vote,
+    after_answer_token_ids,
+    conclusion_user_text,
+    conversation_token_ids,
+    extract_answer,
+    majority_vote,
+    normalize_answer,
+    parse_plan,
+    short_label,
+    with_instruction,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from mdcli.loading import LoadedModel
 
-MERGE_MODES = ("reencode", "attend", "none")
+__all__ = [
+    "ANSWER_MARKER_PATTERN", "ATTEND_INSTRUCTION", "CONCLUSION_INTRO_PATHS", "CONCLUSION_INTRO_PLAN",
+    "CONCLUSION_SEED_KEY", "CONCLUSION_TEMPLATE", "EMPTY_PATH_TEXT", "ITEM_TEMPLATE", "LABEL_WIDTH",
+    "LAST_NUMBER_PATTERN", "MERGE_MODES", "PATH_ENTRY_TEMPLATE", "PLAN_INSTRUCTION", "PLAN_SEED_KEY",
+    "REASONING_INSTRUCTION", "Think", "ThinkRun", "Turn", "Vote", "after_answer_token_ids", "conclusion_user_text",
+    "conversation_token_ids", "extract_answer", "majority_vote", "normalize_answer", "parse_plan", "run_think",
+    "short_label", "with_instruction",
+]
 
-REASONING_INSTRUCTION = 'Think step by step, then finish with a line of the form "Answer: ...".'
-PLAN_INSTRUCTION = (
-    "Do not solve it yet. Write a numbered plan (1., 2., 3.) of the steps needed to solve it, one short "
-    "line each."
-)
-"""Kept this plain on purpose: asking SmolLM2-135M for "at most N independent sub-tasks" made it
-number its answer instead (--max-paths caps the items when the plan is parsed)."""
-ITEM_TEMPLATE = "Work on item $number of the plan: $item\nDo only this item."
-PATH_ENTRY_TEMPLATE = "Path $number: $text"
-CONCLUSION_TEMPLATE = (
-    "$intro\n\n$paths\n\nUsing them, give the final answer. Be brief, and finish with a line of the "
-    'form "Answer: ...".'
-)
-CONCLUSION_INTRO_PATHS = "Here are $count independent attempts at it:"
-CONCLUSION_INTRO_PLAN = "Here is the work on each item of the plan:"
-ATTEND_INSTRUCTION = (
-    "Several independent attempts at this question are above. Using them, give the final answer. "
-    'Be brief, and finish with a line of the form "Answer: ...".'
-)
-EMPTY_PATH_TEXT = "(no output)"
+MERGE_MODES = ("reencode", "attend", "none")
 
 PLAN_SEED_KEY = 1_000_000  # path i uses seed key i; the plan and conclusion keep out of their way
 CONCLUSION_SEED_KEY = 1_000_001
-LABEL_WIDTH = 48
-
-# -- plan parsing -----------------------------------------------------------------------------
-
-_STEP_ITEM = re.compile(r"^[\W_]*(?:step|task|item|part|sub-?task)\s*(\d{1,2})\b\s*[.):\-–—]*\s*(.*)$", re.IGNORECASE)
-_NUMBERED_ITEM = re.compile(r"^[\s*#>(\[_]*(\d{1,2})\s*(?:[.)\]:](?!\d)|\s[-–—]\s)\s*(.*)$")
-_BULLET_ITEM = re.compile(r"^\s*[-*•+]\s+(.+)$")
-_INLINE_NUMBER = re.compile(r"(?:^|\s)(\d{1,2})[.)]\s+")
-_DECORATION = " \t*_`#:"
-
-
-def parse_plan(text: str, max_items: int) -> list[str] | None:
-    """The sub-tasks of a model-written outline, or None when it holds no list at all.
-
-    Accepts "1.", "1)", "(1)", "1:", "**1.**", "Step 1:", "Task 2 -" items (an item whose text is
-    on the next line takes that line), else "- " / "* " / "• " bullets, else an inline "1. ... 2.
-    ..." list. A small model's outline is often untidy, hence the tolerance; anything that is not
-    an item (a preamble, sub-bullets under numbered items) is ignored. A second list starting again
-    at 1 ends the first (the model went on to solve it). Returns at most `max_items` non-empty items.
-    """
-    if max_items < 1:
-        raise ValueError("max_items must be at least 1")
-    lines = text.splitlines()
-    items = _numbered_items(lines) or _bullet_items(lines) or _inline_items(text)
-    items = [item for item in items if _has_words(item)][:max_items]
-    return items or None
-
-
-def _numbered_items(lines: list[str]) -> list[str]:
-    items: list[str] = []
-    last_number = 0
-    waiting_for_text = False  # "Step 1:" alone on its line: its text is the next line
-    for line in lines:
-        match = _STEP_ITEM.match(line) or _NUMBERED_ITEM.match(line)
-        if match is None:
-            if waiting_for_text and _clean(line):
-                items[-1] = _clean(line)
-                waiting_for_text = False
-            continue
-        number = int(match.group(1))
-        if number == 1 and last_number > 1:
-            break
-        last_number = number
-        items.append(_clean(match.group(2)))
-        waiting_for_text = not items[-1]
-    return items
-
-
-def _bullet_items(lines: list[str]) -> list[str]:
-    return [_clean(m.group(1)) for line in lines if (m := _BULLET_ITEM.match(line))]
-
-
-def _inline_items(text: str) -> list[str]:
-    """"1. foo 2. bar 3. baz" on one line: split at the numbers, which must count up from 1."""
-    marks = list(_INLINE_NUMBER.finditer(text))
-    numbers = [int(m.group(1)) for m in marks]
-    if len(marks) < 2 or numbers != list(range(1, len(marks) + 1)):
-        return []
-    ends = [m.start() for m in marks[1:]] + [len(text)]
-    return [_clean(text[m.end() : end]) for m, end in zip(marks, ends)]
-
-
-def _has_words(item: str) -> bool:
-    """A sub-task says something: "1. 2. 3." (a model numbering nothing) is not an item."""
-    return any(ch.isalpha() for ch in item)
-
-
-def _clean(item: str) -> str:
-    return " ".join(item.split()).strip(_DECORATION)
-
-
-# -- answer extraction ------------------------------------------------------------------------
-
-ANSWER_MARKER_PATTERN = r"(?i)\b(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?\s*(?P<answer>[^\n]+)"
-"""Text after the last "Answer:" / "answer is" (the rest of that line, cut at a sentence end)."""
-LAST_NUMBER_PATTERN = r"-?\d[\d,]*(?:\.\d+)?"
-"""Failing that, the last number in the text."""
-
-_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
-_ANSWER_DECORATION = " \t*_`$\"'.,;:!"
-
-
-def extract_answer(text: str, pattern: str | None = None) -> str | None:
-    """A path's final answer, for voting; None when there is none.
-
-    Default rule: the text after the last "Answer:" / "answer is" (ANSWER_MARKER_PATTERN, up to the
-    end of its sentence), else the last number (LAST_NUMBER_PATTERN). A custom `pattern` replaces
-    both: its last match counts, and the answer is its group named `answer`, else its first group,
-    else the whole match.
-    """
-    if pattern is not None:
-        return _last_match_answer(text, pattern)
-    marked = _last_match_answer(text, ANSWER_MARKER_PATTERN)
-    if marked is not None:
-        return _first_sentence(marked)
-    return _last_match_answer(text, LAST_NUMBER_PATTERN)
-
-
-def _last_match_answer(text: str, pattern: str) -> str | None:
-    matches = list(re.finditer(pattern, text))
-    if not matches:
-        return None
-    match = matches[-1]
-    if "answer" in match.re.groupindex:
-        found = match.group("answer")
-    elif match.re.groups:
-        found = match.group(1)
-    else:
-        found = match.group(0)
-    answer = (found or "").strip(_ANSWER_DECORATION)
-    return answer or None
-
-
-def _first_sentence(answer: str) -> str | None:
-    end = _SENTENCE_END.search(answer)
-    cut = answer if end is None else answer[: end.start()]
-    return cut.strip(_ANSWER_DECORATION) or None
-
-
-def normalize_answer(answer: str) -> str:
-    """The form answers are grouped by in a vote: "$1,000.0" and "1000" are the same answer."""
-    flat = re.sub(r"(?<=\d),(?=\d)", "", answer.lower())
-    flat = "".join(ch for ch in flat if ch not in " \t\n*_`$").strip(".")
-    try:
-        number = Decimal(flat)
-    except InvalidOperation:
-        return flat
-    if not number.is_finite() or abs(number.adjusted()) > 60:
-        return flat
-    return format(number.normalize(), "f")
-
-
-@dataclass(frozen=True)
-class Vote:
-    answers: dict[str, str | None]  # path label -> extracted answer
-    winner: str | None
-    votes: int
-
-    def note(self) -> Note:
-        data = {"answers": dict(self.answers), "winner": self.winner, "votes": self.votes}
-        return Note(kind="vote", message=self.table(), data=data)
-
-    def table(self) -> str:
-        """What the user sees: the winner, then one line per path."""
-        paths = len(self.answers)
-        if self.winner is None:
-            head = f"no path gave an extractable answer ({paths} paths; see --answer-pattern)"
-        else:
-            head = f"majority answer: {self.winner} ({self.votes} of {paths} paths)"
-        width = max(len(label) for label in self.answers) if self.answers else 0
-        rows = [f"  {label:<{width}}  {answer if answer is not None else '-'}" for label, answer in self.answers.items()]
-        return "\n".join([head, *rows])
-
-
-def majority_vote(answers: dict[str, str | None]) -> Vote:
-    """The most common answer (after normalize_answer); a tie goes to the one given first."""
-    groups: dict[str, list[str]] = {}
-    for answer in answers.values():
-        if answer is not None:
-            groups.setdefault(normalize_answer(answer), []).append(answer)
-    if not groups:
-        return Vote(answers, None, 0)
-    best = max(groups.values(), key=len)  # max keeps the first of equals: insertion = path order
-    return Vote(answers, best[0], len(best))
-
-
-# -- prompts ------------------------------------------------------------------------------------
-
-Turn = tuple[str, str]  # (role, text)
-_MARK = "\u2063mdcli-turn-mark\u2063"
-
-
-def conversation_token_ids(
-    tokenizer, turns: list[Turn], *, system: str | None = None, chat_template: bool = True
-) -> list[int]:
-    """A whole conversation, rendered and tokenized WHOLE, ending where the assistant speaks next.
-
-    With a single user turn this is exactly `prompts.prompt_token_ids`. Without a chat template
-    the turns are joined by blank lines.
-    """
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": role, "content": text} for role, text in turns
-        ]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    rendered = "\n\n".join(([system] if system else []) + [text for _, text in turns])
-    return list(tokenizer(rendered, add_special_tokens=True)["input_ids"])
-
-
-def after_answer_token_ids(tokenizer, user_text: str, *, chat_template: bool = True) -> list[int]:
-    """What follows an assistant's answer when the user speaks again: the end of the assistant's
-    turn, a user turn, the assistant header. The attend merge hangs these tokens off all paths at
-    once (each path's own end-of-turn token is never cached: a branch's last token is not fed)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "assistant", "content": _MARK}, {"role": "user", "content": user_text}]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        tail = rendered[rendered.index(_MARK) + len(_MARK) :]
-        return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(f"\n\n{user_text}\n\n", add_special_tokens=False)["input_ids"])
-
-
-def with_instruction(text: str, instruction: str | None) -> str:
-    """A path's user turn: its own text, its instruction (if any), then the reasoning request.
-    The instruction comes after the shared text so that paths share as many tokens as possible."""
-    parts = [text] + ([instruction.strip()] if instruction and instruction.strip() else [])
-    return "\n\n".join(parts + [REASONING_INSTRUCTION])
-
-
-def conclusion_user_text(path_texts: list[str], *, planned: bool) -> str:
-    """The conclusion's user turn (after the question, or after the plan): every path's text."""
-    entries = [
-        fill_template(PATH_ENTRY_TEMPLATE, "path entry", number=str(i), text=text.strip() or EMPTY_PATH_TEXT)
-        for i, text in enumerate(path_texts, 1)
-    ]
-    intro = CONCLUSION_INTRO_PLAN if planned else fill_template(
-        CONCLUSION_INTRO_PATHS, "conclusion intro", count=str(len(path_texts))
-    )
-    return fill_template(CONCLUSION_TEMPLATE, "conclusion", intro=intro, paths="\n\n".join(entries))
-
-
-def short_label(prefix: str, detail: str | None) -> str:
-    if not detail:
-        return prefix
-    flat = " ".join(detail.split())
-    if len(flat) > LABEL_WIDTH:
-        flat = flat[: LABEL_WIDTH - 1].rstrip() + "…"
-    return f"{prefix} · {flat}"
 
 
 # -- the job ------------------------------------------------------------------------------------
@@ -434,21 +219,12 @@ class _Path:
         return self.finish.text if self.finish is not None else ""
 
 
-@dataclass
-class _ExtraCounts:
-    """Work done outside the Decoder (the attend merge), added to its stats at the end."""
-
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-
-
 class ThinkRun:
     """One `think` run over one engine: plan (optional), paths, then vote and/or merge.
 
-    A single Decoder serves every phase, so the question, the plan and the paths stay in one
-    cache and each later phase reuses what is already there.
+    A single Run serves every phase, so the question, the plan and the paths stay in one cache
+    and each later phase reuses what is already there; the attend merge is one more step loop
+    over it, started at an explicit depth.
     """
 
     def __init__(
@@ -460,28 +236,16 @@ class ThinkRun:
         compact_ratio: float = 0.25,
         speculate: str = "off",
     ):
-        from mdcli.engine import Engine
-
         self.model = model
         self.job = job
         self.tokenizer = model.tokenizer
-        self.engine = Engine(
-            model.model,
-            sliding_window=model.sliding_window,
-            mixed_layer_types=model.mixed_layer_types,
-            max_forward_tokens=max_forward_tokens,
-        )
         # the attend merge reads every path's cached tokens: none may be compacted away meanwhile
         ratio = math.inf if job.merge == "attend" else compact_ratio
-        self.decoder = Decoder(
-            self.engine, model.tokenizer, model.eos_token_ids, context_length=model.context_length, compact_ratio=ratio,
-            speculate=speculate,
-        )
-        self.extra = _ExtraCounts()
-        self.last_id = -1
+        self.run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=ratio, speculate=speculate)
+        self.engine = self.run.engine
+        self.decoder = Decoder(self.run, model.tokenizer, model.eos_token_ids)
 
     def events(self) -> Iterator[Event]:
-        started = time.perf_counter()
         self._check_question_fits()
         plan_text, paths = yield from self._map()
         yield from self._decode_paths(paths)
@@ -491,7 +255,7 @@ class ThinkRun:
             yield from self._merge_by_reencoding(paths, plan_text)
         elif self.job.merge == "attend":
             yield from self._merge_by_attending(paths)
-        yield Done(stats=self._stats(time.perf_counter() - started))
+        yield self.run.done()
 
     # -- map -----------------------------------------------------------------------------------
 
@@ -559,14 +323,10 @@ class ThinkRun:
         return plan
 
     def _start(self, infos: list[BranchInfo]):
-        from mdcli.api import start_event
-
-        return start_event(self.model, "think", self.job.sampling.seed, infos)
+        return self.run.start("think", self.job.sampling.seed, infos)
 
     def _announce(self, specs: list[BranchSpec]) -> list[BranchInfo]:
-        infos = self.decoder.announce(specs)
-        self.last_id = max([self.last_id] + [info.id for info in infos])
-        return infos
+        return self.decoder.announce(specs)
 
     # -- process -------------------------------------------------------------------------------
 
@@ -613,11 +373,11 @@ class ThinkRun:
 
     def _merge_by_attending(self, paths: list[_Path]) -> Iterator[Event]:
         """Approximate, Multiverse-style: the conclusion attends to the union of every path's
-        cached tokens (and the question) at position max-depth + 1; nothing is re-encoded."""
-        import torch
-
+        cached tokens (and the question) at position max-depth + 1; nothing is re-encoded. One
+        tip started at that explicit row and depth, decoded by the step loop on its own."""
         started = time.perf_counter()
-        fed_before = self.extra.prefill_tokens
+        counters = self.run.counters
+        fed_before = counters.prefill_tokens
         rows = self._closed_path_rows(paths)  # [P, N]
         union = rows.any(0)  # [N]
         depth = int(rows.sum(-1).max())  # the deepest path's next position
@@ -626,25 +386,26 @@ class ThinkRun:
         if budget < 1:
             yield _skipped_merge_note("attend", f"the paths already fill the model's context of {self.model.context_length}")
             return
-        self.last_id += 1
-        info = BranchInfo(
-            id=self.last_id,
-            label="conclusion (approximate)",
-            prompt_token_ids=self.engine.forest.path_token_ids(union) + chain,  # in cache order, not a sequence
-            exact=False,
+        loop = StepLoop(self.run, Independent(phase=None), self.tokenizer, self.model.eos_token_ids)
+        tip = loop.tip(
+            "conclusion (approximate)",
+            self.engine.forest.path_token_ids(union) + chain,  # in cache order, not a sequence
+            sampling=self.job.sampling, seed_key=CONCLUSION_SEED_KEY, max_new_tokens=budget, stop=self.job.stop,
+            fit=False, counted=False,
         )
-        yield Fork(branch=info)
+        tip.exact = False
+        yield Fork(branch=tip.info())
         yield Note(
             kind="approximate",
             message=f"--merge attend: the conclusion reads all {len(paths)} paths at once from position {depth} "
             "without re-encoding them; the model was not trained for this, so it is not what the model would "
             "write for any single prompt (use --merge reencode for the exact conclusion)",
-            data={"mode": "attend", "start_depth": depth, "fed_tokens": self.extra.prefill_tokens - fed_before + len(chain)},
+            data={"mode": "attend", "start_depth": depth, "fed_tokens": counters.prefill_tokens - fed_before + len(chain)},
         )
-        first = self.engine.forward(union[None], [chain], start_depths=torch.tensor([depth]))[0]
-        self.extra.prefill_tokens += len(chain)
-        yield from self._decode_from(info, first, depth + len(chain), budget)
-        self.extra.seconds += time.perf_counter() - started
+        loop.start_at(tip, union, chain, depth)
+        decoding = counters.decode_seconds
+        yield from loop.run_tips([tip])
+        counters.decode_seconds = decoding + time.perf_counter() - started
 
     def _closed_path_rows(self, paths: list[_Path]) -> torch.Tensor:
         """[P, N] bool: each path's cached tokens, its final token included.
@@ -667,7 +428,7 @@ class ThinkRun:
             outs = self.engine.forward(stacked, [[token] for _, token in tails], logits=False)
             for (i, _), out in zip(tails, outs):
                 rows[i] = out.row
-            self.extra.prefill_tokens += len(tails)
+            self.run.counters.prefill_tokens += len(tails)
         return stack_rows(rows, len(self.engine))  # [P, N]
 
     def _cached_row(self, sequence: list[int]) -> torch.Tensor:
@@ -694,57 +455,6 @@ class ThinkRun:
         if limit is None:
             return self.job.conclusion_tokens
         return min(self.job.conclusion_tokens, limit - first_free_position)
-
-    def _decode_from(self, info: BranchInfo, result, depth: int, budget: int) -> Iterator[Event]:
-        """One branch decoded by hand, its depth tracked explicitly: after an approximate merge a
-        token's position is no longer the number of tokens it attends to, so the engine's default
-        (position = popcount of the row) would be wrong."""
-        import torch
-
-        sampler = Sampler(self.job.sampling, CONCLUSION_SEED_KEY, self.engine.device)
-        detok = StreamingDetokenizer(self.tokenizer, self.job.stop)
-        total = 0.0
-        while True:
-            token = sampler(result.logits)
-            logprob = float(torch.log_softmax(result.logits, -1)[token])
-            total += logprob
-            text = detok.add(token)
-            self.extra.generated_tokens += 1
-            reason = self._finish_reason(token, detok, budget)
-            if reason is not None:
-                yield Token(branch=info.id, token_id=token, text=text + detok.finish(), logprob=logprob)
-                yield Finish(
-                    branch=info.id,
-                    label=info.label,
-                    text=detok.final_text,
-                    token_ids=list(detok.token_ids),
-                    finish_reason=reason,
-                    cumulative_logprob=total,
-                )
-                return
-            yield Token(branch=info.id, token_id=token, text=text, logprob=logprob)
-            result = self.engine.forward(result.row[None], [[token]], start_depths=torch.tensor([depth]))[0]
-            self.extra.steps += 1
-            depth += 1
-
-    def _finish_reason(self, token: int, detok: StreamingDetokenizer, budget: int) -> str | None:
-        if token in self.model.eos_token_ids or detok.stopped_at is not None:
-            return "stop"
-        if len(detok.token_ids) >= budget:
-            return "length"
-        return None
-
-    def _stats(self, seconds: float):
-        base = self.decoder.stats(seconds)
-        return replace(
-            base,
-            prefill_tokens=base.prefill_tokens + self.extra.prefill_tokens,
-            generated_tokens=base.generated_tokens + self.extra.generated_tokens,
-            steps=base.steps + self.extra.steps,
-            decode_seconds=round(base.decode_seconds + self.extra.seconds, 4),
-            peak_cache_tokens=max(base.peak_cache_tokens, self.engine.peak_tokens),
-            final_cache_tokens=len(self.engine),
-        )
 
 
 def _plural(count: int, noun: str) -> str:
