@@ -12,8 +12,6 @@ from mdcli.commands.common import (
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
 )
-from mdcli.api import Explore
-from mdcli.api import explore as run_explore
 
 
 def explore(
@@ -80,6 +78,10 @@ def explore(
     final finish.
     """
     with errors(debug):
+        # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
+        from mdcli.api import Explore
+        from mdcli.api import explore as run_explore
+
         job = Explore(
             prompt=read_prompt(prompt),
             k=k,

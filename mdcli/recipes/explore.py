@@ -42,7 +42,7 @@ class ExploreRecipe(RecipeBase):
         if not self.prompt.strip():
             raise Problem(("prompt",), "is empty", "write the prompt text")
         if self.keep > self.k:
-            raise Problem(("keep",), f"{self.keep} is more than k {self.k}", "use keep <= k (paths kept of k candidates)")
+            raise Problem(("keep",), f"{self.keep} is more than k {self.k}", "use keep <= k (paths kept of k per step)")
 
     def template_sites(self) -> Iterator[TemplateSite]:
         yield TemplateSite(("prompt",), self.prompt, "root")

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mdcli.errors import UsageError
-from mdcli.events import BranchInfo, Event, Progress
+from mdcli.events import BranchInfo, Event, Finish, Progress, Prune
 from mdcli.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.run import Run
 from mdcli.sampling import Sampler, SamplingParams
@@ -159,10 +159,15 @@ class ExploreSearch(Policy):
     # -- the policy ----------------------------------------------------------------------------
 
     def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        """One verb per tip: judges with logits are read and pruned; kept paths whose last token
+        is now cached fork the next round (and are pruned: their text lives on in the children);
+        going candidates take a token and are fed, unless it stopped them; stopped candidates
+        wait for their siblings, then for their judges, then are kept (fed their last token) or
+        pruned."""
         judges = [t for t in tips if t.data.kind == "judge"]
         for judge in judges:
             yield self._rate(loop, judge)
-        if self.parents and any(t is self.parents[0] for t in tips):  # the kept paths have fed their last token
+        if self.parents and any(t is self.parents[0] for t in tips):  # kept paths with logits
             yield from self._fork_round(loop)
         going = [t for t in self.candidates if t.data.done is None]
         if going:
@@ -227,7 +232,7 @@ class ExploreSearch(Policy):
                                 counted=False, data=role)
             yield fork
 
-    def _rate(self, loop: StepLoop, judge: Tip):
+    def _rate(self, loop: StepLoop, judge: Tip) -> Prune:
         """A judge's first-token logits: score = logit(Yes) - logit(No)."""
         yes, no = self.yes_no
         score = float(judge.logits[yes] - judge.logits[no])
@@ -260,7 +265,7 @@ class ExploreSearch(Policy):
         if final:
             yield self._answer(loop, best)
 
-    def _answer(self, loop: StepLoop, best: Tip):
+    def _answer(self, loop: StepLoop, best: Tip) -> Finish:
         """The Start branch finishes with the chosen path: every chosen step, decoded whole."""
         root = self.root
         for token in best.data.path + list(best.tokens):
