@@ -16,8 +16,19 @@ from mdcli.decoding import BranchSpec, Decoder
 from mdcli.events import Event
 from mdcli.run import Run, start_event
 from mdcli.sampling import SamplingParams
+from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, explore  # noqa: F401 - re-exported: step-level search (issue 12)
+from mdcli.strategies.margins import (
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_CLASSIFY_TOKENS,
+    DEFAULT_MARGIN_TOKENS,
+    Margins,
+    MarginsPrompts,
+    run_margins,
+)
+from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
@@ -61,8 +72,6 @@ def ask_many(
     **engine_options,
 ) -> Iterator[Event]:
     """Answer every question about `document`, all decoding together over the document's cache."""
-    from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
-
     job = AskMany(
         document=document,
         questions=list(questions),
@@ -106,16 +115,6 @@ def margins(
     reads segments 1..i; the default for one document) or "independent" (each reads its segment
     alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
     templates are documented in mdcli/strategies/margins.py."""
-    from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
-    from mdcli.strategies.margins import (
-        DEFAULT_ANSWER_TOKENS,
-        DEFAULT_CLASSIFY_TOKENS,
-        DEFAULT_MARGIN_TOKENS,
-        Margins,
-        MarginsPrompts,
-        run_margins,
-    )
-
     job = Margins(
         documents=[documents] if isinstance(documents, str) else list(documents),
         query=query or "",
@@ -207,8 +206,6 @@ def think(
 
     Arguments are checked here, before the first event is asked for.
     """
-    from mdcli.strategies.think import Think, run_think
-
     job = Think(
         question=question,
         paths=paths,

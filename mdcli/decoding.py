@@ -61,15 +61,7 @@ class Independent(Policy):
         self.first_id = first_id
 
     def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
-        if not tips:
-            return
-        for tip, token, logprob in zip(tips, *loop.choose(tips)):
-            event, reason = loop.accept(tip, token, logprob)
-            yield event
-            if reason is None:
-                loop.feed(tip, [token])
-            else:
-                yield from self.ended(loop, tip, reason)
+        return self.advance(loop, tips)
 
     def ended(self, loop: StepLoop, tip: Tip, reason: str) -> Iterator[Event]:
         """Finish, then fork the children: each continues from the parent's full text (its path,

@@ -45,17 +45,18 @@ One step:
    speculative drafts when the run speculates and the policy allows it), sets each fed tip's row,
    logits and cached length, and yields `policy.progress(loop)` (if not None).
 
-Writing a policy: subclass `Policy`, implement `step` (and `progress`, `ended` if wanted):
+Writing a policy: subclass `Policy` and implement `step` (and `ended`, `progress` if wanted).
+`Policy.advance(loop, tips)` is the plain step for the tips it is given: each one's own next
+token (`choose`), accepted (`accept`), fed (`feed`), or, when it finishes the branch, handed to
+`self.ended` (default: `finish`). A policy that does something special for a few tips decides
+those and passes the rest to `advance`:
 
-    class Greedy(Policy):
+    class PruneAfterTen(Policy):
         def step(self, loop, tips):
-            for tip, token, logprob in zip(tips, *loop.choose(tips)):
-                event, reason = loop.accept(tip, token, logprob)
-                yield event
-                if reason is None:
-                    loop.feed(tip, [token])
-                else:
-                    yield from self.ended(loop, tip, reason)
+            long = [t for t in tips if len(t.tokens) >= 10]
+            for tip in long:
+                yield loop.prune(tip, "long enough")
+            yield from self.advance(loop, [t for t in tips if len(t.tokens) < 10])
 
 Step-level search (explore) on these verbs: fork k children of the current tip (`loop.fork(tip,
 label, seed_key=(seed, i)...)`, then choose/accept/feed each child now); after each accept test a
@@ -122,13 +123,27 @@ class Tip:
 
 class Policy:
     """What a strategy decides each step (see the module docstring). `speculative`: the loop may
-    verify drafted tokens for this policy's tips (only for policies whose `step` is the plain
-    choose/accept/feed of `Independent`, which the verify walk reproduces)."""
+    verify drafted tokens for this policy's tips: only for a policy whose `step` is `advance`
+    for every tip, which the verify walk reproduces token by token."""
 
     speculative = False
 
     def step(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
         raise NotImplementedError
+
+    def advance(self, loop: StepLoop, tips: list[Tip]) -> Iterator[Event]:
+        """The plain step for `tips`: each one's own next token, accepted and fed, or, when it
+        ends the branch, `self.ended`. Speculation's verify walk reproduces exactly this."""
+        if not tips:
+            return
+        feed = loop._fed.append  # loop.feed, without a call per token
+        for tip, token, logprob in zip(tips, *loop.choose(tips)):
+            event, reason = loop.accept(tip, token, logprob)
+            yield event
+            if reason is None:
+                feed((tip, [token]))
+            else:
+                yield from self.ended(loop, tip, reason)
 
     def ended(self, loop: StepLoop, tip: Tip, reason: str) -> Iterator[Event]:
         """A tip's accepted token finished it: by default its Finish event."""
@@ -156,7 +171,8 @@ class StepLoop:
         self._waiting: list[Tip] = []
         self._ended = False
         self._walking = False  # True while the verify walk runs after the forward
-        self._deferred: list[Tip] = []  # children forked during the walk, fed next step
+        self.deferred: list[Tip] = []  # children forked during the walk, fed next step
+        self.explicit_depths = False  # a tip was started at an explicit depth (start_at)
 
     # -- tips ----------------------------------------------------------------------------------
 
@@ -212,6 +228,7 @@ class StepLoop:
         import torch
 
         start = self.engine.forward(row[None], [chain], start_depths=torch.tensor([depth]))[0]
+        self.explicit_depths = True
         self.counters.prefill_tokens += len(chain)
         tip.row, tip.logits, tip.depth, tip.cached = start.row, start.logits, depth + len(chain), len(tip.path_ids)
 
@@ -327,7 +344,7 @@ class StepLoop:
             child.logits = parent.logits
         elif self._walking:
             child.chain = chain  # this step's forward already ran: fed first thing next step
-            self._deferred.append(child)
+            self.deferred.append(child)
         else:
             self._fed.append((child, chain))
         info = child.info() if prompt_ids is None else BranchInfo(
@@ -338,28 +355,28 @@ class StepLoop:
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self) -> Iterator[Event]:
+        deciding = self.live
         fed: list[tuple[Tip, list[int]]] = []
-        deciding: list[Tip] = []
-        for tip in self.live:
-            if tip.chain is None:
-                deciding.append(tip)
-            else:  # forked after the last forward: its chain goes first
-                fed.append((tip, tip.chain))
+        if self.deferred:  # children forked after the last forward (a verify walk): their chains go first
+            fed = [(tip, tip.chain) for tip in self.deferred]
+            deciding = [tip for tip in self.live if tip.chain is None]
+            for tip in self.deferred:
                 tip.chain = None
+            self.deferred = []
         self._fed, self._waiting, self._ended = fed, [], False
         yield from self.policy.step(self, deciding)
         if self._ended:
-            self._compact([t for t, _ in fed] + self._waiting)
+            self.compact([t for t, _ in fed] + self._waiting)
         if not fed:
             self.live = self._waiting
             return
         if self.speculation is not None:
-            self._walking, self._deferred = True, []
+            self._walking, self.deferred = True, []
             try:
                 going = yield from feed_with_drafts(self, fed)
             finally:
                 self._walking = False
-            self.live = going + self._deferred + self._waiting
+            self.live = going + self.deferred + self._waiting
             return
         self.forward(fed)
         self.live = [t for t, _ in fed] + self._waiting
@@ -370,7 +387,7 @@ class StepLoop:
 
         rows = [t.row for t, _ in fed]
         chains = [chain for _, chain in fed]
-        if any(t.depth is not None for t, _ in fed):
+        if self.explicit_depths:
             n = len(self.engine)
             stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
             depths = torch.tensor([t.depth if t.depth is not None else int(r.sum()) for (t, _), r in zip(fed, stacked)])
@@ -378,10 +395,15 @@ class StepLoop:
             for (tip, chain), result in zip(fed, results):
                 if tip.depth is not None:
                     tip.depth += len(chain)
-        elif all(len(c) == 1 for c in chains):
+        elif all(len(c) == 1 for c in chains):  # a decode step: one token per tip
             n = len(self.engine)
             stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
             results = self.engine.forward(stacked, chains)
+            self.counters.steps += 1
+            for (tip, _), result in zip(fed, results):
+                tip.row, tip.logits = result.row, result.logits
+                tip.cached += 1
+            return
         else:
             results = self.engine.extend(rows, chains)
         self.counters.steps += 1
@@ -389,7 +411,7 @@ class StepLoop:
             tip.row, tip.logits = result.row, result.logits
             tip.cached += len(chain)
 
-    def _compact(self, live: list[Tip]) -> None:
+    def compact(self, live: list[Tip]) -> None:
         """Reclaim the slots no live tip reaches (their rows: the places the next tokens hang off)."""
         remapped = self.run.maybe_compact([t.row for t in live])
         if remapped is not None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # for annotations only: the step loop imports this module
 
 def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> Iterator[Event]:
     """Feed every tip (with drafts where they pay); returns the tips still decoding (children
-    forked by a finishing tip wait in `loop._deferred`, to be fed next step)."""
+    forked by a finishing tip wait in `loop.deferred`, to be fed next step)."""
     policy, engine = loop.speculation, loop.engine
     fed = sum(len(chain) for _, chain in to_feed)
     trees = [_draft(loop, tip) if len(chain) == 1 else DraftTree() for tip, chain in to_feed]
@@ -80,11 +80,11 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
         finished |= not going
     keep = torch.tensor(kept, dtype=torch.long, device=engine.device) - start
     engine.keep_tail(start, keep + start)
-    for tip in live + loop._deferred:
+    for tip in live + loop.deferred:
         if tip.row.shape[0] > start:
             tip.row = torch.cat([tip.row[:start], tip.row[start:][keep]])
     if finished:
-        loop._compact(live + loop._deferred)
+        loop.compact(live + loop.deferred)
     return live
 
 

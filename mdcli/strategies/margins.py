@@ -13,7 +13,7 @@ before the query for the final answer. Here each of the three stages is ONE deco
 
    * `chain` (default for one document, as in the paper): segments 1..i of the documents read so
      far; documents are separated by a blank line and each is stripped of surrounding whitespace.
-     Prompt i+1 extends prompt i's context, so the radix prefill (decoding.prefill_prompts)
+     Prompt i+1 extends prompt i's context, so the radix prefill (run.prefill_prompts)
      stores the document about once, plus one instruction per margin.
    * `independent` (default for several documents, retrieved passages): segment i alone,
      stripped. Only the system prompt and the template's head are shared.

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from mdcli.decoding import BranchSpec, Decoder, Independent
 from mdcli.errors import ContextTooLongError, UsageError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.forest import stack_rows
 from mdcli.prompts import fill_template
 from mdcli.run import Run
 from mdcli.sampling import SamplingParams
@@ -414,8 +415,6 @@ class ThinkRun:
         leave it out (the merge chain supplies the end of turn); the others get it fed now, in one
         forward, so the conclusion sees every word of every path.
         """
-        from mdcli.forest import stack_rows
-
         rows, tails = [], []
         for path in paths:
             tokens = path.finish.token_ids if path.finish is not None else []
