@@ -58,13 +58,23 @@ those and passes the rest to `advance`:
                 yield loop.prune(tip, "long enough")
             yield from self.advance(loop, [t for t in tips if len(t.tokens) < 10])
 
-Step-level search (explore) on these verbs: fork k children of the current tip (`loop.fork(tip,
-label, seed_key=(seed, i)...)`, then choose/accept/feed each child now); after each accept test a
-boundary on `tip.detok.text` or `len(tip.tokens)` and `loop.wait(tip)` once there, until every
-sibling is there too; score by `tip.logprob / len(tip.tokens)` (mean token logprob), or fork a
-judge child with `continuation=rating_prompt_ids` (fed as one chain) and read the YES/NO logits
-from `judge.logits` next step, then `loop.finish`/`loop.prune` the judge; prune the losers (their
-slots are reclaimed by compaction) and fork the next round from the winner.
+Step-level search (explore) on these verbs:
+
+* k candidates: `loop.fork(tip, f"cand {i}", sampling=SamplingParams(temperature=..., seed=seed),
+  seed_key=i)` k times; each child's generator is seeded from (seed, i). The tip's tokens are all
+  fed, so each child shares its logits and is decided at once: `yield from self.advance(loop,
+  children)` draws every child's own first token.
+* a boundary per tip: after `accept`, test `tip.detok.text` (a sentence or line end) or
+  `len(tip.tokens)` (every N tokens). Still `feed` the boundary token (the tip's logits then
+  follow its whole text), remember the tip is there, and `loop.wait(tip)` on the following steps
+  until every sibling is there too.
+* scores: `tip.logprob / len(tip.tokens)` is the mean token logprob of a candidate (a child's
+  tokens start at its fork). A judge: `loop.fork(cand, "judge", continuation=rating_ids,
+  sampling=SamplingParams(), max_new_tokens=1)` feeds the rating prompt as one chain this step;
+  next step `judge.logits` ([V]) gives the YES/NO logits, then `loop.prune(judge, ...)`.
+* choosing: `loop.prune(loser, f"score {s:.3f}")` for the losers (their slots are reclaimed by
+  compaction), fork the next round's candidates from the winner, then prune or finish the winner
+  itself (its cached tokens stay: the children hang off them).
 
 Explicit depth (an approximate merge): `loop.start_at(tip, row, chain, depth)` feeds `chain`
 hanging off any row at position `depth`; the tip then keeps its own depth counter (`tip.depth`).
