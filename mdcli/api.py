@@ -19,6 +19,7 @@ from mdcli.sampling import SamplingParams
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
+from mdcli.strategies.explore import Explore, explore  # noqa: F401 - re-exported: step-level search (issue 12)
 from mdcli.strategies.margins import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_CLASSIFY_TOKENS,

@@ -56,10 +56,11 @@ app.command("margins")(margins.margins)
 app.command("think")(think.think)
 app.command("bench")(bench.bench)
 
-from mdcli.commands import explain, recipes, run  # noqa: E402
+from mdcli.commands import explain, explore, recipes, run  # noqa: E402
 
 app.command("run")(run.run)
 app.command("explain")(explain.explain)
+app.command("explore")(explore.explore)
 app.add_typer(recipes.app, name="recipes")
 
 

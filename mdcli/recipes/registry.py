@@ -13,6 +13,7 @@ from pydantic import Field, TypeAdapter
 
 from mdcli.recipes.ask_many import AskManyRecipe
 from mdcli.recipes.beam import BeamRecipe
+from mdcli.recipes.explore import ExploreRecipe
 from mdcli.recipes.margins import MarginsRecipe
 from mdcli.recipes.schema import RecipeBase
 from mdcli.recipes.think import ThinkRecipe
@@ -24,6 +25,7 @@ STRATEGY_MODELS: tuple[type[RecipeBase], ...] = (
     BeamRecipe,
     MarginsRecipe,
     ThinkRecipe,
+    ExploreRecipe,
 )
 
 Recipe = Union[STRATEGY_MODELS]  # noqa: UP007 - built from a tuple

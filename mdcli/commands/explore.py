@@ -1,0 +1,112 @@
+"""`mdcli explore`: step-level search, k candidate steps decoded together, the best kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mdcli.commands.common import (
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
+    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
+    TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
+)
+
+
+def explore(
+    prompt: Annotated[
+        str, typer.Argument(help="The prompt: text, a file holding it, or - for stdin.", show_default=False)
+    ],
+    k: Annotated[int, typer.Option("--k", "-k", help="Candidates sampled per kept path at each step.")] = 4,
+    keep: Annotated[int, typer.Option("--keep", help="Paths kept after each step (at most --k).")] = 1,
+    chunk_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--chunk-tokens",
+            help="Steps of exactly this many tokens. Default: a step ends at the end of a sentence or a line "
+            "(or after 64 tokens).",
+            show_default=False,
+        ),
+    ] = None,
+    score: Annotated[
+        str,
+        typer.Option(
+            "--score",
+            help="How candidates are ranked: logprob (mean token logprob of the step) or judge (the model's "
+            "own Yes-minus-No logit when asked whether the step is correct and helpful, a branch of the same "
+            "forest).",
+        ),
+    ] = "logprob",
+    temperature: Annotated[
+        float,
+        typer.Option(
+            "--temperature", "-t", min=0.0,
+            help="Sampling temperature of the candidates; 0 = greedy (then the k candidates are all the same).",
+        ),
+    ] = 0.8,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    max_new_tokens: MaxNewOpt = 256,
+    system: SystemOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    attn: AttnOpt = "sdpa",
+    load_in_4bit: FourBitOpt = False,
+    load_in_8bit: EightBitOpt = False,
+    device_map: DeviceMapOpt = None,
+    trust_remote_code: RemoteCodeOpt = False,
+    no_chat_template: NoChatOpt = False,
+    output: OutputOpt = Output.auto,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
+    progress: ProgressOpt = False,
+    max_forward_tokens: ChunkOpt = 1024,
+    debug: DebugOpt = False,
+) -> None:
+    """Step-level search: at each step (a sentence or line, or --chunk-tokens) --k sampled
+    candidates decode together in one forest; the best --keep by --score go on, the rest leave
+    the cache; until EOS or -n.
+
+    Every candidate's tokens are what sampling its prompt (the prompt + the steps chosen so far)
+    alone gives with candidate i's own generator, seeded from --seed and i. With --k 1 the answer
+    is plain decoding of the prompt (with -t 0: model.generate's greedy answer). JSONL: each
+    candidate is a fork ending in a prune whose reason holds its score and rank; the answer is the
+    final finish.
+    """
+    with errors(debug):
+        # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
+        from mdcli.api import Explore
+        from mdcli.api import explore as run_explore
+
+        job = Explore(
+            prompt=read_prompt(prompt),
+            k=k,
+            keep=keep,
+            chunk_tokens=chunk_tokens,
+            score=score,
+            system=system,
+            chat_template=not no_chat_template,
+            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
+            max_new_tokens=max_new_tokens,
+        )
+        job.validate()  # bad input exits 2 before the model loads
+        mode = Output.jsonl if jsonl else output
+        check_progress(quiet, progress)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        events = run_explore(
+            lm, job.prompt, k=job.k, keep=job.keep, chunk_tokens=job.chunk_tokens, score=job.score,
+            system=job.system, chat_template=job.chat_template, sampling=job.sampling,
+            max_new_tokens=job.max_new_tokens, max_forward_tokens=max_forward_tokens,
+        )
+        render(events, mode, quiet, header=header(lm), progress=progress)
+
+
+def read_prompt(source: str) -> str:
+    """'-' reads stdin and an existing file is read (without the newline editors end it with);
+    anything else is the prompt text itself."""
+    looks_like_a_path = source == "-" or ("\n" not in source and len(source) < 4096 and Path(source).is_file())
+    return read_document(source).rstrip("\r\n") if looks_like_a_path else source
