@@ -16,7 +16,7 @@ Padding keys carry the same dtype-min; padding query rows repeat a real row and 
 
 `sparse_wanted` is the rule (measured, BENCHMARKS.md issue 14): a plan whose padded work
 (groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N.
-`MDCLI_SPARSE_ATTENTION=0` turns it off.
+`MDCLI_SPARSE_ATTENTION=0` turns it off, `=always` takes it for every forward of 2+ queries.
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, no
 GATHER_COST = 12.0  # a gathered key/value slot costs about as much as this many query rows (measured, issue 14)
 
 
-def sparse_enabled() -> bool:
-    return os.environ.get(OPT_OUT, "").strip().lower() not in {"0", "off", "no", "false", "dense"}
+def sparse_mode() -> str:
+    """MDCLI_SPARSE_ATTENTION: "off" (0, off, dense), "always" (every forward of 2+ queries, for
+    tests and measurement) or "auto" (the default: by `sparse_wanted`)."""
+    value = os.environ.get(OPT_OUT, "").strip().lower()
+    if value in {"0", "off", "no", "false", "dense"}:
+        return "off"
+    return "always" if value in {"always", "force"} else "auto"
 
 
 def sparse_wanted(queries: int, slots: int, groups: int, group_queries: int, group_keys: int) -> bool:
@@ -67,7 +72,8 @@ def plan_for(mask) -> SparsePlan | None:
     where the dense attention should run (off, a lone query, or too little to save)."""
     import torch
 
-    if mask is None or not sparse_enabled():
+    mode = sparse_mode()
+    if mask is None or mode == "off":
         return None
     full = mask.get("full_attention", next(iter(mask.values()))) if isinstance(mask, dict) else mask
     m, n = full.shape[-2], full.shape[-1]
@@ -88,7 +94,7 @@ def plan_for(mask) -> SparsePlan | None:
             0, group_of_row, allowed.to(torch.int32)) > 0
     counts = visible.sum(1)  # [B]
     q_max, k_max = int(sizes.max()), int(counts.max())
-    if not sparse_wanted(m, n, b, q_max, k_max):
+    if mode == "auto" and not sparse_wanted(m, n, b, q_max, k_max):
         return None
     return _plan(mask, visible, counts, starts, sizes, group_of_row, q_max, k_max)
 
