@@ -17,6 +17,8 @@ and the tests compare this one with it. What this forward changes, per layer:
   x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
   [in, out] weights faster for one row);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
+* where the queries see a small part of the cache (a wide forest of unrelated branches), attention
+  over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
 

@@ -87,13 +87,17 @@ def plan_for(mask) -> SparsePlan | None:
     group_of_row[starts[1:]] = 1
     group_of_row = group_of_row.cumsum(0)  # [M]
     sizes = torch.bincount(group_of_row, minlength=b)  # [B]
+    q_max = int(sizes.max())
+    seen = int(allowed.sum(1).max())  # a group sees at least as many slots as its widest row
+    if mode == "auto" and not sparse_wanted(m, n, b, q_max, seen):
+        return None  # dense for sure: skip the union below (an [M, N] pass)
     if b == m:  # every row its own group (a decode step)
         visible = allowed  # [B, N]
     else:  # [B, N]: a slot is visible to a group when any of its rows sees it
         visible = torch.zeros(b, n, dtype=torch.int32, device=device).index_add_(
             0, group_of_row, allowed.to(torch.int32)) > 0
     counts = visible.sum(1)  # [B]
-    q_max, k_max = int(sizes.max()), int(counts.max())
+    k_max = int(counts.max())
     if mode == "auto" and not sparse_wanted(m, n, b, q_max, k_max):
         return None
     return _plan(mask, visible, counts, starts, sizes, group_of_row, q_max, k_max)
