@@ -17,6 +17,8 @@ and the tests compare this one with it. What this forward changes, per layer:
   x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
   [in, out] weights faster for one row);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
+* where the queries see a small part of the cache (a wide forest of unrelated branches), attention
+  over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
 
@@ -32,6 +34,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from mdcli import sparse_attention
+from mdcli.sparse_attention import plan_for
 
 if TYPE_CHECKING:
     import torch
@@ -151,6 +156,7 @@ class FastForward:
         self.scaling = first.scaling
         self.attention = attention or _attention_wanted(model)
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
+        self.sparse_forwards = 0  # forwards whose attention ran on gathered slots (sparse_attention)
         self.head = model.lm_head.weight  # [V, hidden]
         self.transposed = transposing_wanted(model) if transposed is None else transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
@@ -186,7 +192,9 @@ class FastForward:
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        masks = self._step_masks(mask)
+        plan = plan_for(mask)  # attention over each query's visible slots only, or None: dense
+        self.sparse_forwards += plan is not None
+        masks = plan.masks if plan is not None else self._step_masks(mask)
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
@@ -196,7 +204,10 @@ class FastForward:
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
-            attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H * D]
+            if plan is not None:
+                attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask)  # [1, M, H * D]
+            else:
+                attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H * D]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
@@ -226,6 +237,13 @@ class FastForward:
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values,
                                                  None if mask is None else mask, dropout=0.0, scaling=self.scaling)
         return out.reshape(1, m, -1)  # [1, M, H * D]
+
+
+    def _attend_sparse(self, plan, layer: _Layer, query, keys, values, mask):
+        """_attend on the plan's gathered keys and values (mdcli.sparse_attention), same core."""
+        if self.attention == "bmm":
+            return sparse_attention.grouped_attention(plan, query, keys, values, mask, self.scaling)
+        return sparse_attention.sdpa_attention(plan, layer.attention, query, keys, values, mask, self.scaling)
 
 
 def _attention_wanted(model) -> str:

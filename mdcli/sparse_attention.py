@@ -1,0 +1,201 @@
+"""Attention over each query's visible slots only, for forwards where queries see little of the cache.
+
+The engine's mask is [M, N] over every cache slot (N counts this forward's own M tokens), and the
+dense attention computes every query against every slot, masking afterwards. In a wide forest of
+unrelated branches (64 classification prompts of ~170 tokens over an 11,000-slot cache) a query
+sees ~1-2% of the slots, so ~98% of that work is multiplied by zero. Here the queries are cut into
+*groups* (runs of consecutive rows that are one chain: each row sees the row before it, as the
+engine lays chains out), each group's keys are the union of the slots its rows see, and attention
+runs as one batched product over [groups, padded keys] with the small mask gathered from the
+engine's. The plan (which rows, which slots, the small masks) is made once per forward and reused
+by every layer; each layer gathers its keys and values with one `index_select` each.
+
+Exact: a masked key's weight is exp(dtype-min - max) = 0 in the dense softmax, so leaving it out
+changes nothing but the order of float sums (logits agree to float32 rounding, tokens identical).
+Padding keys carry the same dtype-min; padding query rows repeat a real row and are dropped.
+
+`sparse_wanted` is the rule (measured, BENCHMARKS.md issue 14): a plan whose padded work
+(groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N.
+`MDCLI_SPARSE_ATTENTION=0` turns it off, `=always` takes it for every forward of 2+ queries.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+OPT_OUT = "MDCLI_SPARSE_ATTENTION"
+SPARSE_FRACTION = 0.5  # sparse when its padded work is at most this share of the dense work
+MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, nothing to save
+GATHER_COST = 12.0  # a gathered key/value slot costs about as much as this many query rows (measured, issue 14)
+
+
+def sparse_mode() -> str:
+    """MDCLI_SPARSE_ATTENTION: "off" (0, off, dense), "always" (every forward of 2+ queries, for
+    tests and measurement) or "auto" (the default: by `sparse_wanted`)."""
+    value = os.environ.get(OPT_OUT, "").strip().lower()
+    if value in {"0", "off", "no", "false", "dense"}:
+        return "off"
+    return "always" if value in {"always", "force"} else "auto"
+
+
+def sparse_wanted(queries: int, slots: int, groups: int, group_queries: int, group_keys: int) -> bool:
+    """Whether the gathered attention pays for `queries` rows over `slots` keys, cut into `groups`
+    groups of at most `group_queries` rows seeing at most `group_keys` slots each (padded)."""
+    if queries < MIN_QUERIES:
+        return False
+    padded = groups * group_keys * (group_queries + GATHER_COST)
+    return padded <= SPARSE_FRACTION * queries * slots
+
+
+@dataclass
+class SparsePlan:
+    """Made once per forward, read by every layer."""
+
+    keys: torch.Tensor  # [B * K] long: slot of group b's k-th key (padding: slot 0, masked)
+    queries: torch.Tensor  # [B * Q] long: row of group b's q-th query (padding: the group's first row)
+    back: torch.Tensor  # [M] long: where row m's output lies among the B * Q padded rows
+    masks: object  # [B, Q, K] additive, or a dict of them by layer type (as the engine's mask)
+    groups: int  # B
+    group_queries: int  # Q
+    group_keys: int  # K
+    rows: dict = field(default_factory=dict)  # per cache row stride: [B * G * K] rows to gather
+    stacked: dict = field(default_factory=dict)  # per mask: [B * G, H/G * Q, K], the bmm core's rows
+
+
+def plan_for(mask) -> SparsePlan | None:
+    """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
+    where the dense attention should run (off, a lone query, or too little to save)."""
+    import torch
+
+    mode = sparse_mode()
+    if mask is None or mode == "off":
+        return None
+    full = mask.get("full_attention", next(iter(mask.values()))) if isinstance(mask, dict) else mask
+    m, n = full.shape[-2], full.shape[-1]
+    if m < MIN_QUERIES:
+        return None
+    allowed = full[0, 0] == 0  # [M, N]: the widest mask (a window only narrows it)
+    device = allowed.device
+    starts = group_starts(allowed)  # [B] first row of each group
+    b = starts.shape[0]
+    group_of_row = torch.zeros(m, dtype=torch.long, device=device)
+    group_of_row[starts[1:]] = 1
+    group_of_row = group_of_row.cumsum(0)  # [M]
+    sizes = torch.bincount(group_of_row, minlength=b)  # [B]
+    q_max = int(sizes.max())
+    seen = int(allowed.sum(1).max())  # a group sees at least as many slots as its widest row
+    if mode == "auto" and not sparse_wanted(m, n, b, q_max, seen):
+        return None  # dense for sure: skip the union below (an [M, N] pass)
+    if b == m:  # every row its own group (a decode step)
+        visible = allowed  # [B, N]
+    else:  # [B, N]: a slot is visible to a group when any of its rows sees it
+        visible = torch.zeros(b, n, dtype=torch.int32, device=device).index_add_(
+            0, group_of_row, allowed.to(torch.int32)) > 0
+    counts = visible.sum(1)  # [B]
+    k_max = int(counts.max())
+    if mode == "auto" and not sparse_wanted(m, n, b, q_max, k_max):
+        return None
+    return _plan(mask, visible, counts, starts, sizes, group_of_row, q_max, k_max)
+
+
+def group_starts(allowed: torch.Tensor) -> torch.Tensor:
+    """[B] long: rows that begin a group. Row r + 1 joins row r's group when it sees row r's own
+    new slot (the next token of the same chain); allowed: [M, N], the last M columns the new tokens."""
+    import torch
+
+    m, n = allowed.shape
+    rows = torch.arange(1, m, device=allowed.device)
+    continues = allowed[rows, n - m + rows - 1]  # [M - 1]
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=allowed.device), rows[~continues]])
+
+
+def _plan(mask, visible, counts, starts, sizes, group_of_row, q_max: int, k_max: int) -> SparsePlan:
+    import torch
+
+    b, n = visible.shape
+    m = group_of_row.shape[0]
+    device = visible.device
+    group, slot = visible.nonzero(as_tuple=True)  # ascending by group, then slot
+    first = torch.cumsum(counts, 0) - counts  # [B]
+    keys = torch.zeros(b, k_max, dtype=torch.long, device=device)
+    keys[group, torch.arange(group.shape[0], device=device) - first[group]] = slot
+    key_valid = torch.arange(k_max, device=device)[None, :] < counts[:, None]  # [B, K]
+    within = torch.arange(m, device=device) - starts[group_of_row]  # [M] row's place in its group
+    queries = starts[:, None].expand(b, q_max).clone()
+    queries[group_of_row, within] = torch.arange(m, device=device)
+    back = group_of_row * q_max + within
+
+    def small(additive):  # [1, 1, M, N] -> [B, Q, K]
+        picked = additive[0, 0][queries[:, :, None], keys[:, None, :]]
+        return picked.masked_fill_(~key_valid[:, None, :], torch.finfo(additive.dtype).min)
+
+    masks = {kind: small(x) for kind, x in mask.items()} if isinstance(mask, dict) else small(mask)
+    return SparsePlan(keys=keys.flatten(), queries=queries.flatten(), back=back, masks=masks,
+                      groups=b, group_queries=q_max, group_keys=k_max)
+
+
+def gather(plan: SparsePlan, query, keys, values):
+    """The plan's operands: query [1, H, M, D] -> [B, H, Q, D]; keys, values [1, G, N, D] ->
+    [B, G, K, D] each, gathered as whole rows of D numbers straight into that order (one
+    index_select along the first dimension of the cache buffer: 2-3x faster than along N)."""
+    b, q, k = plan.groups, plan.group_queries, plan.group_keys
+    _, heads, _, dim = query.shape
+    groups = keys.shape[1]
+    picked = query[0].index_select(1, plan.queries).view(heads, b, q, dim).transpose(0, 1)  # [B, H, Q, D]
+    return picked, _rows(plan, keys).view(b, groups, k, dim), _rows(plan, values).view(b, groups, k, dim)
+
+
+def _rows(plan: SparsePlan, cache):
+    """[B * G * K, D]: cache [1, G, N, D] rows in the plan's order (group, head, key)."""
+    import torch
+
+    heads, _, dim = cache.shape[1:]
+    one = cache[0]  # [G, N, D]
+    if one.stride(2) == 1 and one.stride(1) == dim and one.stride(0) % dim == 0:  # rows of one buffer
+        per_head = one.stride(0) // dim
+        flat = one.as_strided((heads * per_head - (per_head - one.shape[1]), dim), (dim, 1))  # [G * cap, D]
+    else:
+        per_head = one.shape[1]
+        flat = one.reshape(heads * per_head, dim)
+    index = plan.rows.get(per_head)
+    if index is None:  # [B, G, K]: head g's slot s is row g * per_head + s
+        offsets = torch.arange(heads, device=one.device) * per_head
+        index = (plan.keys.view(plan.groups, 1, plan.group_keys) + offsets[None, :, None]).flatten()
+        plan.rows[per_head] = index
+    return flat.index_select(0, index)
+
+
+def grouped_attention(plan: SparsePlan, query, keys, values, mask, scale: float):
+    """The bmm core on gathered operands: the H / G query heads of a key/value group stacked.
+    query [1, H, M, D], keys/values [1, G, N, D], mask [B, Q, K] additive. Returns [1, M, H * D]."""
+    import torch
+
+    q_small, k_small, v_small = gather(plan, query, keys, values)
+    b, heads, q, dim = q_small.shape
+    groups = k_small.shape[1]
+    per_group = heads // groups
+    stacked = q_small.reshape(b * groups, per_group * q, dim)  # [B * G, H/G * Q, D]
+    rows = plan.stacked.get(id(mask))
+    if rows is None:  # once per forward and mask, not per layer
+        rows = mask[:, None, None].expand(b, groups, per_group, q, mask.shape[-1])
+        rows = plan.stacked[id(mask)] = rows.reshape(b * groups, per_group * q, mask.shape[-1])  # [B * G, H/G * Q, K]
+    scores = torch.baddbmm(rows, stacked, k_small.reshape(b * groups, -1, dim).transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v_small.reshape(b * groups, -1, dim))  # [B * G, H/G * Q, D]
+    out = out.view(b, heads, q, dim).transpose(1, 2).reshape(b * q, heads * dim)  # [B * Q, H * D]
+    return out.index_select(0, plan.back)[None]  # [1, M, H * D]
+
+
+def sdpa_attention(plan: SparsePlan, module, query, keys, values, mask, scale: float):
+    """transformers' sdpa entry (as mdcli.kernels may route it) on gathered operands: [1, M, H * D]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q_small, k_small, v_small = gather(plan, query, keys, values)
+    b, heads, q, dim = q_small.shape
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q_small, k_small, v_small, mask[:, None],
+                                             dropout=0.0, scaling=scale)  # [B, Q, H, D]
+    return out.reshape(b * q, heads * dim).index_select(0, plan.back)[None]

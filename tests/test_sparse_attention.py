@@ -1,0 +1,156 @@
+"""Attention over each query's visible slots only (mdcli.sparse_attention) is the dense attention.
+
+A wide forest of unrelated branches (several roots, several chains each, mixed lengths) is where
+mdcli's forward gathers each chain's slots instead of attending over the whole cache. On the tiny
+models of every architecture mdcli's forward supports (Mistral's with a sliding window) and on
+both attention cores, every step's logits equal the dense path's and each branch's alone, and the
+greedy tokens equal `generate`. Which path runs is a rule on shapes, stated here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdcli.decoding import prefill_prompts
+from mdcli.fastforward import FastForward
+from mdcli.forest import layout_chains, pad_rows
+from mdcli.sparse_attention import OPT_OUT, group_starts, plan_for, sparse_wanted
+from tests.reference import generate_alone
+from tests.test_engine_exactness import alone_logits, engine_for, random_prompts, tiny_model
+
+# the architectures mdcli's forward takes (mistral: window 6 on every layer; qwen2-mixed: a full
+# layer and two with window 6, so the forward gets one mask per layer type)
+SUPPORTED = ["llama", "qwen2", "mistral", "qwen2-mixed"]
+
+
+def model_for(arch: str):
+    if arch != "qwen2-mixed":
+        return tiny_model(arch, "sdpa")
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                            use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                            eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def wide_forest() -> list[list[int]]:
+    """Twelve unrelated roots of 5-30 tokens with 1-4 chains of 1-13 tokens hanging off each."""
+    shapes = [(30, [3, 13]), (9, [1, 6, 2, 11]), (22, [7]), (14, [4, 4, 9]), (26, [12, 2]), (5, [2, 8]),
+              (17, [1]), (11, [6, 3, 5]), (24, [10]), (8, [2, 2]), (19, [13, 1, 4]), (12, [5])]
+    return [p for seed, (root, tails) in enumerate(shapes) for p in random_prompts(root, tails, seed=seed + 5)]
+
+
+def decode(engine, prompts, steps: int):
+    """Greedy decode of every prompt together; returns per-step logits [C, V] and the tokens."""
+    out = prefill_prompts(engine, prompts)
+    rows, logits = [o.row for o in out], torch.stack([o.logits for o in out])
+    history, generated = [logits], [[] for _ in prompts]
+    for _ in range(steps - 1):
+        tokens = logits.argmax(-1).tolist()
+        for g, t in zip(generated, tokens):
+            g.append(t)
+        stacked = torch.stack([pad_rows(r[None], len(engine))[0] for r in rows])
+        out = engine.forward(stacked, [[t] for t in tokens])
+        rows, logits = [o.row for o in out], torch.stack([o.logits for o in out])
+        history.append(logits)
+    for g, t in zip(generated, logits.argmax(-1).tolist()):
+        g.append(t)
+    return history, generated
+
+
+def own_engine(model, attention: str, **options):
+    engine = engine_for(model, **options)
+    engine._fast = FastForward(model, attention=attention, packed=False)
+    return engine
+
+
+@pytest.mark.parametrize("attention", ["bmm", "transformers"])
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_a_wide_forest_gives_the_dense_logits_each_branchs_alone_and_generate_tokens(arch, attention, monkeypatch):
+    """Every forward gathers (=always): the prefill's and every decode step's."""
+    model = model_for(arch)
+    prompts = wide_forest()
+    monkeypatch.setenv(OPT_OUT, "always")
+    sparse = own_engine(model, attention)
+    sparse_logits, sparse_tokens = decode(sparse, prompts, steps=8)
+    assert sparse._fast.sparse_forwards >= 8, "the wide forest's prefill and steps take the sparse path"
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense = own_engine(model, attention)
+    dense_logits, dense_tokens = decode(dense, prompts, steps=8)
+    assert dense._fast.sparse_forwards == 0
+    assert sparse_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(sparse_logits, dense_logits))
+    assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        alone = alone_logits(model, prompt + sparse_tokens[i][:-1])
+        assert float((alone - sparse_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
+        assert sparse_tokens[i] == generate_alone(model, prompt, 8), f"branch {i}"
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_a_wide_forest_fed_in_small_forwards_stays_exact(arch, monkeypatch):
+    """Chains cut across forwards (max_forward_tokens 16): groups see earlier pieces in the cache."""
+    monkeypatch.setenv(OPT_OUT, "always")
+    model = model_for(arch)
+    prompts = wide_forest()
+    engine = own_engine(model, "bmm", max_forward_tokens=16)
+    _, tokens = decode(engine, prompts, steps=6)
+    assert engine._fast.sparse_forwards > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == generate_alone(model, prompt, 6), f"branch {i}"
+
+
+def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded, monkeypatch):
+    """By the rule (auto): the prefill of twelve unrelated roots gathers, the decode steps too
+    where each branch sees little of the cache."""
+    model = embedded.model
+    prompts = wide_forest()
+    sparse = own_engine(model, "bmm")
+    sparse_logits, sparse_tokens = decode(sparse, prompts, steps=4)
+    assert sparse._fast.sparse_forwards >= 1
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=4)
+    assert sparse_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(sparse_logits, dense_logits))
+    assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        assert sparse_tokens[i] == generate_alone(model, prompt, 4), f"branch {i}"
+
+
+def test_the_rule_gathers_only_when_queries_see_a_small_part_of_the_cache():
+    # classification steps at 8 questions: 64 lone-token branches, ~200 of 11,000 slots each
+    assert sparse_wanted(queries=64, slots=11_000, groups=64, group_queries=1, group_keys=200)
+    # a prefill forward of six unrelated 170-token chains over that cache
+    assert sparse_wanted(queries=1024, slots=12_000, groups=6, group_queries=171, group_keys=171)
+    # 8 branches decoding over one shared 1,700-token document: each sees nearly all of it
+    assert not sparse_wanted(queries=8, slots=1_800, groups=8, group_queries=1, group_keys=1_720)
+    # a lone query never: the dense product is one row
+    assert not sparse_wanted(queries=1, slots=11_000, groups=1, group_queries=1, group_keys=10)
+    # half the cache each: the padded work is no cheaper
+    assert not sparse_wanted(queries=16, slots=1_000, groups=2, group_queries=8, group_keys=500)
+
+
+def test_groups_are_the_chains_of_a_forward_and_a_shared_document_stays_dense():
+    n_cache = 40
+    doc = torch.zeros(1, n_cache, dtype=torch.bool)
+    doc[0, :] = True  # every chain hangs off the whole 40-slot document
+    layout = layout_chains(doc.expand(3, n_cache), [2, 1, 3], n_cache, None)
+    assert group_starts(layout.allowed).tolist() == [0, 2, 3]
+    additive = torch.zeros(layout.allowed.shape).masked_fill_(~layout.allowed, torch.finfo(torch.float32).min)
+    assert plan_for(additive[None, None]) is None  # each chain sees 40+ of 46 slots
+    n_cache = 400
+    apart = torch.zeros(3, n_cache, dtype=torch.bool)
+    for c, (a, b) in enumerate([(0, 5), (5, 9), (300, 310)]):
+        apart[c, a:b] = True  # three unrelated short branches in a 400-slot forest
+    layout = layout_chains(apart, [2, 1, 3], n_cache, None)
+    additive = torch.zeros(layout.allowed.shape).masked_fill_(~layout.allowed, torch.finfo(torch.float32).min)
+    plan = plan_for(additive[None, None])
+    assert (plan.groups, plan.group_queries, plan.group_keys) == (3, 3, 13)  # the third: 10 + its 3
+    assert plan.back.tolist() == [0, 1, 3, 6, 7, 8]  # row m's place among the 3 x 3 padded rows
