@@ -35,7 +35,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli import sparse_attention
+from mdcli import packing, sparse_attention
+from mdcli.kernels import avx2_step, kernel_name
 from mdcli.sparse_attention import plan_for
 
 if TYPE_CHECKING:
@@ -57,16 +58,12 @@ def packing_wanted(model) -> bool:
     """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN or on an AVX2
     x86-64 CPU, unless turned off (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the
     free memory."""
-    from mdcli.packing import packing_wanted as wanted
-
-    return wanted(model)
+    return packing.packing_wanted(model)
 
 
 def transposing_wanted(model) -> bool:
     """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.packing)."""
-    from mdcli.packing import transposing_wanted as wanted
-
-    return wanted(model)
+    return packing.transposing_wanted(model)
 
 
 def unsupported_reason(model) -> str | None:
@@ -161,16 +158,12 @@ class FastForward:
         self.transposed = transposing_wanted(model) if transposed is None else transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
         if self.transposed:  # copied from the plain weights, before packing replaces them below
-            from mdcli.packing import transposed_weights
-
-            copies, self.lone_head = transposed_weights(model, self.layers)
+            copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
                          for layer, (qkv, o, gate_up, down) in zip(self.layers, copies)]
         self.packed = packing_wanted(model) if packed is None else packed
         if self.packed:
-            from mdcli.packing import packed_weights
-
-            packed, self.head = packed_weights(model, self.layers)
+            packed, self.head = packing.packed_weights(model, self.layers)
             for layer, weights in zip(self.layers, packed):
                 layer.qkv, layer.o, layer.gate_up, layer.down = weights
 
@@ -250,8 +243,6 @@ def _attention_wanted(model) -> str:
     """bmm where measured faster than sdpa: with oneDNN linears (AVX-512, 2-5%) and on AVX2 x86-64
     (Zen 3, stock MKL products: 1 query 263 -> 226 us, 8 queries 695 -> 592 us per layer over
     1,724 keys)."""
-    from mdcli.kernels import avx2_step, kernel_name
-
     weight = model.model.layers[0].mlp.up_proj.weight
     if kernel_name(weight.device, weight.dtype) == "oneDNN" or avx2_step(weight.device, weight.dtype):
         return "bmm"
@@ -279,15 +270,11 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
 
 
 def _packed_linear(x, weight, bias=None):
-    from mdcli.packing import packed_linear
-
-    return packed_linear(x, weight, bias)
+    return packing.packed_linear(x, weight, bias)
 
 
 def _transposed_linear(x, weight_t, bias=None):
-    from mdcli.packing import transposed_linear
-
-    return transposed_linear(x, weight_t, bias)
+    return packing.transposed_linear(x, weight_t, bias)
 
 
 def _rms_norm(x, weight, eps: float):

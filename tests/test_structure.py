@@ -47,9 +47,7 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Being fixed in issue 12; remove when merged.
 LONG_MODULES: set[str] = set()
 # Being fixed in issue 12; remove when merged.
-LAZY_IMPORT_FILES = {
-    "mdcli/fastforward.py",
-}
+LAZY_IMPORT_FILES: set[str] = set()
 # Being fixed in issue 12; remove when merged.
 COMMANDS_OFF_API: set[str] = set()
 
