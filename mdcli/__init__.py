@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "ask_many", "beam_search", "load_model", "load_tokenizer", "margins", "run_specs", "think"]
+__all__ = ["__version__", "ask_many", "beam_search", "explore", "load_model", "load_tokenizer", "margins", "run_specs", "think"]
 
 
 def __getattr__(name: str):

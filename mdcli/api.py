@@ -19,7 +19,7 @@ from mdcli.sampling import SamplingParams
 from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
-from mdcli.strategies.explore import Explore, explore  # noqa: F401 - re-exported: step-level search (issue 12)
+from mdcli.strategies.explore import Explore, explore
 from mdcli.strategies.margins import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_CLASSIFY_TOKENS,
@@ -54,8 +54,6 @@ def run_specs(
     yield from decoder.decode()
     yield run.done()
 
-
-__all__ = ["ask_many", "beam_search", "margins", "run_specs", "start_event", "think"]
 
 
 def ask_many(
@@ -252,11 +250,11 @@ from mdcli.strategies.think import Think  # noqa: E402
 
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
-    "ask_many", "beam_search", "margins", "run_specs", "think",
+    "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
     # loading
     "LoadedModel", "load_model", "load_tokenizer",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded
-    "ASK_MANY_TEMPLATE", "AskMany", "BeamParams", "BranchSpec", "Margins", "MarginsPrompts", "SamplingParams",
+    "ASK_MANY_TEMPLATE", "AskMany", "BeamParams", "BranchSpec", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",
