@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "MDCLI_FORWARD"
+# On AVX2 x86-64, bmm attention only up to this many queries per forward (Zen 3, 2,000-2,500 keys:
+# bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512)
+BMM_MAX_QUERIES = 64
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -152,6 +155,9 @@ class FastForward:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.attention = attention or _attention_wanted(model)
+        # bmm materializes every score: past BMM_MAX_QUERIES queries sdpa's chunked kernel wins on
+        # AVX2 (a long prefill over a tree: margins' prefill 24.8 s with sdpa, 46.0 s with bmm)
+        self.bmm_max_queries = BMM_MAX_QUERIES if attention is None and avx2_step(*_weight_kind(model)) else None
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on gathered slots (sparse_attention)
         self.head = model.lm_head.weight  # [V, hidden]
@@ -187,7 +193,8 @@ class FastForward:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         plan = plan_for(mask)  # attention over each query's visible slots only, or None: dense
         self.sparse_forwards += plan is not None
-        masks = plan.masks if plan is not None else self._step_masks(mask)
+        attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "transformers"
+        masks = plan.masks if plan is not None else self._step_masks(mask, attention)
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
@@ -198,9 +205,9 @@ class FastForward:
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
             if plan is not None:
-                attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask)  # [1, M, H * D]
+                attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
             else:
-                attended = self._attend(layer, query, keys, values, layer_mask)  # [1, M, H * D]
+                attended = self._attend(layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
@@ -210,20 +217,20 @@ class FastForward:
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
 
-    def _step_masks(self, mask):
+    def _step_masks(self, mask, attention: str):
         """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that
         share a key/value head ([H/G * M, N + M], row r * M + m = query m's row)."""
-        if self.attention != "bmm" or mask is None:
+        if attention != "bmm" or mask is None:
             return mask
         per_group = self.heads // self.kv_heads
         if isinstance(mask, dict):
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
 
-    def _attend(self, layer: _Layer, query, keys, values, mask):
+    def _attend(self, layer: _Layer, query, keys, values, mask, attention: str):
         """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
         m = query.shape[2]
-        if self.attention == "bmm":
+        if attention == "bmm":
             return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -232,11 +239,16 @@ class FastForward:
         return out.reshape(1, m, -1)  # [1, M, H * D]
 
 
-    def _attend_sparse(self, plan, layer: _Layer, query, keys, values, mask):
+    def _attend_sparse(self, plan, layer: _Layer, query, keys, values, mask, attention: str):
         """_attend on the plan's gathered keys and values (mdcli.sparse_attention), same core."""
-        if self.attention == "bmm":
+        if attention == "bmm":
             return sparse_attention.grouped_attention(plan, query, keys, values, mask, self.scaling)
         return sparse_attention.sdpa_attention(plan, layer.attention, query, keys, values, mask, self.scaling)
+
+
+def _weight_kind(model) -> tuple:
+    weight = model.model.layers[0].mlp.up_proj.weight
+    return weight.device, weight.dtype
 
 
 def _attention_wanted(model) -> str:
