@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mdcli.decoding import prefill_prompts
-from mdcli.fastforward import FastForward, fast_forward_for, unsupported_reason
+from mdcli.fastforward import BMM_MAX_QUERIES, FastForward, fast_forward_for, unsupported_reason
 from mdcli.forest import pad_rows
 from mdcli.kernels import avx2_step, kernel_name, onednn_works
 from tests.reference import generate_alone
@@ -167,8 +167,10 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch):
     chosen = FastForward(model)
     if avx2_step(cpu, torch.float32):
         assert (chosen.packed, chosen.transposed, chosen.attention) == (True, True, "bmm")
+        assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.attention) == (True, False, "bmm")
+        assert chosen.bmm_max_queries is None
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
     assert (stock.packed, stock.transposed, stock.attention) == (False, False, "transformers")
@@ -176,3 +178,25 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch):
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
     unpacked = FastForward(model)
     assert not unpacked.packed and not unpacked.transposed
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_forwards_past_the_bmm_query_limit_attend_with_sdpa_and_agree(arch):
+    """A forward of more queries than bmm_max_queries runs sdpa, one of fewer bmm, in the same
+    forward object: the logits of a long prefill and of the steps after it are transformers'."""
+    model = tiny_model(arch, "sdpa")
+    hf = engine_for(model, own_forward=False)
+    own = engine_for(model)
+    own._fast = FastForward(model, attention="bmm", packed=False, transposed=False)
+    own._fast.bmm_max_queries = 4  # the prompts' prefill (> 4 queries) goes to sdpa, the steps to bmm
+    prompts = random_prompts(11, [9, 7, 12])
+    for engine in (hf, own):
+        engine.outs = prefill_prompts(engine, prompts)
+    prefill = torch.stack([o.logits for o in own.outs]) - torch.stack([o.logits for o in hf.outs])
+    assert float(prefill.abs().max()) < 1e-4
+    tokens = [[int(o.logits.argmax())] for o in hf.outs]
+    steps = []
+    for engine in (hf, own):
+        rows = torch.stack([pad_rows(o.row[None], len(engine))[0] for o in engine.outs])
+        steps.append(torch.stack([o.logits for o in engine.forward(rows, tokens)]))
+    assert float((steps[0] - steps[1]).abs().max()) < 1e-4
