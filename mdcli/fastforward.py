@@ -15,7 +15,9 @@ and the tests compare this one with it. What this forward changes, per layer:
 * where linears run on oneDNN, the projections and the head multiply by weights packed once into
   oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy); on an AVX2-only
   x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
-  [in, out] weights faster for one row);
+  [in, out] weights faster for one row); with AVX-512 and torch on one thread a lone token's
+  products run on OpenBLAS over that transposed copy (mdcli.blas_gemv: it streams the weights at
+  the core's rate, torch's kernels at about half);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
   over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention);
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mdcli import packing, sparse_attention
-from mdcli.kernels import avx2_step, kernel_name
+from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
+from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
 from mdcli.sparse_attention import plan_for
 
 if TYPE_CHECKING:
@@ -142,10 +145,12 @@ class FastForward:
     else "transformers" (measured: bmm 2-5% faster there, 4-7% slower on stock AVX2 kernels).
     packed: run the projections on weights copied once into oneDNN's blocked layout (see
     `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
-    weight copies (see `transposing_wanted`); None decides by that rule."""
+    weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
+    products on the transposed copies run on OpenBLAS (mdcli.blas_gemv) instead of torch's kernels;
+    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
-                 transposed: bool | None = None) -> None:
+                 transposed: bool | None = None, lone_blas: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -157,12 +162,14 @@ class FastForward:
         self.attention = attention or _attention_wanted(model)
         # bmm materializes every score: past BMM_MAX_QUERIES queries sdpa's chunked kernel wins on
         # AVX2 (a long prefill over a tree: margins' prefill 24.8 s with sdpa, 46.0 s with bmm)
-        self.bmm_max_queries = BMM_MAX_QUERIES if attention is None and avx2_step(*_weight_kind(model)) else None
+        self.bmm_max_queries = BMM_MAX_QUERIES if attention is None and avx2_step(*packing.weight_kind(model)) else None
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on gathered slots (sparse_attention)
         self.head = model.lm_head.weight  # [V, hidden]
         self.transposed = transposing_wanted(model) if transposed is None else transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
+        self.lone_blas = self.transposed and (lone_blas_step(*packing.weight_kind(model)) if lone_blas is None
+                                              else lone_blas)
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
@@ -180,13 +187,22 @@ class FastForward:
         import torch.nn.functional as F
 
         m = tokens.shape[0]
-        layers, head = self.layers, self.head
+        if m == 1 and self.lone_blas:
+            with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
+                return self._forward(tokens, positions, mask, cache, keep, _blas_linear, self.lone, self.lone_head,
+                                     weighted_sum=openblas_bmm)
         if m == 1 and self.transposed:
-            linear, layers, head = _transposed_linear, self.lone, self.lone_head
-        elif self.packed:
-            linear = _packed_linear
-        else:
-            linear = F.linear  # looked up per call: mdcli.kernels may route it
+            return self._forward(tokens, positions, mask, cache, keep, _transposed_linear, self.lone, self.lone_head)
+        # F.linear is looked up per call: mdcli.kernels may route it
+        linear = _packed_linear if self.packed else F.linear
+        return self._forward(tokens, positions, mask, cache, keep, linear, self.layers, self.head)
+
+    def _forward(self, tokens, positions, mask, cache, keep, linear, layers, head,
+                 weighted_sum=None) -> torch.Tensor | None:
+        """The forward itself, multiplying by `linear` over `layers`' weights and `head`;
+        weighted_sum: the batched product of bmm attention's probabilities and values (None:
+        torch.bmm)."""
+        m = tokens.shape[0]
         hidden = self.inner.embed_tokens.weight[tokens][None]  # [1, M, hidden]
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
@@ -207,7 +223,7 @@ class FastForward:
             if plan is not None:
                 attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
             else:
-                attended = self._attend(layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
+                attended = self._attend(layer, query, keys, values, layer_mask, attention, weighted_sum)  # [1, M, H * D]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
@@ -227,11 +243,11 @@ class FastForward:
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
 
-    def _attend(self, layer: _Layer, query, keys, values, mask, attention: str):
+    def _attend(self, layer: _Layer, query, keys, values, mask, attention: str, weighted_sum=None):
         """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
         m = query.shape[2]
         if attention == "bmm":
-            return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads)
+            return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads, weighted_sum)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values,
@@ -246,27 +262,24 @@ class FastForward:
         return sparse_attention.sdpa_attention(plan, layer.attention, query, keys, values, mask, self.scaling)
 
 
-def _weight_kind(model) -> tuple:
-    weight = model.model.layers[0].mlp.up_proj.weight
-    return weight.device, weight.dtype
-
-
 def _attention_wanted(model) -> str:
     """bmm where measured faster than sdpa: with oneDNN linears (AVX-512, 2-5%) and on AVX2 x86-64
     (Zen 3, stock MKL products: 1 query 263 -> 226 us, 8 queries 695 -> 592 us per layer over
     1,724 keys)."""
-    weight = model.model.layers[0].mlp.up_proj.weight
-    if kernel_name(weight.device, weight.dtype) == "oneDNN" or avx2_step(weight.device, weight.dtype):
+    kind = packing.weight_kind(model)
+    if kernel_name(*kind) == "oneDNN" or avx2_step(*kind):
         return "bmm"
     return "transformers"
 
 
-def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
+def _grouped_attention(query, keys, values, rows, scale: float, groups: int, weighted_sum=None):
     """softmax(q k^T * scale + mask) v with the H / G query heads of each key/value group stacked
     into one matrix, as transformers pairs them (query head h reads group h // (H / G)).
 
     query: [1, H, M, D]; keys, values: [1, G, N, D]; rows: [H/G * M, N] additive or None (a lone
-    query seeing everything). Returns [1, M, H * D]."""
+    query seeing everything); weighted_sum: the batched product for probabilities x values (None:
+    torch.bmm; OpenBLAS's reads the values about 2.5x faster for a lone query, mdcli.blas_gemv).
+    Returns [1, M, H * D]."""
     import torch
 
     _, heads, m, dim = query.shape
@@ -277,7 +290,7 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int):
         scores = torch.bmm(stacked, keys_t).mul_(scale)  # [G, H/G * M, N]
     else:
         scores = torch.baddbmm(rows, stacked, keys_t, alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
+    out = (weighted_sum or torch.bmm)(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
     return out.view(groups, per_group, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
 
 
@@ -287,6 +300,10 @@ def _packed_linear(x, weight, bias=None):
 
 def _transposed_linear(x, weight_t, bias=None):
     return packing.transposed_linear(x, weight_t, bias)
+
+
+def _blas_linear(x, weight_t, bias=None):
+    return openblas_linear(x, weight_t, bias)
 
 
 def _rms_norm(x, weight, eps: float):

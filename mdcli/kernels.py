@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
+from mdcli.blas_gemv import openblas_works
 from mdcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     capability = cpu_capability()
     if "AVX512" not in capability:
         return KernelChoice("torch", f"{capability} without AVX-512: oneDNN measured slower there")
+    if lone_blas_step(device, dtype):
+        return KernelChoice("oneDNN", "AVX-512: measured faster there; one thread: a lone token on OpenBLAS")
     return KernelChoice("oneDNN", "AVX-512: measured faster there")
 
 
@@ -117,6 +120,21 @@ def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return False
     return cpu_capability() == "AVX2" and _onednn_linear_works()
+
+
+def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where mdcli's own decode forward multiplies a lone token's step on OpenBLAS over
+    transposed weight copies (mdcli.blas_gemv): a float32 CPU model, x86-64 with AVX-512 and the
+    kernel choice left to auto (measured on Zen 4), torch on one thread (OpenBLAS's threads and
+    torch's fight over the cores: 381 ms a step with two each), numpy's OpenBLAS present and
+    agreeing with torch."""
+    import torch
+
+    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
+        return False
+    if platform.machine().lower() not in {"x86_64", "amd64"} or torch.get_num_threads() != 1:
+        return False
+    return "AVX512" in cpu_capability() and _onednn_linear_works() and openblas_works()
 
 
 def kernel_setting() -> str:

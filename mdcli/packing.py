@@ -15,6 +15,9 @@ lone-token step: MKL's product `x @ w_t` with the weight stored [in, out] stream
 the speed of `F.linear` on the [out, in] one (211 matrices, 1 token: 38.8 -> 28.7 ms), but not
 at 8 tokens (92 ms), so each copy serves the step size it wins at. The same memory rule covers
 both: the packed copy first, then the transposed one if it still fits.
+
+On an x86-64 CPU with AVX-512 the transposed copy is made too where a lone token's products run
+on OpenBLAS (mdcli.blas_gemv: torch on one thread), which streams it at the core's rate.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from mdcli.kernels import avx2_step, kernel_name
+from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
 from mdcli.memory import available_memory_bytes
 
 if TYPE_CHECKING:
@@ -41,9 +44,11 @@ def packing_wanted(model) -> bool:
 
 
 def transposing_wanted(model) -> bool:
-    """A transposed copy for the lone-token step: only on an AVX2 x86-64 CPU (measured there), and
-    only if it fits beside the packed copy (when that is made) in half the free memory."""
-    if not _copies_allowed(model) or not _avx2_host(model):
+    """A transposed copy for the lone-token step: on an AVX2 x86-64 CPU (MKL multiplies by it,
+    measured on Zen 3) and where OpenBLAS takes a lone token's products (mdcli.blas_gemv: AVX-512,
+    one thread, measured on Zen 4); only if it fits beside the packed copy (when that is made) in
+    half the free memory."""
+    if not _copies_allowed(model) or not (_avx2_host(model) or lone_blas_step(*weight_kind(model))):
         return False
     return _fits(model, copies=2 if packing_wanted(model) else 1)
 
@@ -53,13 +58,17 @@ def _copies_allowed(model) -> bool:
 
 
 def _onednn_host(model) -> bool:
-    weight = model.model.layers[0].mlp.up_proj.weight
-    return kernel_name(weight.device, weight.dtype) == "oneDNN"
+    return kernel_name(*weight_kind(model)) == "oneDNN"
 
 
 def _avx2_host(model) -> bool:
+    return avx2_step(*weight_kind(model))
+
+
+def weight_kind(model) -> tuple:
+    """(device, dtype) of the model's layer weights: what the kernel rules decide by."""
     weight = model.model.layers[0].mlp.up_proj.weight
-    return avx2_step(weight.device, weight.dtype)
+    return weight.device, weight.dtype
 
 
 def _fits(model, copies: int) -> bool:

@@ -12,25 +12,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdcli.blas_gemv import one_blas_thread, openblas_library, openblas_works
 from mdcli.decoding import prefill_prompts
 from mdcli.fastforward import BMM_MAX_QUERIES, FastForward, fast_forward_for, unsupported_reason
 from mdcli.forest import pad_rows
-from mdcli.kernels import avx2_step, kernel_name, onednn_works
+from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
 SUPPORTED = ["llama", "qwen2", "mistral"]
+# only OpenBLAS's presence decides the skip: a kernel that disagreed with torch must fail these tests
+needs_openblas = pytest.mark.skipif(openblas_library() is None, reason="numpy's BLAS is not OpenBLAS")
 VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None):
+                    transposed=None, lone_blas=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
     attention, packed = variant
-    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed)
+    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -125,6 +128,19 @@ def test_real_model_own_forward_matches_transformers_and_generate(embedded):
         assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
 
 
+@needs_openblas
+def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(embedded):
+    """The embedded SmolLM2, one branch: every step's products on OpenBLAS (what one thread on an
+    AVX-512 host runs), logits within float32 rounding, greedy tokens those of generate."""
+    document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
+    prompt = embedded.tokenizer(f"{document}\nQuestion: Who is Mara?\nAnswer:")["input_ids"]
+    worst, generated = lockstep_logits(embedded.model, [prompt], steps=8, variant=("bmm", None), transposed=True,
+                                       lone_blas=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    expected = generate_alone(embedded.model, prompt, len(generated[0]))
+    assert len(expected) >= 4 and generated[0][: len(expected)] == expected
+
+
 def test_packed_weights_are_made_once_per_model():
     if not onednn_works():
         pytest.skip("packed weights need torch's oneDNN linear")
@@ -151,6 +167,61 @@ def test_transposed_weights_for_lone_tokens_give_transformers_logits_and_generat
     assert generated[0] == generate_alone(model, alone[0], 8)
 
 
+@needs_openblas
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_lone_tokens_on_openblas_give_transformers_logits_and_generate_tokens(arch, packed):
+    """A lone token's products (and its attention's weighted sum) on OpenBLAS over the transposed
+    copies, wider steps on the others: logits within float32 rounding, the tokens of generate."""
+    if packed and not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
+    model = tiny_model(arch, "sdpa")
+    prompts = random_prompts(41, [6, 2, 8], seed=5)
+    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, variant=("bmm", packed), transposed=True,
+                               lone_blas=True, max_forward_tokens=16)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    alone = random_prompts(40, [5], seed=7)
+    worst, generated = lockstep_logits(model, alone, steps=8, variant=("bmm", packed), transposed=True, lone_blas=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    assert generated[0] == generate_alone(model, alone[0], 8)
+
+
+@needs_openblas
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logits(arch):
+    """One branch of two steps alone (the other waits): its single query reads the cache through a
+    mask, on OpenBLAS, and gets the logits transformers' forward gives it."""
+    model = tiny_model(arch, "sdpa")
+    hf = engine_for(model, own_forward=False)
+    own = engine_for(model)
+    own._fast = FastForward(model, attention="bmm", packed=False, transposed=True, lone_blas=True)
+    prompts = random_prompts(9, [7, 11], seed=2)
+    logits = []
+    for engine in (hf, own):
+        first = prefill_prompts(engine, prompts)[0]
+        out = engine.forward(pad_rows(first.row[None], len(engine)), [[int(first.logits.argmax())]])
+        logits.append(out[0].logits)
+    assert float((logits[0] - logits[1]).abs().max()) < 1e-4
+
+
+@needs_openblas
+def test_numpys_openblas_passes_the_agreement_check_the_step_choice_relies_on():
+    assert openblas_works()
+
+
+@needs_openblas
+def test_openblas_runs_on_one_thread_inside_a_forward_and_gets_its_setting_back():
+    blas = openblas_library()
+    before = blas.get_num_threads()
+    blas.set_num_threads(2)
+    try:
+        with one_blas_thread():
+            assert blas.get_num_threads() == 1
+        assert blas.get_num_threads() == 2
+    finally:
+        blas.set_num_threads(before)
+
+
 def test_transposed_copies_are_made_once_and_leave_the_models_weights_alone():
     model = tiny_model("qwen2", "sdpa")
     first, second = FastForward(model, packed=False, transposed=True), FastForward(model, packed=False, transposed=True)
@@ -159,18 +230,34 @@ def test_transposed_copies_are_made_once_and_leave_the_models_weights_alone():
     assert first.layers[0].qkv.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
 
 
-def test_the_step_choices_follow_the_host_kind(monkeypatch):
-    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies, bmm attention; oneDNN
-    hosts (AVX-512): packed, bmm, no transposed copy; forced stock kernels: neither copy, sdpa."""
+@pytest.fixture
+def torch_threads():
+    """Set torch's thread count inside a test; the count it had is restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
+    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token),
+    bmm attention; oneDNN hosts (AVX-512): packed, bmm, and on one thread a transposed copy that a
+    lone token multiplies on OpenBLAS (measured on Zen 4), on more threads no transposed copy;
+    forced stock kernels: neither copy, sdpa."""
     model = tiny_model("llama", "sdpa")
     cpu = torch.device("cpu")
+    torch_threads(2)
     chosen = FastForward(model)
     if avx2_step(cpu, torch.float32):
-        assert (chosen.packed, chosen.transposed, chosen.attention) == (True, True, "bmm")
+        assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, True, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
     elif kernel_name(cpu, torch.float32) == "oneDNN":
-        assert (chosen.packed, chosen.transposed, chosen.attention) == (True, False, "bmm")
+        assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries is None
+        torch_threads(1)
+        alone = FastForward(model)
+        blas = openblas_works()
+        assert (alone.packed, alone.transposed, alone.lone_blas) == (True, blas, blas)
+        assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
     assert (stock.packed, stock.transposed, stock.attention) == (False, False, "transformers")

@@ -84,6 +84,7 @@ class StepProfile:
         linear = F.linear
 
         packed_linear, transposed_linear = fastforward._packed_linear, fastforward._transposed_linear
+        blas_linear = fastforward._blas_linear
 
         def timed_linear(x, weight, bias=None):
             part = "lm_head" if weight.shape[0] == vocab else "linears"
@@ -97,6 +98,10 @@ class StepProfile:
             part = "lm_head" if weight_t.shape[1] == vocab else "linears"
             return self._timed(transposed_linear, part)(x, weight_t, bias)
 
+        def timed_blas_linear(x, weight_t, bias=None):
+            part = "lm_head" if weight_t.shape[1] == vocab else "linears"
+            return self._timed(blas_linear, part)(x, weight_t, bias)
+
         patches = [
             (F, "linear", timed_linear),
             (F, "scaled_dot_product_attention", self._timed(F.scaled_dot_product_attention, "attention")),
@@ -106,6 +111,7 @@ class StepProfile:
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
             (fastforward, "_packed_linear", timed_packed_linear),
             (fastforward, "_transposed_linear", timed_transposed_linear),
+            (fastforward, "_blas_linear", timed_blas_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, "
-                             "mdcli:bmm|transformers:plain|packed|transposed|packed+transposed")
+                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

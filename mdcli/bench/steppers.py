@@ -45,7 +45,8 @@ class EngineStepper:
 
     forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
     it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
-    plain, packed, transposed or packed+transposed (the copies the step multiplies by)."""
+    plain, packed, transposed, openblas (the transposed copy multiplied on OpenBLAS, mdcli.blas_gemv)
+    or a "+" of them, e.g. packed+openblas (the copies the step multiplies by)."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
         import torch
@@ -56,7 +57,8 @@ class EngineStepper:
             _, attention, weights = forward.split(":")
             copies = set(weights.split("+"))
             self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
-                                            transposed="transposed" in copies)
+                                            transposed=bool(copies & {"transposed", "openblas"}),
+                                            lone_blas="openblas" in copies)
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 

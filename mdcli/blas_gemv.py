@@ -1,0 +1,109 @@
+"""A lone token's products on OpenBLAS (the BLAS inside numpy's wheels), for mdcli's own forward.
+
+A decode step of one branch is matrix-vector products: every weight read once for one row of
+activations. On one AMD EPYC Zen 4 core (AVX-512) every kernel torch ships reads the weights at
+about half the core's bandwidth (the embedded model's 121 fused matrices and its head, 538 MB, one
+token, one thread: `F.linear` 47.9 ms, oneDNN packed 36.5, MKL on a transposed copy 33.3), while
+OpenBLAS's sgemv on the same transposed copy ([in, out], contiguous) streams it at the core's rate:
+23.5 ms, 22.8 GB/s (BENCHMARKS.md, "A faster decode step", lone-token GEMV). numpy already ships
+that OpenBLAS, built for every x86 level and picking its kernels from the CPU (it calls Zen 4
+"SkylakeX"), so no new binary is needed: `openblas_linear` views torch's tensors as numpy arrays
+(no copy), multiplies, and views the result back.
+
+Where it is used (`mdcli.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 (where it was
+measured), with torch on one thread. OpenBLAS has its own thread pool, which spins while torch's
+OpenMP threads want the same cores: with two threads each the step took 381 ms instead of 41, so
+mdcli runs OpenBLAS on one thread during its forwards (`one_blas_thread`, restored afterwards) and
+only when torch runs one thread too; with more threads torch's own multi-threaded kernels on the
+packed copy are level or faster (2 threads: 42 ms packed against 41 ms) and keep the step.
+`MDCLI_CPU_KERNELS=torch` turns it off with the rest of mdcli's CPU kernel choices.
+
+Results differ from torch's kernels only by float32 rounding (another summation order); the tests
+compare logits with transformers' forward and tokens with `generate`, as for every other kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def openblas_works() -> bool:
+    """numpy's BLAS is an OpenBLAS that threadpoolctl can set to one thread, and it computes what
+    torch computes (checked once)."""
+    return openblas_library() is not None and _agrees_with_torch()
+
+
+def openblas_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight_t (+ bias) on OpenBLAS. x: [..., in] float32 CPU; weight_t: [in, out] contiguous
+    -> [..., out]. One row is a GEMV reading weight_t once; several rows are a GEMM."""
+    import numpy as np
+    import torch
+
+    flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+    out = torch.from_numpy(np.dot(flat.numpy(), weight_t.numpy()))  # [rows, out]
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight_t.shape[1])
+
+
+def openblas_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a, b) on OpenBLAS: a [B, M, K], b [B, K, N] (each matrix with unit stride in its
+    last dimension, e.g. a view of mdcli.cache's buffer) -> [B, M, N]. For a lone query's
+    probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values at 2.5x the rate
+    of torch's bmm (Zen 4, 30 layers over 1,530 cached tokens: 1.6 against 4.0 ms)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.matmul(a.numpy(), b.numpy()))
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """OpenBLAS on one thread inside, its own setting restored after (a ctypes call each way)."""
+    blas = openblas_library()
+    if blas is None:
+        yield
+        return
+    before = blas.get_num_threads()
+    if before != 1:
+        blas.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            blas.set_num_threads(before)
+
+
+@cache
+def openblas_library():
+    """threadpoolctl's handle on the OpenBLAS numpy loaded, or None (numpy on MKL or another BLAS,
+    or threadpoolctl missing)."""
+    try:
+        import numpy  # noqa: F401 - loads its BLAS, which threadpoolctl then finds
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    libraries = ThreadpoolController().select(internal_api="openblas").lib_controllers
+    numpy_libs = [lib for lib in libraries if "numpy" in str(lib.filepath)]
+    chosen = numpy_libs or libraries
+    return chosen[0] if chosen else None
+
+
+@cache
+def _agrees_with_torch() -> bool:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (64, 48), (48,)))
+    try:
+        with one_blas_thread():
+            got = openblas_linear(x, w.contiguous(), b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return bool(torch.allclose(got, x @ w + b, rtol=1e-5, atol=1e-5))
