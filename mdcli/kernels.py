@@ -21,7 +21,9 @@ slower than torch's own kernels (prefill of a 1,819-token forest 9.18 s vs 8.40 
 160 vs 154 ms), so there mdcli keeps torch's; re-measured on a real Zen 3 core with
 `python -m mdcli.bench.kernels` (benchmarks/results/step-zen3-kernels.txt): oneDNN linears 0.99x
 of MKL at 1 token, 0.92x at 8, 0.75x at 512, its attention products 0.65-0.94x of sdpa. (mdcli's
-own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) `kernel_choice` says which ran and why; reports and
+own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) On AVX-512
+with torch on one thread, mdcli's own forward takes a lone token's products to OpenBLAS instead
+(`lone_blas_step`, mdcli.blas_gemv). `kernel_choice` says which ran and why; reports and
 the `start` event carry it. `MDCLI_CPU_KERNELS=torch|onednn` forces either (`auto`, the default,
 decides by the CPU). They are process-wide switches (`F.linear` and transformers' "sdpa" entry),
 installed only while mdcli runs the model, so another thread's forwards during that time take them

@@ -27,9 +27,10 @@ from mdcli import engine as engine_module
 from mdcli import fastforward
 from mdcli.bench.ask import Case, prompts_for, weight_bytes
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
+from mdcli.blas_gemv import one_blas_thread, openblas_linear
 from mdcli.kernels import cpu_kernels
 from mdcli.loading import load_model
-from mdcli.packing import pack, packed_linear
+from mdcli.packing import pack, packed_linear, transpose, transposed_linear
 
 if TYPE_CHECKING:
     import torch
@@ -195,7 +196,9 @@ def _modeling_modules(model) -> list:
 def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
     """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
     output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
-    plain weights, oneDNN on packed weights (mdcli.packing). Median ms over `repeats`."""
+    plain weights, oneDNN on packed weights (mdcli.packing), torch (MKL) and OpenBLAS on transposed
+    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread). Median ms over
+    `repeats`."""
     import torch
     import torch.nn.functional as F
 
@@ -203,17 +206,21 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(*shape, generator=generator) * 0.02 for shape in shapes]
     packed = [pack(w) for w in weights]
+    transposed = [transpose(w) for w in weights]
 
     def onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | oneDNN packed, ms | packed vs stock |",
-             "|---:|---:|---:|---:|---:|"]
-    with torch.inference_mode():
+    kernels = ((F.linear, weights), (onednn, weights), (packed_linear, packed), (transposed_linear, transposed),
+               (openblas_linear, transposed))
+    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | oneDNN packed, ms | MKL transposed, ms "
+             "| OpenBLAS transposed, ms | best vs stock |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    with torch.inference_mode(), one_blas_thread():
         for m in token_counts:
             inputs = {k: torch.randn(m, k, generator=generator) for k in (576, 1536)}
             timings = []
-            for function, mats in ((F.linear, weights), (onednn, weights), (packed_linear, packed)):
+            for function, mats in kernels:
                 def one_pass(function=function, mats=mats):
                     for (_, k), w in zip(shapes, mats):
                         function(inputs[k], w)
@@ -224,7 +231,8 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
                     one_pass()
                     runs.append(time.perf_counter() - started)
                 timings.append(1000 * statistics.median(runs))
-            lines.append(f"| {m} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} | {timings[0] / timings[2]:.2f}x |")
+            cells = " | ".join(f"{ms:.1f}" for ms in timings)
+            lines.append(f"| {m} | {cells} | {timings[0] / min(timings):.2f}x |")
     return "\n".join(lines)
 
 
