@@ -16,6 +16,8 @@ Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transforme
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
     from transformers import Cache
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword a model's forward (and `generate`) takes its KV cache by: `cache` where the
+    forward declares it (transformers 5.24 renamed `past_key_values`, warns on the old name and
+    removes it in 5.40), else `past_key_values` (earlier 5.x, which would take an unknown `cache`
+    into **kwargs and run without one). Use as `model(..., **cache_argument(model, cache))`."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @contextmanager

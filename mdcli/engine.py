@@ -166,7 +166,7 @@ class Engine:
                     input_ids=tokens[None, :],
                     position_ids=positions[None, :],
                     attention_mask=mask,
-                    past_key_values=self.cache,
+                    **kv.cache_argument(self.model, self.cache),
                     use_cache=True,
                     logits_to_keep=keep_logits if keep_logits is not None else 1,
                 ).logits[0]

@@ -204,3 +204,32 @@ def test_the_prefix_index_follows_compaction():
     [again] = prefill_prompts(engine, [keep + [9, 9]])
     assert len(engine) == len(keep) + 2
     assert torch.allclose(again.logits, alone_logits(model, keep + [9, 9]), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_engine_hands_the_cache_over_by_the_keyword_the_model_declares(arch):
+    """A chunked prefill through transformers' own forward, with FutureWarnings as errors: the
+    cache goes in by the name the installed transformers takes (`cache` since 5.24, whose old
+    `past_key_values` warns and goes away in 5.40), so users see no warning and the run survives
+    the rename."""
+    import warnings
+
+    model = tiny_model(arch, "sdpa")
+    engine = engine_for(model, own_forward=False, max_forward_tokens=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        outs = prefill_prompts(engine, random_prompts(13, [5, 3]))
+    assert len(engine) == 13 + 5 + 3 and all(o.logits is not None for o in outs)
+
+
+def test_a_model_without_the_cache_keyword_gets_past_key_values():
+    """transformers before 5.24 names it `past_key_values` only; an unknown `cache` would vanish
+    into **kwargs and the model would run without its cache."""
+    from mdcli.cache import cache_argument
+
+    class OlderForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return past_key_values
+
+    marker = object()
+    assert cache_argument(OlderForward(), marker) == {"past_key_values": marker}

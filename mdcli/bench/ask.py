@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from mdcli.api import run_specs
 from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
-from mdcli.cache import new_cache
+from mdcli.cache import cache_argument, new_cache
 from mdcli.decoding import BranchSpec, common_prefix_length
 from mdcli.events import Done, Finish
 from mdcli.memory import kv_bytes_per_token
@@ -252,7 +252,7 @@ def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Mea
     started = time.perf_counter()
     with torch.inference_mode():
         cache = new_cache()
-        lm(input_ids=torch.tensor([prompts[0][:shared]], device=device), past_key_values=cache, use_cache=True,
+        lm(input_ids=torch.tensor([prompts[0][:shared]], device=device), **cache_argument(lm, cache), use_cache=True,
            logits_to_keep=1)
         for layer in cache.layers:  # one copy of the document's keys/values per branch
             keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
@@ -262,7 +262,7 @@ def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Mea
         real = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], device=device)
         mask = torch.cat([torch.ones(batch, shared, dtype=torch.long, device=device), real], 1)  # [B, P + S]
         positions = (shared + real.cumsum(1) - 1).clamp(min=shared)  # [B, S]
-        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_argument(lm, cache),
                     use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [B, V]
         next_position = positions[:, -1:] + 1  # [B, 1]
         generated = []
@@ -274,7 +274,7 @@ def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Mea
             if step == case.new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
-            logits = lm(input_ids=token, attention_mask=mask, position_ids=next_position, past_key_values=cache,
+            logits = lm(input_ids=token, attention_mask=mask, position_ids=next_position, **cache_argument(lm, cache),
                         use_cache=True).logits[:, -1].float()
             next_position = next_position + 1
     seconds = time.perf_counter() - started

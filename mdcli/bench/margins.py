@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
 from mdcli.bench.margins_questions import compare_questions
+from mdcli.cache import cache_argument
 from mdcli.decoding import common_prefix_length
 from mdcli.events import Finish
 from mdcli.hostinfo import cpu_line
@@ -145,7 +146,8 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
             logits = None
             for start in range(cached, len(prompt), chunk):
                 piece = torch.tensor([prompt[start : start + chunk]])
-                logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                logits = model(input_ids=piece, **cache_argument(model, cache), use_cache=True,
+                               logits_to_keep=1).logits[0, -1]
             prefilled += len(prompt) - cached
             t1 = time.perf_counter()
             margin: list[int] = []
@@ -154,7 +156,8 @@ def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int 
                 margin.append(token)
                 if token in eos or len(margin) >= margin_tokens:
                     break
-                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = model(input_ids=torch.tensor([[token]]), **cache_argument(model, cache),
+                               use_cache=True).logits[0, -1]
             margins.append(margin)
             generate_seconds += time.perf_counter() - t1
             prefill_seconds += t1 - t0

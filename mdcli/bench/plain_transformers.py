@@ -105,13 +105,22 @@ def prefill_once(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
     while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
         shared += 1
     prefix = DynamicCache()
-    model(torch.tensor([prompts[0][:shared]]), past_key_values=prefix, use_cache=True)
+    model(torch.tensor([prompts[0][:shared]]), **cache_argument(model, prefix), use_cache=True)
     answers = []
     for prompt in prompts:
         cache = copy.deepcopy(prefix)
-        out = model.generate(torch.tensor([prompt]), past_key_values=cache, **generate_kwargs(model, max_new_tokens))
+        out = model.generate(torch.tensor([prompt]), **cache_argument(model, cache),
+                             **generate_kwargs(model, max_new_tokens))
         answers.append(until_eos(out[0, len(prompt):].tolist(), eos_ids(model)))
     return answers
+
+
+def cache_argument(model, cache) -> dict:
+    """`cache=` where the installed transformers takes it (5.24 renamed `past_key_values`), else
+    `past_key_values=` (what mdcli.cache.cache_argument does; this script imports no mdcli)."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
 
 
 if __name__ == "__main__":

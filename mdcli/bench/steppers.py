@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from mdcli.cache import cache_argument
 from mdcli.decoding import prefill_prompts
 from mdcli.engine import Engine
 from mdcli.fastforward import FastForward
@@ -29,7 +30,7 @@ class ReferenceStepper:
         self.model, self.cache = lm.model, DynamicCache()
         with torch.inference_mode():
             ids = torch.tensor([prompt], device=lm.device)
-            self.logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+            self.logits = self.model(input_ids=ids, **cache_argument(self.model, self.cache), use_cache=True,
                                      logits_to_keep=1).logits[:, -1]  # [1, V]
 
     def step(self) -> None:
@@ -37,7 +38,8 @@ class ReferenceStepper:
 
         with torch.inference_mode():
             token = self.logits.argmax(-1, keepdim=True)  # [1, 1]
-            self.logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+            self.logits = self.model(input_ids=token, **cache_argument(self.model, self.cache),
+                                     use_cache=True).logits[:, -1].float()
 
 
 class EngineStepper:
