@@ -36,6 +36,12 @@ def cache_argument(model, cache) -> dict:
     return {_cache_keyword(type(model)): cache}
 
 
+def output_cache(output):
+    """The KV cache a model output (or a generate output) carries: `cache` since transformers
+    5.24 (reading `past_key_values` there warns), `past_key_values` before."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
 @functools.cache
 def _cache_keyword(model_class) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

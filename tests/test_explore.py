@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from mdcli.api import explore, run_specs
-from mdcli.cache import cache_argument
+from mdcli.cache import cache_argument, output_cache
 from mdcli.cli import app
 from mdcli.decoding import BranchSpec
 from mdcli.events import Done, Finish, Fork, Prune, Start, Token
@@ -63,7 +63,7 @@ def sample_alone(model, prompt_ids: list[int], count: int, sampler: Sampler) -> 
     with torch.inference_mode():
         for _ in range(count):
             result = model(ids, **cache_argument(model, past), use_cache=True)
-            past = result.cache if hasattr(result, "cache") else result.past_key_values
+            past = output_cache(result)
             out.append(sampler(result.logits[0, -1].float()))
             ids = torch.tensor([[out[-1]]])
     return out

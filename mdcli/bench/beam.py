@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+from mdcli.cache import output_cache
 from mdcli.engine import Engine
 from mdcli.events import Finish
 from mdcli.loading import load_model
@@ -162,7 +163,7 @@ def _run_generate(lm: LoadedModel, prompt: list[int], width: int, new_tokens: in
     seconds = time.perf_counter() - started
     return {
         "seconds": seconds,
-        "kv_bytes": _storage_bytes(out.past_key_values),  # it only grows: the end is its peak
+        "kv_bytes": _storage_bytes(output_cache(out)),  # it only grows: the end is its peak
         "tokens": out.sequences[0, len(prompt):].tolist(),
         "score": float(out.sequences_scores[0]),
     }
