@@ -5,7 +5,7 @@ activations. On one AMD EPYC Zen 4 core (AVX-512) every kernel torch ships reads
 about half the core's bandwidth (the embedded model's 121 fused matrices and its head, 538 MB, one
 token, one thread: `F.linear` 47.9 ms, oneDNN packed 36.5, MKL on a transposed copy 33.3), while
 OpenBLAS's sgemv on the same transposed copy ([in, out], contiguous) streams it at the core's rate:
-23.5 ms, 22.8 GB/s (BENCHMARKS.md, "A faster decode step", lone-token GEMV). numpy already ships
+23.5 ms, 22.8 GB/s (BENCHMARKS.md, "A lone token on OpenBLAS"). numpy already ships
 that OpenBLAS, built for every x86 level and picking its kernels from the CPU (it calls Zen 4
 "SkylakeX"), so no new binary is needed: `openblas_linear` views torch's tensors as numpy arrays
 (no copy), multiplies, and views the result back.
@@ -83,7 +83,8 @@ def one_blas_thread() -> Iterator[None]:
 @cache
 def openblas_library():
     """threadpoolctl's handle on the OpenBLAS numpy loaded, or None (numpy on MKL or another BLAS,
-    or threadpoolctl missing)."""
+    or threadpoolctl missing). Only numpy's own: another library's OpenBLAS in the process is not
+    the one `np.dot` calls, and setting its threads would pin nothing."""
     try:
         import numpy  # noqa: F401 - loads its BLAS, which threadpoolctl then finds
         from threadpoolctl import ThreadpoolController
@@ -91,8 +92,7 @@ def openblas_library():
         return None
     libraries = ThreadpoolController().select(internal_api="openblas").lib_controllers
     numpy_libs = [lib for lib in libraries if "numpy" in str(lib.filepath)]
-    chosen = numpy_libs or libraries
-    return chosen[0] if chosen else None
+    return numpy_libs[0] if numpy_libs else None
 
 
 @cache
