@@ -204,6 +204,22 @@ def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logit
     assert float((logits[0] - logits[1]).abs().max()) < 1e-4
 
 
+def test_without_numpys_openblas_a_lone_token_keeps_torchs_kernels(monkeypatch, torch_threads):
+    """numpy built on another BLAS (or threadpoolctl missing): no OpenBLAS path and, on an AVX-512
+    host, no transposed copy for it; the step is what it was before."""
+    from mdcli import blas_gemv
+
+    monkeypatch.setattr(blas_gemv, "openblas_library", lambda: None)
+    torch_threads(1)
+    cpu = torch.device("cpu")
+    assert not blas_gemv.openblas_works()
+    assert "OpenBLAS" not in str(kernel_choice(cpu, torch.float32))
+    chosen = FastForward(tiny_model("llama", "sdpa"))
+    assert not chosen.lone_blas
+    if kernel_name(cpu, torch.float32) == "oneDNN":
+        assert not chosen.transposed
+
+
 @needs_openblas
 def test_numpys_openblas_passes_the_agreement_check_the_step_choice_relies_on():
     assert openblas_works()
