@@ -1,4 +1,4 @@
-"""mdcli's own decode forward for the Llama family (Llama, Mistral, Qwen2): fewer, larger operations.
+"""mdcli's own decode forward for the Llama family (Llama, Mistral, Qwen2, Qwen3): fewer, larger operations.
 
 transformers' forward is the reference: it stays the model's own forward, used for everything this
 module does not take (another architecture, eager attention, an unmasked prefill of many tokens),
@@ -49,7 +49,7 @@ OPT_OUT = "MDCLI_FORWARD"
 # On AVX2 x86-64, bmm attention only up to this many queries per forward (Zen 3, 2,000-2,500 keys:
 # bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512)
 BMM_MAX_QUERIES = 64
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def fast_forward_for(model, **options) -> FastForward | None:
@@ -94,8 +94,9 @@ def unsupported_reason(model) -> str | None:
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(m) is not nn.Linear or not _plain(m.weight) for m in linears):
             return "a projection is not a plain dense nn.Linear (quantized or wrapped weights)"
-        if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
-            return "query/key norms are not reproduced"
+        head_norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
+        if any(n is not None for n in head_norms) and not all(n is not None and _plain_rms_norm(n) for n in head_norms):
+            return "query/key norms other than Qwen3's RMSNorm over each head are not reproduced"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not _plain_rms_norm(norm):
                 return f"norm {type(norm).__name__} is not the plain Llama RMSNorm"
@@ -112,7 +113,8 @@ def _plain(tensor) -> bool:
 
 def _plain_rms_norm(norm) -> bool:
     name = type(norm).__name__
-    return name in {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"} and hasattr(norm, "variance_epsilon")
+    plain = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+    return name in plain and hasattr(norm, "variance_epsilon")
 
 
 @dataclass
@@ -131,6 +133,7 @@ class _Layer:
     norm_in_eps: float
     norm_post: torch.Tensor
     norm_post_eps: float
+    head_norms: tuple | None  # Qwen3: (q weight [D], q eps, k weight [D], k eps), RMSNorm over each head
     attention: object  # the HF attention module (the attention function reads its attributes)
     act: object
     layer_type: str
@@ -215,7 +218,8 @@ class FastForward:
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias).view(1, m, heads + 2 * kv_heads, dim)  # [1, M, H + 2G, D]
-            qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # [1, M, H + G, D]
+            qk = _normed_heads(qkv[:, :, : heads + kv_heads], heads, layer.head_norms)  # [1, M, H + G, D]
+            qk = _rotate(qk, cos, sin)
             query = qk[:, :, :heads].transpose(1, 2)  # [1, H, M, D]
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
@@ -223,7 +227,8 @@ class FastForward:
             if plan is not None:
                 attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
             else:
-                attended = self._attend(layer, query, keys, values, layer_mask, attention, weighted_sum)  # [1, M, H * D]
+                attended = self._attend(layer, query, keys, values, layer_mask, attention,
+                                        weighted_sum)  # [1, M, H * D]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
@@ -316,6 +321,25 @@ def _rms_norm(x, weight, eps: float):
     return weight * h.to(dtype)
 
 
+def _normed_heads(qk, heads: int, norms: tuple | None):
+    """Qwen3's q_norm and k_norm: RMSNorm over each head's D, before the rotary (qk: [1, M, H + G, D],
+    queries first); unchanged for models without them."""
+    if norms is None:
+        return qk
+    import torch
+
+    q_weight, q_eps, k_weight, k_eps = norms
+    queries, keys = _rms_norm(qk[:, :, :heads], q_weight, q_eps), _rms_norm(qk[:, :, heads:], k_weight, k_eps)
+    return torch.cat((queries, keys), dim=2)
+
+
+def _head_norms(attention) -> tuple | None:
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    if q_norm is None:
+        return None
+    return q_norm.weight, q_norm.variance_epsilon, k_norm.weight, k_norm.variance_epsilon
+
+
 def _rotate(x, cos, sin):
     """Rotary embedding of x: [1, M, heads, D] (queries and keys together), as transformers'
     `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin."""
@@ -339,6 +363,7 @@ def _fuse_layer(layer, index: int, config) -> _Layer:
         gate_up=gate_up, gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
         norm_in=layer.input_layernorm.weight, norm_in_eps=layer.input_layernorm.variance_epsilon,
         norm_post=layer.post_attention_layernorm.weight, norm_post_eps=layer.post_attention_layernorm.variance_epsilon,
+        head_norms=_head_norms(attention),
         attention=attention, act=mlp.act_fn,
         layer_type=layer_types[index] if layer_types else "full_attention",
     )

@@ -29,6 +29,8 @@ def tiny_config(arch: str):
         return tf.LlamaConfig(**common)
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
+    if arch == "qwen3":  # RMSNorm over each query and key head (q_norm, k_norm), a head_dim of its own
+        return tf.Qwen3Config(**common, head_dim=24)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=6)
     if arch == "gemma3":
@@ -40,7 +42,7 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-ARCHS = ["llama", "gpt2", "qwen2", "mistral", "gemma3"]
+ARCHS = ["llama", "gpt2", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
 def tiny_model(arch: str, attn: str):

@@ -20,7 +20,7 @@ from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
-SUPPORTED = ["llama", "qwen2", "mistral"]
+SUPPORTED = ["llama", "qwen2", "qwen3", "mistral"]
 # only OpenBLAS's presence decides the skip: a kernel that disagreed with torch must fail these tests
 needs_openblas = pytest.mark.skipif(openblas_library() is None, reason="numpy's BLAS is not OpenBLAS")
 VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention, packed weights (None: as chosen)

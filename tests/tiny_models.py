@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-TINY_ARCHS = ["llama", "gpt2", "qwen2", "mistral", "gemma3"]
+TINY_ARCHS = ["llama", "gpt2", "qwen2", "qwen3", "mistral", "gemma3"]
 REFUSED_KINDS = ["bloom", "mamba"]
 TINY_SLIDING_WINDOW = 8  # small, so a few dozen tokens already exercise the window
 TINY_MAX_POSITIONS = 2048
@@ -98,7 +98,7 @@ def _token_ids() -> dict[str, int | None]:
 
 
 def _tiny_config(arch: str) -> PretrainedConfig:
-    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     ids = _token_ids()
     common = dict(
@@ -114,6 +114,8 @@ def _tiny_config(arch: str) -> PretrainedConfig:
         return LlamaConfig(num_hidden_layers=2, **common)
     if arch == "qwen2":
         return Qwen2Config(num_hidden_layers=2, **common)
+    if arch == "qwen3":  # q_norm and k_norm over each head
+        return Qwen3Config(num_hidden_layers=2, head_dim=_HIDDEN // _HEADS, **common)
     if arch == "mistral":
         return MistralConfig(num_hidden_layers=2, sliding_window=TINY_SLIDING_WINDOW, **common)
     if arch == "gemma3":

@@ -18,11 +18,12 @@ if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
 
 RANDOM_SHAPES = {
-    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
-    "tiny": (64, 2, 4, 2, 128, 49152),
-    "llama-135m": (576, 30, 9, 3, 1536, 49152),
-    "llama-1b": (2048, 16, 32, 8, 8192, 128256),
-    "llama-3b": (3072, 28, 24, 8, 8192, 128256),
+    # name: (family, hidden, layers, heads, kv_heads, intermediate, vocab, head_dim or None: hidden / heads)
+    "tiny": ("llama", 64, 2, 4, 2, 128, 49152, None),
+    "llama-135m": ("llama", 576, 30, 9, 3, 1536, 49152, None),
+    "llama-1b": ("llama", 2048, 16, 32, 8, 8192, 128256, None),
+    "llama-3b": ("llama", 3072, 28, 24, 8, 8192, 128256, None),
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, 128),  # q_norm / k_norm over each head
 }
 
 
@@ -54,10 +55,10 @@ def kernels_line(lm: LoadedModel, choice: str) -> str:
 
 
 def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> LoadedModel:
-    """A random-weight Llama of a named shape with the embedded tokenizer: GPU speed can be
-    measured where no weights can be downloaded (the tokens are meaningless, the work is real)."""
+    """A random-weight Llama (or Qwen3) of a named shape with the embedded tokenizer: GPU speed can
+    be measured where no weights can be downloaded (the tokens are meaningless, the work is real)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
 
     # lazy: see the module's imports
     from mdcli.embedded import embedded_model_dir
@@ -65,18 +66,20 @@ def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn:
 
     if shape not in RANDOM_SHAPES:
         raise UsageError(f"unknown random model shape '{shape}'", fix=f"choose one of {', '.join(RANDOM_SHAPES)}")
-    hidden, layers, heads, kv_heads, intermediate, vocab = RANDOM_SHAPES[shape]
+    family, hidden, layers, heads, kv_heads, intermediate, vocab, head_dim = RANDOM_SHAPES[shape]
     torch_device = resolve_device(device)
     torch_dtype, reason = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    config = LlamaConfig(
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
+    config = config_class(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=16384,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        **({"head_dim": head_dim} if head_dim else {}),
     )
     torch.manual_seed(0)
     with torch.device(torch_device):
-        model = LlamaForCausalLM._from_config(config, dtype=torch_dtype, attn_implementation=attn).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn).eval()
     model.requires_grad_(False)
     return LoadedModel(
         model=model, tokenizer=tokenizer, name=f"random {shape}", device=torch_device, dtype=torch_dtype,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from mdcli import cache as kv
 from mdcli import engine as engine_module
 from mdcli import fastforward
+from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, prompts_for, weight_bytes
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
 from mdcli.blas_gemv import one_blas_thread, openblas_linear
@@ -252,12 +253,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="engine forwards to compare: transformers, mdcli, "
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
+    parser.add_argument("--random-model", metavar="SHAPE",
+                        help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.linears:
         print(linear_kernels_table([1, 2, 4, 8, 16, 64]))
         return
-    lm = load_model(quiet=True)
+    lm = random_model(args.random_model) if args.random_model else load_model(quiet=True)
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
     print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {weight_bytes(lm.model) / 1e6:.0f} MB of "

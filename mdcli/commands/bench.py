@@ -34,7 +34,7 @@ def bench(
     model: ModelOpt = None,
     random_model: Annotated[
         Optional[str],
-        typer.Option("--random-model", help="Random weights of a named shape instead: tiny, llama-135m, llama-1b, llama-3b."),
+        typer.Option("--random-model", help="Random weights of a named shape instead: tiny, llama-135m, llama-1b, llama-3b, qwen3-0.6b."),
     ] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
