@@ -204,6 +204,34 @@ def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logit
     assert float((logits[0] - logits[1]).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_on_one_thread_the_hosts_own_choices_give_generate_tokens_for_every_branch(arch, torch_threads):
+    """torch on one thread, the forward as the host chooses it (on AVX-512: OpenBLAS for the lone
+    token left after the other branch is dropped and compacted away): every branch's greedy tokens
+    are generate's alone."""
+    torch_threads(1)
+    model = tiny_model(arch, "sdpa")
+    engine = engine_for(model)
+    prompts = random_prompts(30, [5, 9], seed=4)
+    generated = greedy_forest(engine, prompts, steps=10, drop_at=2)
+    for i, prompt in enumerate(prompts):
+        assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"
+
+
+@needs_openblas
+def test_the_embedded_model_on_one_thread_speculates_to_the_same_answers(embedded, torch_threads):
+    """One thread (OpenBLAS for lone tokens on AVX-512), several questions whose answers end at
+    different lengths, speculation forced on: the answers are those without speculation and those
+    of generate alone."""
+    from mdcli.api import ask_many
+    from tests.test_speculate import QUOTING, STORY, assert_branches_equal_generate, finishes
+
+    torch_threads(1)
+    runs = {s: list(ask_many(embedded, STORY, QUOTING, max_new_tokens=24, speculate=s)) for s in ("off", "16")}
+    assert finishes(runs["16"]) == finishes(runs["off"])
+    assert_branches_equal_generate(embedded.model, runs["off"])
+
+
 def test_without_numpys_openblas_a_lone_token_keeps_torchs_kernels(monkeypatch, torch_threads):
     """numpy built on another BLAS (or threadpoolctl missing): no OpenBLAS path and, on an AVX-512
     host, no transposed copy for it; the step is what it was before."""
