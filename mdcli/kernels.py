@@ -71,7 +71,7 @@ class KernelChoice:
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
     """The context mdcli's forwards run in: oneDNN linears and attention where chosen, else nothing."""
-    if kernel_choice(device, dtype).name == "torch":
+    if _routing(device, dtype).name == "torch":  # per forward: the routing alone, not the report's note
         return nullcontext()
     stack = ExitStack()
     stack.enter_context(onednn_linear())
@@ -81,10 +81,19 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype):
 
 def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     """What mdcli's forwards use here, for reports: "oneDNN" or "torch"."""
-    return kernel_choice(device, dtype).name
+    return _routing(device, dtype).name
 
 
 def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
+    the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)."""
+    choice = _routing(device, dtype)
+    if choice.name == "oneDNN" and lone_blas_step(device, dtype):
+        return KernelChoice(choice.name, f"{choice.reason}; one thread: a lone token on OpenBLAS")
+    return choice
+
+
+def _routing(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """Route float32 CPU forwards to oneDNN only where that was measured to win (AVX-512 on x86-64),
     unless MDCLI_CPU_KERNELS forces a side."""
     import torch
@@ -103,8 +112,6 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     capability = cpu_capability()
     if "AVX512" not in capability:
         return KernelChoice("torch", f"{capability} without AVX-512: oneDNN measured slower there")
-    if lone_blas_step(device, dtype):
-        return KernelChoice("oneDNN", "AVX-512: measured faster there; one thread: a lone token on OpenBLAS")
     return KernelChoice("oneDNN", "AVX-512: measured faster there")
 
 
@@ -163,7 +170,7 @@ def onednn_available() -> bool:
     """True when mdcli's float32 CPU forwards would be routed to oneDNN on this machine."""
     import torch
 
-    return kernel_choice(torch.device("cpu"), torch.float32).name == "oneDNN"
+    return _routing(torch.device("cpu"), torch.float32).name == "oneDNN"
 
 
 def onednn_works() -> bool:
