@@ -85,24 +85,18 @@ class StepProfile:
         vocab = self.lm.model.config.vocab_size
         linear = F.linear
 
-        packed_linear, transposed_linear = fastforward._packed_linear, fastforward._transposed_linear
-        blas_linear = fastforward._blas_linear
+        def timed_linear_of(function, out_dim: int):
+            """`function` timed as the head when its weight's output side (dim `out_dim`: 0 for
+            [out, in] weights, 1 for transposed [in, out] copies) is the vocabulary, else linears."""
+            def timed(x, weight, bias=None):
+                part = "lm_head" if weight.shape[out_dim] == vocab else "linears"
+                return self._timed(function, part)(x, weight, bias)
+            return timed
 
-        def timed_linear(x, weight, bias=None):
-            part = "lm_head" if weight.shape[0] == vocab else "linears"
-            return self._timed(linear, part)(x, weight, bias)
-
-        def timed_packed_linear(x, weight, bias=None):
-            part = "lm_head" if weight.shape[0] == vocab else "linears"
-            return self._timed(packed_linear, part)(x, weight, bias)
-
-        def timed_transposed_linear(x, weight_t, bias=None):
-            part = "lm_head" if weight_t.shape[1] == vocab else "linears"
-            return self._timed(transposed_linear, part)(x, weight_t, bias)
-
-        def timed_blas_linear(x, weight_t, bias=None):
-            part = "lm_head" if weight_t.shape[1] == vocab else "linears"
-            return self._timed(blas_linear, part)(x, weight_t, bias)
+        timed_linear = timed_linear_of(linear, 0)
+        timed_packed_linear = timed_linear_of(fastforward._packed_linear, 0)
+        timed_transposed_linear = timed_linear_of(fastforward._transposed_linear, 1)
+        timed_blas_linear = timed_linear_of(fastforward._blas_linear, 1)
 
         patches = [
             (F, "linear", timed_linear),
