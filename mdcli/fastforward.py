@@ -150,10 +150,13 @@ class FastForward:
     `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
     weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
     products on the transposed copies run on OpenBLAS (mdcli.blas_gemv) instead of torch's kernels;
-    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies."""
+    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies.
+    pair_padded: a two-token forward multiplies by the packed weights as four rows (see
+    `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
-                 transposed: bool | None = None, lone_blas: bool | None = None) -> None:
+                 transposed: bool | None = None, lone_blas: bool | None = None,
+                 pair_padded: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -178,6 +181,7 @@ class FastForward:
             self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
                          for layer, (qkv, o, gate_up, down) in zip(self.layers, copies)]
         self.packed = packing_wanted(model) if packed is None else packed
+        self.pair_padded = self.packed and (packing.pair_padding_wanted(model) if pair_padded is None else pair_padded)
         if self.packed:
             packed, self.head = packing.packed_weights(model, self.layers)
             for layer, weights in zip(self.layers, packed):
@@ -197,7 +201,7 @@ class FastForward:
         if m == 1 and self.transposed:
             return self._forward(tokens, positions, mask, cache, keep, _transposed_linear, self.lone, self.lone_head)
         # F.linear is looked up per call: mdcli.kernels may route it
-        linear = _packed_linear if self.packed else F.linear
+        linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
         return self._forward(tokens, positions, mask, cache, keep, linear, self.layers, self.head)
 
     def _forward(self, tokens, positions, mask, cache, keep, linear, layers, head,
@@ -301,6 +305,10 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
 
 def _packed_linear(x, weight, bias=None):
     return packing.packed_linear(x, weight, bias)
+
+
+def _pair_padded_linear(x, weight, bias=None):
+    return packing.pair_padded_linear(x, weight, bias)
 
 
 def _transposed_linear(x, weight_t, bias=None):

@@ -123,6 +123,29 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# oneDNN's product with a packed weight takes a slower path for exactly two rows than for three to
+# six (Zen 4, AVX-512, one thread, the embedded model's 120 layer projections: 2 rows 35.2 ms, the
+# same 2 rows padded to 4 25.4 ms, 3 rows 26.5 ms; BENCHMARKS.md "Two-token forwards"), so two rows
+# are multiplied as four (two of zeros). Each output row depends on its own input row only.
+PAIR_PADDED_ROWS = 4
+
+
+def pair_padding_wanted(model) -> bool:
+    """Pad two-row products to PAIR_PADDED_ROWS where measured: packed weights on an AVX-512 host."""
+    return _onednn_host(model)
+
+
+def pair_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`packed_linear`, with a two-row input multiplied as PAIR_PADDED_ROWS rows (zeros below)."""
+    flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+    if flat.shape[0] != 2:
+        return packed_linear(x, weight, bias)
+    padded = flat.new_zeros(PAIR_PADDED_ROWS, flat.shape[1])  # [4, in]
+    padded[:2] = flat
+    out = packed_linear(padded, weight, bias)[:2]  # [2, out]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def transpose(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> a contiguous [in, out] copy for `transposed_linear`."""
     import torch

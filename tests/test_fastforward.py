@@ -17,6 +17,7 @@ from mdcli.decoding import prefill_prompts
 from mdcli.fastforward import BMM_MAX_QUERIES, FastForward, fast_forward_for, unsupported_reason
 from mdcli.forest import pad_rows
 from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
+from mdcli.packing import pack, packed_linear, pair_padded_linear
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
@@ -27,13 +28,14 @@ VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None):
+                    transposed=None, lone_blas=None, pair_padded=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
     attention, packed = variant
-    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas)
+    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
+                            pair_padded=pair_padded)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -186,6 +188,34 @@ def test_lone_tokens_on_openblas_give_transformers_logits_and_generate_tokens(ar
     assert generated[0] == generate_alone(model, alone[0], 8)
 
 
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_two_token_forwards_multiplied_as_four_rows_give_transformers_logits_and_generate_tokens(arch):
+    """Two branches step as two-token forwards, which the packed weights multiply padded to four
+    rows (AVX-512 hosts): logits within float32 rounding, each branch's tokens those of generate."""
+    if not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
+    model = tiny_model(arch, "sdpa")
+    prompts = random_prompts(43, [4, 7], seed=11)
+    worst, generated = lockstep_logits(model, prompts, steps=8, variant=("bmm", True), pair_padded=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    for prompt, tokens in zip(prompts, generated):
+        assert tokens == generate_alone(model, prompt, 8)
+
+
+def test_pair_padding_changes_only_two_row_products_and_keeps_their_values():
+    if not onednn_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packed = pack(weight)
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(1, rows, 64)
+        padded = pair_padded_linear(x, packed, bias)
+        assert padded.shape == (1, rows, 96)
+        torch.testing.assert_close(padded, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        if rows != 2:
+            assert torch.equal(padded, packed_linear(x, packed, bias))
+
+
 @needs_openblas
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logits(arch):
@@ -294,9 +324,11 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     if avx2_step(cpu, torch.float32):
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, True, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
+        assert not chosen.pair_padded  # measured on AVX-512 only
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries is None
+        assert chosen.pair_padded
         torch_threads(1)
         alone = FastForward(model)
         blas = openblas_works()
@@ -304,7 +336,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
-    assert (stock.packed, stock.transposed, stock.attention) == (False, False, "transformers")
+    assert (stock.packed, stock.transposed, stock.pair_padded, stock.attention) == (False, False, False, "transformers")
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
     unpacked = FastForward(model)

@@ -48,7 +48,8 @@ class EngineStepper:
     forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
     it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
     plain, packed, transposed, openblas (the transposed copy multiplied on OpenBLAS, mdcli.blas_gemv)
-    or a "+" of them, e.g. packed+openblas (the copies the step multiplies by)."""
+    or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), and "padded" for two-row
+    products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear)."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
         import torch
@@ -60,7 +61,7 @@ class EngineStepper:
             copies = set(weights.split("+"))
             self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
                                             transposed=bool(copies & {"transposed", "openblas"}),
-                                            lone_blas="openblas" in copies)
+                                            lone_blas="openblas" in copies, pair_padded="padded" in copies)
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
