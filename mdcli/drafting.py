@@ -107,6 +107,18 @@ class DraftTree:
             kids[parent + 1][token] = node
         return kids
 
+    def likeliest_path(self) -> list[int]:
+        """Nodes from a child of the branch's next token down, each the likeliest child of the one
+        before: the single guess most likely to be accepted deepest."""
+        path: list[int] = []
+        parent = -1
+        while True:
+            kids = [i for i, p in enumerate(self.parents) if p == parent]
+            if not kids:
+                return path
+            parent = max(kids, key=lambda i: self.probability[i])
+            path.append(parent)
+
     def keep(self, nodes: list[int]) -> DraftTree:
         """The subtree of `nodes` (closed under parents), renumbered in their original order."""
         nodes = sorted(nodes)
