@@ -130,6 +130,34 @@ def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
     assert len(ahead) == 0 and len(behind) > 0
 
 
+def test_auto_guesses_for_tied_branches_only_when_all_of_them_would_likely_be_right():
+    """Eight branches equally far from done: a forward is saved only if all eight accept."""
+    drafter_tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3]
+
+    def kept_with(first: float, follow: float) -> list[int]:
+        policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
+                                   follow={3: follow, 2: follow, 1: follow})
+        for m in (8, 16, 32):
+            policy.observe_forward(m, 0.08 + 0.002 * m)
+        trees = [policy.draft(_state(policy, PromptLookup().drafter(drafter_tokens)), [], 8) for _ in range(8)]
+        return [len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8)]
+
+    assert kept_with(0.5, 0.8) == [0] * 8  # 0.5 ** 8: a forward saved once in 256 steps
+    likely = kept_with(0.99, 0.99)
+    assert min(likely) > 0 and len(set(likely)) == 1  # all guess, equally deep
+
+
+def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
+    """Two tokens behind: its first two guesses alone can save forwards; any deeper one saves a
+    forward only together with a guess of the branch ahead."""
+    policy = SpeculationPolicy(Speculate("auto"), first={3: 0.9, 2: 0.9, 1: 0.9}, follow={3: 0.9, 2: 0.9, 1: 0.9})
+    for m in (2, 8, 16):
+        policy.observe_forward(m, 0.08 + 0.001 * m)
+    tree = policy.draft(_state(policy, PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3])), [], 8)
+    behind, ahead = policy.plan([tree, tree], room=100, remaining=[32, 30])
+    assert len(behind) >= 2 and len(behind) == len(ahead) + 2
+
+
 def test_the_cost_model_learns_one_token_forwards_apart_and_a_line_for_more():
     cost = ForwardCost()
     cost.observe(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
