@@ -45,7 +45,8 @@ def run_specs(
     speculate: str = "off",
 ) -> Iterator[Event]:
     """Decode independent branches (with optional follow-up children) in one shared cache.
-    `speculate`: "off" (default) | "auto" | N draft tokens per branch per step (mdcli/speculate.py);
+    `speculate`: "off" (default here; the command line's is "auto") | "auto" | N draft tokens per
+    branch per step (mdcli/speculate.py);
     the tokens are the same either way."""
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
     decoder = Decoder(run, model.tokenizer, model.eos_token_ids)

@@ -51,10 +51,10 @@ class Speculate:
         return str(self.most) if self.mode == "fixed" else self.mode
 
 
-# The default is "off": on one CPU core `auto` was measured 2-4% slower than no speculation for
-# 64-token answers (1 and 8 questions, BENCHMARKS.md) and pays only for long answers, so it is opt-in
-# until its policy wins across the sweep.
-DEFAULT_SPECULATE = "off"
+# The command line's default (mdcli.api's functions default to "off"): auto guesses only where its
+# learnt costs say a guess saves time; measured on one CPU core across 1-32 branches and 16-256
+# tokens, within 5% of off everywhere and 1.5x faster for one 256-token answer (BENCHMARKS.md).
+DEFAULT_SPECULATE = "auto"
 
 
 def parse_speculate(value: str | int | Speculate | None) -> Speculate:

@@ -60,6 +60,18 @@ def test_speculate_setting_reads_auto_off_and_a_draft_count(text, mode, most):
     assert (setting.mode, setting.most) == (mode, most)
 
 
+def test_the_generating_commands_speculate_auto_unless_told_off():
+    import inspect
+
+    from mdcli.commands.ask_many import ask_many as ask_many_command
+    from mdcli.commands.margins import margins
+    from mdcli.commands.think import think
+
+    for command in (ask_many_command, margins, think):
+        assert inspect.signature(command).parameters["speculate"].default == "auto", command.__name__
+    assert parse_speculate(None) == Speculate("auto")  # `mdcli run` and recipes without a setting
+
+
 @pytest.mark.parametrize("text", ["-1", "many", "1.5"])
 def test_a_bad_speculate_setting_is_refused_with_the_fix(text):
     with pytest.raises(UsageError, match="--speculate takes auto, off or a number"):

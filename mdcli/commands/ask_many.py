@@ -65,7 +65,7 @@ def ask_many(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "off",
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Ask many questions about one document: every answer decodes at once over the document's cache.

@@ -84,7 +84,8 @@ SpeculateOpt = Annotated[
         "--speculate",
         help="Speculative decoding: auto | off | N (most draft tokens per branch per step). Drafts come from "
         "the text each branch reads; the model verifies them, so the tokens never change, only the forwards. "
-        "Default off: on one CPU core auto pays for long answers (256 tokens) and costs a few percent on short ones.",
+        "auto guesses only where its measured costs say a guess saves time: on one CPU core it pays for long "
+        "answers that quote their sources and stays within a few percent of off elsewhere.",
     ),
 ]
 ChunkOpt = Annotated[

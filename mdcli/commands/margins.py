@@ -129,7 +129,7 @@ def margins(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "off",
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified

@@ -84,7 +84,7 @@ def run(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else off
+    speculate: SpeculateOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
     debug: DebugOpt = False,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.

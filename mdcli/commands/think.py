@@ -100,7 +100,7 @@ def think(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "off",
+    speculate: SpeculateOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Think along several paths at once, then conclude.
