@@ -170,13 +170,11 @@ class SpeculationPolicy:
 
         room: most draft tokens in all; remaining: tokens each branch may still generate.
 
-        auto weighs a node by the step it may save. An accepted guess saves a step only when it
-        shortens the run, which the branches furthest from done decide together: for one of the c
-        branches with the most tokens left, a node accepted with chance p saves p / c of a step
-        t(k) (k: tokens fed without guesses); for a branch already ahead, nothing. Guesses cost
-        t(k + d) - t(k) for d of them. auto verifies the d likeliest-to-pay nodes, for the d that
-        saves the most time, if any (checked as a whole, since the first guess can cost more than
-        the next ones).
+        auto, a lone branch: a node accepted with chance p saves p of a step t(1); d guesses cost
+        t(1 + d) - t(1). auto verifies the d likeliest nodes, for the d that saves the most time,
+        if any (checked as a whole, since the first guess can cost more than the next ones).
+        auto, several branches: `_plan_levels`. N: the likeliest nodes, up to N per branch, those
+        of the branches furthest from done first when `room` runs short.
         """
         self.step += 1
         fed = len(trees)
