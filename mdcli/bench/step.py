@@ -95,6 +95,7 @@ class StepProfile:
 
         timed_linear = timed_linear_of(linear, 0)
         timed_packed_linear = timed_linear_of(fastforward._packed_linear, 0)
+        timed_pair_padded_linear = timed_linear_of(fastforward._pair_padded_linear, 0)
         timed_transposed_linear = timed_linear_of(fastforward._transposed_linear, 1)
         timed_blas_linear = timed_linear_of(fastforward._blas_linear, 1)
 
@@ -106,6 +107,7 @@ class StepProfile:
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
             (fastforward, "_packed_linear", timed_packed_linear),
+            (fastforward, "_pair_padded_linear", timed_pair_padded_linear),
             (fastforward, "_transposed_linear", timed_transposed_linear),
             (fastforward, "_blas_linear", timed_blas_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
