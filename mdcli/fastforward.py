@@ -155,7 +155,8 @@ class FastForward:
     `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
     weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
     products on the transposed copies run on OpenBLAS (mdcli.blas_gemv) instead of torch's kernels;
-    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies.
+    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
+    forwards of up to SMALL_BLAS_QUERIES tokens also take OpenBLAS's weighted sum of the values.
     pair_padded: a two-token forward multiplies by the packed weights as four rows (see
     `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`."""
 
