@@ -200,19 +200,16 @@ class FastForward:
         import torch.nn.functional as F
 
         m = tokens.shape[0]
-        if m == 1 and self.lone_blas:
-            with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
-                return self._forward(tokens, positions, mask, cache, keep, _blas_linear, self.lone, self.lone_head,
-                                     weighted_sum=openblas_bmm)
         if m == 1 and self.transposed:
-            return self._forward(tokens, positions, mask, cache, keep, _transposed_linear, self.lone, self.lone_head)
-        # F.linear is looked up per call: mdcli.kernels may route it
-        linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
+            linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
+        else:  # F.linear is looked up per call: mdcli.kernels may route it
+            linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
+            layers, head = self.layers, self.head
         if self.lone_blas and m <= SMALL_BLAS_QUERIES:
-            with one_blas_thread():
-                return self._forward(tokens, positions, mask, cache, keep, linear, self.layers, self.head,
+            with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
+                return self._forward(tokens, positions, mask, cache, keep, linear, layers, head,
                                      weighted_sum=openblas_bmm)
-        return self._forward(tokens, positions, mask, cache, keep, linear, self.layers, self.head)
+        return self._forward(tokens, positions, mask, cache, keep, linear, layers, head)
 
     def _forward(self, tokens, positions, mask, cache, keep, linear, layers, head,
                  weighted_sum=None) -> torch.Tensor | None:

@@ -122,13 +122,7 @@ def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
     (oneDNN-packed for several tokens, transposed for one) and attends with two batched products.
     Measured on a Zen 3 core (BENCHMARKS.md, "A faster decode step", AVX2). False wherever
     MDCLI_CPU_KERNELS forces a side (torch: stock everywhere; onednn: the AVX-512 choices)."""
-    import torch
-
-    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
-        return False
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return False
-    return cpu_capability() == "AVX2" and _onednn_linear_works()
+    return _auto_float32_x86_cpu(device, dtype) and cpu_capability() == "AVX2" and _onednn_linear_works()
 
 
 def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
@@ -139,11 +133,19 @@ def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
     agreeing with torch."""
     import torch
 
-    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
-        return False
-    if platform.machine().lower() not in {"x86_64", "amd64"} or torch.get_num_threads() != 1:
+    if not _auto_float32_x86_cpu(device, dtype) or torch.get_num_threads() != 1:
         return False
     return "AVX512" in cpu_capability() and _onednn_linear_works() and openblas_works()
+
+
+def _auto_float32_x86_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    """A float32 model on an x86-64 CPU with the kernel choice left to auto: where the host-kind
+    step rules (`avx2_step`, `lone_blas_step`) apply at all."""
+    import torch
+
+    if device.type != "cpu" or dtype != torch.float32 or kernel_setting() != "auto":
+        return False
+    return platform.machine().lower() in {"x86_64", "amd64"}
 
 
 def kernel_setting() -> str:

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, "
-                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|packed+openblas ...")
+                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
