@@ -296,12 +296,12 @@ def token_grid(layout: ForestLayout, token_text: TokenText) -> list[str]:
     Row labels give the query's slot (physical index), position (RoPE = depth) and text; the
     column headers give each key's slot and position, digits stacked top to bottom."""
     n = len(layout)
-    labels = [_token_label(token_text(t)) for t in layout.token_ids]
+    labels = [token_label(token_text(t)) for t in layout.token_ids]
     label_width = max([len("token")] + [len(label) for label in labels])
     lead = f"{'slot':>4} {'pos':>4}  {'token':<{label_width}}  "
     lines = ["Attention mask: row = query token, column = key token; ■ = attends, · = masked"]
-    lines += _stacked_header("key slot", list(range(n)), len(lead))
-    lines += _stacked_header("key pos", layout.depth, len(lead))
+    lines += stacked_header("key slot", list(range(n)), len(lead))
+    lines += stacked_header("key pos", layout.depth, len(lead))
     lines.append(lead.rstrip())
     for slot, row in enumerate(layout.mask()):
         cells = " ".join(FILLED if allowed else EMPTY for allowed in row)
@@ -309,13 +309,13 @@ def token_grid(layout: ForestLayout, token_text: TokenText) -> list[str]:
     return lines
 
 
-def _token_label(text: str, width: int = 14) -> str:
+def token_label(text: str, width: int = 14) -> str:
     """A token quoted, so that spaces show ('▁5' tokens often begin with one)."""
     shown = repr(text)
     return shown if len(shown) <= width else shown[: width - 2] + "…" + shown[0]
 
 
-def _stacked_header(name: str, numbers: list[int], lead: int) -> list[str]:
+def stacked_header(name: str, numbers: list[int], lead: int) -> list[str]:
     """Numbers written vertically, one column each (1-cell columns, a space between)."""
     digits = max(len(str(number)) for number in numbers)
     lines = []

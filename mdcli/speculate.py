@@ -25,10 +25,15 @@ all do, so auto then mostly waits until one branch is left behind, or alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mdcli.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
 from mdcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from mdcli.verify import VerifiedStep
 
 AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
@@ -38,10 +43,12 @@ MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
 
 @dataclass(frozen=True)
 class Speculate:
-    """`mode` is "auto", "off" or "fixed"; `most` is the draft tokens per branch per step."""
+    """`mode` is "auto", "off" or "fixed"; `most` is the draft tokens per branch per step;
+    `watch`, if given, is shown every step that verifies drafts (`mdcli explain --speculate`)."""
 
     mode: str = "auto"
     most: int = AUTO_MOST_PER_BRANCH
+    watch: Callable[[VerifiedStep], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def on(self) -> bool:

@@ -9,12 +9,17 @@ it is accepted: shown, checked for a finish, and walked into. The first token th
 guessed is kept for the next step (`pending`), so the branch's tokens, logprobs and random draws
 are those of the run without drafts. Draft nodes nobody accepted then leave the cache
 (`Engine.keep_tail`), so later steps see only accepted paths.
+
+A run's `Speculate.watch`, when set, is shown each verified step as a `VerifiedStep`: what every
+branch fed, the mask rows the engine gave those tokens and what was accepted (`mdcli explain
+--speculate` draws one).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mdcli.drafting import DraftTree
@@ -25,6 +30,30 @@ if TYPE_CHECKING:  # for annotations only: the step loop imports this module
     import torch
 
     from mdcli.steps import StepLoop, Tip
+
+
+@dataclass(frozen=True)
+class VerifiedBranch:
+    """One branch's part of a verified step. Indices into `tokens` are the branch's fed nodes:
+    its chain (its next token) first, then its draft nodes."""
+
+    label: str
+    tokens: list[int]
+    depths: list[int]  # the position (RoPE) of each fed token
+    drafts_from: int  # index of the first draft node (= the chain's length)
+    sees: list[list[int]]  # per fed token: the step's fed tokens it attends to (indices over the whole step)
+    path_slots: int  # cache slots from before the step that all of its tokens attend to
+    accepted: list[int]  # draft nodes accepted, root first
+    next_token: int | None  # the model's own token after the last accepted one (None: the branch finished)
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A forward that verified drafts: every branch fed in it, in the order they were laid out."""
+
+    step: int  # the run's decode step count, this one included
+    cache_slots: int  # slots in the cache before the step
+    branches: list[VerifiedBranch]
 
 
 def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> Iterator[Event]:
@@ -70,14 +99,19 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     loop.counters.draft_tokens += sum(len(t) for t in trees)
     loop.speculation.observe_forward(sum(map(len, tokens)), engine_seconds)
 
-    live, kept, finished, offset = [], [], False, start
-    for (tip, chain), tree, result, argmax in zip(to_feed, trees, results, greedy):
-        path, going = yield from _walk(loop, tip, len(chain), tree, result, argmax)
+    watch = loop.speculation.setting.watch
+    live, kept, finished, offset, seen = [], [], False, start, []
+    for (tip, chain), tree, fed, result, argmax in zip(to_feed, trees, tokens, results, greedy):
+        path, accepted, going = yield from _walk(loop, tip, len(chain), tree, result, argmax)
+        if watch is not None:
+            seen.append(_seen(engine, tip, start, offset, len(chain), fed, result.rows, accepted, going))
         kept.extend(offset + i for i in path)
         offset += len(chain) + len(tree)
         if going:
             live.append(tip)
         finished |= not going
+    if watch is not None:
+        watch(VerifiedStep(step=loop.counters.steps, cache_slots=start, branches=seen))
     keep = torch.tensor(kept, dtype=torch.long, device=engine.device) - start
     engine.keep_tail(start, keep + start)
     for tip in live + loop.deferred:
@@ -86,6 +120,22 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     if finished:
         loop.compact(live + loop.deferred)
     return live
+
+
+def _seen(engine, tip: Tip, start: int, offset: int, chain: int, tokens: list[int], rows, accepted, going: bool):
+    """What `watch` is shown of one branch. rows: [n, N] the mask rows the engine gave its fed
+    tokens (slots offset.. offset + n; the step's first fed slot is `start`); accepted: its draft
+    nodes accepted, as indices into its tree."""
+    return VerifiedBranch(
+        label=tip.label,
+        tokens=list(tokens),
+        depths=engine.forest.depth[offset : offset + len(tokens)].tolist(),
+        drafts_from=chain,
+        sees=[row.nonzero().flatten().tolist() for row in rows[:, start:]],
+        path_slots=int(rows[0, :start].sum()),
+        accepted=[chain + a for a in accepted],
+        next_token=tip.pending[0] if going else None,
+    )
 
 
 def _fed_parents(chain: int, tree: DraftTree) -> list[int]:
@@ -103,8 +153,9 @@ def _greedy_choices(loop: StepLoop, tip: Tip, logits: torch.Tensor) -> list[int]
 
 def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, argmax) -> Iterator[Event]:
     """Accept the tip's guesses while they are its own tokens, through the loop's one accept
-    path. Returns (the fed nodes it keeps, indices into its tree of fed tokens; whether the tip
-    goes on; a finished tip's children are forked by the policy into the next step)."""
+    path. Returns (the fed nodes it keeps, indices into its tree of fed tokens; the draft nodes it
+    accepted; whether the tip goes on: a finished tip's children are forked by the policy into
+    the next step)."""
     import torch
 
     children = tree.children()
@@ -119,7 +170,7 @@ def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, argmax) -
             tip.pending, tip.row, tip.logits = (token, logprob), result.rows[at], logits
             tip.cached += fed + len(accepted)
             loop.speculation.observe(tip.drafts, tree, accepted)
-            return list(range(fed)) + [fed + a for a in accepted], True
+            return list(range(fed)) + [fed + a for a in accepted], accepted, True
         accepted.append(guess)
         loop.counters.accepted_tokens += 1
         event, reason = loop.accept(tip, token, logprob)
@@ -131,7 +182,7 @@ def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, argmax) -
         tip.row = result.rows[at]  # the finishing token is never fed, as without drafts
         tip.cached += fed + len(accepted) - 1
         yield from loop.policy.ended(loop, tip, reason)
-        return list(range(fed)) + [fed + a for a in accepted[:-1]], False
+        return list(range(fed)) + [fed + a for a in accepted[:-1]], accepted, False
 
 
 def _synced(engine, started: float) -> float:

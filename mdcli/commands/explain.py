@@ -1,4 +1,5 @@
-"""`mdcli explain`: draw a recipe's forest and its attention mask, without running the model."""
+"""`mdcli explain`: draw a recipe's forest and its attention mask, without running the model; or,
+with --speculate N, run it until one speculative step and draw that step."""
 
 from __future__ import annotations
 
@@ -8,11 +9,31 @@ from typing import Annotated
 
 import typer
 
-from mdcli.commands.common import ChunkOpt, DebugOpt, ModelOpt, NoChatOpt, RemoteCodeOpt, SystemOpt, errors
+from mdcli.commands.common import (
+    ChunkOpt,
+    DebugOpt,
+    DeviceOpt,
+    ModelOpt,
+    NoChatOpt,
+    Output,
+    RemoteCodeOpt,
+    SystemOpt,
+    errors,
+    load,
+)
+from mdcli.errors import MdcliError
 from mdcli.commands.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
 
 TokensOpt = Annotated[
     bool, typer.Option("--tokens", help="Draw the mask token by token, with token text (forests up to 48 tokens).")
+]
+SpeculateStepOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--speculate", min=1, metavar="N", show_default=False,
+        help="Load the model and run the recipe with N draft tokens per branch until a guess is accepted; "
+        "draw that step: each branch's guesses, their mask rows and what was accepted.",
+    ),
 ]
 
 
@@ -21,7 +42,9 @@ def explain(
     input: InputOpt = None,
     var: VarOpt = None,
     tokens: TokensOpt = False,
+    speculate: SpeculateStepOpt = None,
     model: ModelOpt = None,
+    device: DeviceOpt = "auto",
     trust_remote_code: RemoteCodeOpt = False,
     system: SystemOpt = None,
     no_chat_template: NoChatOpt = False,
@@ -38,6 +61,11 @@ def explain(
     A margins recipe is drawn at its margin phase: a branch per question and segment, every
     segment cached once and read by all questions (classifications and answers are prompted from
     the margins' text, known only at run time).
+
+    With --speculate N the model loads and the recipe runs (greedy unless it says otherwise, output
+    discarded) until the first step in which a branch's guess is accepted; that step is drawn from
+    what the engine did: every branch's next token and guessed tokens at their positions, and the
+    mask rows that let all of them be checked in one forward.
     """
     with errors(debug):
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
@@ -51,6 +79,11 @@ def explain(
         )
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)
+        if speculate is not None:
+            plan.speculation(str(speculate))  # a recipe that cannot speculate says so before the model loads
+            explain_speculative_step(plan, input_text, values, speculate, model, device, trust_remote_code,
+                                     max_forward_tokens)
+            return
         tokenizer = load_tokenizer(model, trust_remote_code)
 
         title = f"{plan.source} ({plan.strategy})"
@@ -64,6 +97,29 @@ def explain(
             console, roots, layout, lambda token: tokenizer.decode([token]),
             title=title, tokens=tokens,
         )
+
+
+def explain_speculative_step(plan, input_text, values, most: int, model, device, trust_remote_code,
+                             max_forward_tokens: int) -> None:
+    """Run the recipe until a speculative step accepts a guess, and print that step."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+    from mdcli.recipes import recipe_events  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
+
+    lm = load(model, device, "auto", "sdpa", False, False, None, trust_remote_code, Output.plain, quiet=False)
+
+    def run(setting):
+        return recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens,
+                             speculate=setting)
+
+    step = api.first_verified_step(run, most)
+    if step is None:
+        raise MdcliError(
+            f"{plan.source}: no branch had a guess to verify (none of its last tokens occurs earlier in what it reads)",
+            fix="try a recipe whose answers quote their input, or more --max-new-tokens in the recipe",
+        )
+    text = lm.tokenizer.decode
+    for line in api.describe_step(step, lambda token: text([token]), title=f"{plan.source} with --speculate {most}"):
+        print(line)
 
 
 def margin_phase(plan, tokenizer, input_text: str | None, values: dict[str, str]):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mdcli.decoding import BranchSpec
     from mdcli.events import Event
     from mdcli.loading import LoadedModel
+    from mdcli.speculate import Speculate
 
 
 def resolved_seed(recipe: RecipeBase) -> int | None:
@@ -39,7 +40,7 @@ def compile_recipe(
 
 def recipe_events(
     recipe: RecipeBase, model: LoadedModel, *, input_text: str | None = None, vars: dict[str, str] | None = None,
-    max_forward_tokens: int = 1024, speculate: str | None = None,
+    max_forward_tokens: int = 1024, speculate: str | Speculate | None = None,
 ) -> Iterator[Event]:
     """The events of running `recipe` (sampling overrides already applied with with_sampling).
     Arguments are checked here, before the first event is asked for. Raises RecipeError/UsageError."""
