@@ -175,3 +175,14 @@ def test_the_margins_questions_bench_compares_equal_work_and_reports_every_phase
         assert row in table
     together = run_stage(lm, document, ["A?", "B?"], 64, limits)
     assert set(together.phases) == {"margins", "classification", "answers"} and len(together.tokens) == 2
+
+
+def test_the_margins_questions_bench_speculates_on_both_sides_when_asked(capsys):
+    from mdcli.bench.margins import bench_document
+    from mdcli.bench.margins_questions import compare_questions
+
+    lm = random_model("tiny")
+    limits = {"margin_tokens": 6, "classify_tokens": 2, "answer_tokens": 6}
+    assert compare_questions(lm, bench_document(lm.tokenizer, 200), 2, 64, limits, speculate="4")
+    table = capsys.readouterr().out
+    assert "--speculate 4 on both sides" in table and "identical tokens (every branch) | 2/2" in table

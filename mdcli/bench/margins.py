@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --questions: an experimental classifier prompt with its rules first (shared)")
     parser.add_argument("--classify-tokens", type=int, default=24, help="with --questions")
     parser.add_argument("--answer-tokens", type=int, default=256, help="with --questions")
+    parser.add_argument("--speculate", default="off",
+                        help="with --questions: both sides' speculative decoding, auto | off | N (default off; "
+                        "`mdcli margins` defaults to auto)")
     parser.add_argument("--model", type=str, default=None)
     parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
               f"margins <= {args.margin_tokens}, classifications <= {args.classify_tokens}, "
               f"answers <= {args.answer_tokens} tokens\n")
         ok = compare_questions(lm, document, args.questions, budget, limits, processes=args.processes,
-                               model=args.model, rules_first=args.rules_first)
+                               model=args.model, rules_first=args.rules_first, speculate=args.speculate)
         return 0 if ok else 1
     if args.sweep:
         sweep(lm, document, [int(s) for s in args.sweep.split(",")], args.margin_tokens, args.layout)

@@ -73,7 +73,8 @@ class StageResult:
 
 
 def run_stage(
-    lm, document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], rules_first: bool = False
+    lm, document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], rules_first: bool = False,
+    speculate: str = "off",
 ) -> StageResult:
     """One run_margins over `questions`, timed phase by phase from its events."""
     prompts = MarginsPrompts(classification=RULES_FIRST_CLASSIFICATION) if rules_first else MarginsPrompts()
@@ -84,7 +85,7 @@ def run_stage(
     finishes: dict[int, list[int]] = {}
     marks = {"start": time.perf_counter()}
     done = None
-    for event in run_margins(lm, job):
+    for event in run_margins(lm, job, speculate=speculate):
         if isinstance(event, Start):
             group.update({b.id: b.group for b in event.branches})
         elif isinstance(event, Fork):
@@ -108,7 +109,8 @@ def run_stage(
     return result
 
 
-def run_processes(document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], model):
+def run_processes(document: str, questions: list[str], segment_tokens: int, limits: dict[str, int], model,
+                  speculate: str = "off"):
     """N whole `mdcli margins` processes (model load included), one per question: seconds, tokens."""
     tokens: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -119,7 +121,8 @@ def run_processes(document: str, questions: list[str], segment_tokens: int, limi
             command = [sys.executable, "-m", "mdcli", "margins", str(path), "-q", question, "--jsonl", "--quiet",
                        "--segment-tokens", str(segment_tokens), "-n", str(limits["margin_tokens"]),
                        "--classify-tokens", str(limits["classify_tokens"]),
-                       "--answer-tokens", str(limits["answer_tokens"]), "--dtype", "float32", "--device", "cpu"]
+                       "--answer-tokens", str(limits["answer_tokens"]), "--dtype", "float32", "--device", "cpu",
+                       "--speculate", speculate]
             if model:
                 command += ["-m", model]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -131,14 +134,17 @@ def run_processes(document: str, questions: list[str], segment_tokens: int, limi
 
 
 def compare_questions(lm, document: str, count: int, segment_tokens: int, limits: dict[str, int], *,
-                      processes: bool = False, model: str | None = None, rules_first: bool = False) -> bool:
+                      processes: bool = False, model: str | None = None, rules_first: bool = False,
+                      speculate: str = "off") -> bool:
+    """speculate: both sides' --speculate setting ("off" by default, as the tables in BENCHMARKS)."""
     questions = QUESTIONS[:count]
     if rules_first:
         print("classification prompt: --rules-first (the rules before the query and margin; an experiment)\n")
-    together = run_stage(lm, document, questions, segment_tokens, limits, rules_first)
+    print(f"--speculate {speculate} on both sides\n")
+    together = run_stage(lm, document, questions, segment_tokens, limits, rules_first, speculate)
     alone = StageResult(tokens={})
     for question in questions:
-        alone.add(run_stage(lm, document, [question], segment_tokens, limits, rules_first))
+        alone.add(run_stage(lm, document, [question], segment_tokens, limits, rules_first, speculate))
     same = sum(together.tokens[q] == alone.tokens[q] for q in questions)
     print(f"{count} question{'s' if count > 1 else ''}: {', '.join(repr(q) for q in questions)}\n")
     print(f"| whole stage, {count} question{'s' if count > 1 else ''} | together (one forest) | "
@@ -154,7 +160,7 @@ def compare_questions(lm, document: str, count: int, segment_tokens: int, limits
     print(f"| questions with identical tokens (every branch) | {same}/{count} | | |")
     ok = same == count
     if processes and not rules_first:
-        seconds, tokens = run_processes(document, questions, segment_tokens, limits, model)
+        seconds, tokens = run_processes(document, questions, segment_tokens, limits, model, speculate)
         same_processes = sum(tokens[q] == together.tokens[q] for q in questions)
         print(f"| {count} whole `mdcli margins` processes, s (model load included) | {together.seconds:.1f} | "
               f"{seconds:.1f} | {seconds / together.seconds:.2f}x |")
