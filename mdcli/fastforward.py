@@ -46,9 +46,14 @@ if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "MDCLI_FORWARD"
-# On AVX2 x86-64, bmm attention only up to this many queries per forward (Zen 3, 2,000-2,500 keys:
-# bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512)
+# bmm attention materializes every score, so past a number of queries per forward sdpa's chunked
+# kernel wins; forwards of more queries than this attend with sdpa. AVX2 x86-64 (Zen 3, 2,000-2,500
+# keys: bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512): 64. With oneDNN
+# linears (AVX-512; Zen 4, whole forwards of a branch over 1,500 / 3,400 keys, best of 3: bmm / sdpa
+# 0.97 / 0.95 at 16 queries, 0.92 / 1.11 at 32, 1.09 / 1.04 at 64, 1.27 / 1.10 at 128, 1.72 / 1.85
+# at 570): 32.
 BMM_MAX_QUERIES = 64
+BMM_MAX_QUERIES_AVX512 = 32
 # Where a lone token's step runs on OpenBLAS (one thread, AVX-512), forwards of up to this many tokens
 # also take its weighted sum of the cached values (Zen 4, the embedded model over 1,500 tokens, a
 # branch with 1-4 guesses, A/B in one process: 2 tokens 51.5 -> 48.4 ms, 3: 54.0 -> 51.1, 4: 51.7 ->
@@ -172,9 +177,9 @@ class FastForward:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.attention = attention or _attention_wanted(model)
-        # bmm materializes every score: past BMM_MAX_QUERIES queries sdpa's chunked kernel wins on
-        # AVX2 (a long prefill over a tree: margins' prefill 24.8 s with sdpa, 46.0 s with bmm)
-        self.bmm_max_queries = BMM_MAX_QUERIES if attention is None and avx2_step(*packing.weight_kind(model)) else None
+        # bmm materializes every score: a long prefill over a tree attends with sdpa (margins'
+        # prefill, Zen 3: 24.8 s with sdpa, 46.0 s with bmm; Zen 4: 24.1 s, 36.9 s)
+        self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on gathered slots (sparse_attention)
         self.head = model.lm_head.weight  # [V, hidden]
@@ -276,6 +281,17 @@ class FastForward:
         if attention == "bmm":
             return sparse_attention.grouped_attention(plan, query, keys, values, mask, self.scaling)
         return sparse_attention.sdpa_attention(plan, layer.attention, query, keys, values, mask, self.scaling)
+
+
+def _bmm_max_queries(model) -> int | None:
+    """The most queries a forward attends to with bmm, by host kind (see BMM_MAX_QUERIES); None
+    where bmm is not chosen at all."""
+    kind = packing.weight_kind(model)
+    if avx2_step(*kind):
+        return BMM_MAX_QUERIES
+    if kernel_name(*kind) == "oneDNN":
+        return BMM_MAX_QUERIES_AVX512
+    return None
 
 
 def _attention_wanted(model) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from mdcli.blas_gemv import one_blas_thread, openblas_library, openblas_works
 from mdcli.decoding import prefill_prompts
-from mdcli.fastforward import BMM_MAX_QUERIES, FastForward, fast_forward_for, unsupported_reason
+from mdcli.fastforward import BMM_MAX_QUERIES, BMM_MAX_QUERIES_AVX512, FastForward, fast_forward_for, unsupported_reason
 from mdcli.forest import pad_rows
 from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
 from mdcli.packing import pack, packed_linear, pair_padded_linear
@@ -314,9 +314,9 @@ def torch_threads():
 
 def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token),
-    bmm attention; oneDNN hosts (AVX-512): packed, bmm, and on one thread a transposed copy that a
-    lone token multiplies on OpenBLAS (measured on Zen 4), on more threads no transposed copy;
-    forced stock kernels: neither copy, sdpa."""
+    bmm attention up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to 32 queries, and on one
+    thread a transposed copy that a lone token multiplies on OpenBLAS (measured on Zen 4), on more
+    threads no transposed copy; forced stock kernels: neither copy, sdpa."""
     model = tiny_model("llama", "sdpa")
     cpu = torch.device("cpu")
     torch_threads(2)
@@ -327,7 +327,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         assert not chosen.pair_padded  # measured on AVX-512 only
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
-        assert chosen.bmm_max_queries is None
+        assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
         assert chosen.pair_padded
         torch_threads(1)
         alone = FastForward(model)
@@ -337,6 +337,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
     assert (stock.packed, stock.transposed, stock.pair_padded, stock.attention) == (False, False, False, "transformers")
+    assert stock.bmm_max_queries is None
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
     unpacked = FastForward(model)
