@@ -109,6 +109,10 @@ def _guesses(branch: VerifiedBranch, first: int) -> list[list[int]]:
     return [path[i] for i in drafts if i not in inner]
 
 
+def _clip(label: str, width: int = 16) -> str:
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
 def _quoted(token_text: TokenText, tokens: list[int]) -> str:
     return repr("".join(token_text(t) for t in tokens))
 
@@ -124,7 +128,7 @@ def mask_rows(step: VerifiedStep, token_text: TokenText) -> list[str]:
     nodes = [(branch, i) for branch, _ in drawn for i in range(len(branch.tokens))]
     labels = [token_label(token_text(branch.tokens[i])) for branch, i in nodes]
     label_width = max([len("token")] + [len(label) for label in labels])
-    names = {id(branch): branch.label[:16] for branch, _ in drawn}
+    names = {id(branch): _clip(branch.label) for branch, _ in drawn}
     name_width = max([len("branch")] + [len(name) for name in names.values()])
     lead = f"{'pos':>4}  {'token':<{label_width}}    {'branch':<{name_width}}  {'reads':>5}  "
     lines = [

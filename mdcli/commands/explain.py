@@ -21,8 +21,8 @@ from mdcli.commands.common import (
     errors,
     load,
 )
-from mdcli.errors import MdcliError
 from mdcli.commands.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
+from mdcli.errors import MdcliError
 
 TokensOpt = Annotated[
     bool, typer.Option("--tokens", help="Draw the mask token by token, with token text (forests up to 48 tokens).")
@@ -115,7 +115,7 @@ def explain_speculative_step(plan, input_text, values, most: int, model, device,
     if step is None:
         raise MdcliError(
             f"{plan.source}: no branch had a guess to verify (none of its last tokens occurs earlier in what it reads)",
-            fix="try a recipe whose answers quote their input, or more --max-new-tokens in the recipe",
+            fix="try a recipe whose answers quote their input, or a larger max_new_tokens in it",
         )
     text = lm.tokenizer.decode
     for line in api.describe_step(step, lambda token: text([token]), title=f"{plan.source} with --speculate {most}"):
