@@ -161,3 +161,13 @@ def test_explain_speculate_refuses_a_recipe_that_cannot_speculate_before_loading
     result = runner.invoke(app, ["explain", str(recipe), "--speculate", "4", "--model", "/nonexistent/model"])
     assert result.exit_code == 2
     assert "beam search does not speculate" in result.stderr
+
+
+def test_explain_refuses_tokens_with_speculate_rather_than_ignoring_one(tmp_path):
+    recipe = tmp_path / "copy.yaml"
+    recipe.write_text(RECIPE)
+    story = tmp_path / "story.txt"
+    story.write_text(STORY)
+    result = runner.invoke(app, ["explain", str(recipe), "--input", str(story), "--speculate", "4", "--tokens"])
+    assert result.exit_code == 2
+    assert "--tokens draws the forest's mask; --speculate draws one step" in result.stderr

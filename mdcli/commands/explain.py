@@ -22,7 +22,7 @@ from mdcli.commands.common import (
     load,
 )
 from mdcli.commands.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
-from mdcli.errors import MdcliError
+from mdcli.errors import MdcliError, UsageError
 
 TokensOpt = Annotated[
     bool, typer.Option("--tokens", help="Draw the mask token by token, with token text (forests up to 48 tokens).")
@@ -79,6 +79,9 @@ def explain(
         )
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)
+        if speculate is not None and tokens:
+            raise UsageError("--tokens draws the forest's mask; --speculate draws one step, already token by token",
+                             fix="give one of them")
         if speculate is not None:
             plan.speculation(str(speculate))  # a recipe that cannot speculate says so before the model loads
             explain_speculative_step(plan, input_text, values, speculate, model, device, trust_remote_code,
