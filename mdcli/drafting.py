@@ -110,14 +110,11 @@ class DraftTree:
     def likeliest_path(self) -> list[int]:
         """Nodes from a child of the branch's next token down, each the likeliest child of the one
         before: the single guess most likely to be accepted deepest."""
-        path: list[int] = []
-        parent = -1
-        while True:
-            kids = [i for i, p in enumerate(self.parents) if p == parent]
-            if not kids:
-                return path
-            parent = max(kids, key=lambda i: self.probability[i])
+        kids, path, parent = self.children(), [], -1
+        while kids[parent + 1]:
+            parent = max(kids[parent + 1].values(), key=lambda i: self.probability[i])
             path.append(parent)
+        return path
 
     def keep(self, nodes: list[int]) -> DraftTree:
         """The subtree of `nodes` (closed under parents), renumbered in their original order."""
