@@ -20,7 +20,9 @@ and the tests compare this one with it. What this forward changes, per layer:
   the core's rate, torch's kernels at about half);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
-  over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention);
+  over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention); where
+  they see different prefixes of one long run of slots (margins' chain layout), over each prefix
+  read in place plus the few other slots gathered (mdcli.prefix_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
 
@@ -37,10 +39,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli import packing, sparse_attention
+from mdcli import packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
-from mdcli.sparse_attention import plan_for
+from mdcli.prefix_attention import PrefixPlan
+from mdcli.sparse_attention import GATHER_COST, GATHER_COST_AVX512, plan_for
 
 if TYPE_CHECKING:
     import torch
@@ -180,8 +183,10 @@ class FastForward:
         # bmm materializes every score: a long prefill over a tree attends with sdpa (margins'
         # prefill, Zen 3: 24.8 s with sdpa, 46.0 s with bmm; Zen 4: 24.1 s, 36.9 s)
         self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
+        self.gather_cost = _gather_cost(model)
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
-        self.sparse_forwards = 0  # forwards whose attention ran on gathered slots (sparse_attention)
+        self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
+        self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
         self.head = model.lm_head.weight  # [V, hidden]
         self.transposed = transposing_wanted(model) if transposed is None else transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
@@ -226,10 +231,11 @@ class FastForward:
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        plan = plan_for(mask)  # attention over each query's visible slots only, or None: dense
+        plan = plan_for(mask, self.gather_cost)  # attention over each query's visible slots only, or None: dense
         self.sparse_forwards += plan is not None
+        self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "transformers"
-        masks = plan.masks if plan is not None else self._step_masks(mask, attention)
+        masks = None if plan is not None else self._step_masks(mask, attention)
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
@@ -240,8 +246,9 @@ class FastForward:
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
-            if plan is not None:
-                attended = self._attend_sparse(plan, layer, query, keys, values, layer_mask, attention)  # [1, M, H * D]
+            if plan is not None:  # [1, M, H * D]
+                attended = plan.attend(attention if attention == "bmm" else "sdpa", layer.attention, layer.layer_type,
+                                       query, keys, values, self.scaling)
             else:
                 attended = self._attend(layer, query, keys, values, layer_mask, attention,
                                         weighted_sum)  # [1, M, H * D]
@@ -276,12 +283,6 @@ class FastForward:
         return out.reshape(1, m, -1)  # [1, M, H * D]
 
 
-    def _attend_sparse(self, plan, layer: _Layer, query, keys, values, mask, attention: str):
-        """_attend on the plan's gathered keys and values (mdcli.sparse_attention), same core."""
-        if attention == "bmm":
-            return sparse_attention.grouped_attention(plan, query, keys, values, mask, self.scaling)
-        return sparse_attention.sdpa_attention(plan, layer.attention, query, keys, values, mask, self.scaling)
-
 
 def _bmm_max_queries(model) -> int | None:
     """The most queries a forward attends to with bmm, by host kind (see BMM_MAX_QUERIES); None
@@ -292,6 +293,11 @@ def _bmm_max_queries(model) -> int | None:
     if kernel_name(*kind) == "oneDNN":
         return BMM_MAX_QUERIES_AVX512
     return None
+
+
+def _gather_cost(model) -> float:
+    """What gathering a cache slot costs in query rows, by host kind (mdcli.sparse_attention)."""
+    return GATHER_COST_AVX512 if kernel_name(*packing.weight_kind(model)) == "oneDNN" else GATHER_COST
 
 
 def _attention_wanted(model) -> str:

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from mdcli.loading import LoadedModel
 
 R = TypeVar("R")
+# An edge of the prompts' radix tree at least this long, and this many times longer than every
+# other edge waiting with it, is fed alone (see _spine_first)
+SPINE_MIN_TOKENS = 64
+SPINE_RATIO = 4
 
 
 @dataclass
@@ -275,11 +279,11 @@ def prefill_steps(
     done, total = 0, sum(_trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
     yield done, total
     while pending:
-        edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in pending]
+        fed, pending = _spine_first(prompts, pending)
+        edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in fed]
         steps = engine.extend_steps([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
         outs = yield from _running_count(steps, done, total)
         done += sum(end - start for _, _, start, end in edges)
-        pending = []
         for (_, group, _, end), out in zip(edges, outs):
             for i in group:
                 if len(prompts[i]) == end:
@@ -287,6 +291,22 @@ def prefill_steps(
             longer = [i for i in group if len(prompts[i]) > end]
             pending.extend((out.row, sub, end) for sub in _group_by_token(prompts, longer, end))
     return results  # type: ignore[return-value]
+
+
+def _spine_first(prompts: list[list[int]], pending: list) -> tuple[list, list]:
+    """(edges to feed now, edges held back). An edge much longer than every other (a document
+    that prompts read further into, as margins' chain layout, beside the short instructions that
+    branch off it) is fed alone and the short edges wait: the document then lies in one
+    contiguous run of slots, fed as plain causal pieces, and each branch sees a prefix of it (what
+    mdcli.prefix_attention attends to in place). Otherwise every edge is fed together."""
+    if len(pending) < 2:
+        return pending, []
+    lengths = [_common_prefix_end(prompts, group, start) - start for _, group, start in pending]
+    longest = max(range(len(pending)), key=lengths.__getitem__)
+    others = max(length for i, length in enumerate(lengths) if i != longest)
+    if lengths[longest] < SPINE_MIN_TOKENS or lengths[longest] < SPINE_RATIO * others:
+        return pending, []
+    return [pending[longest]], pending[:longest] + pending[longest + 1:]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -25,31 +25,45 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mdcli.prefix_attention import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
+
 if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "MDCLI_SPARSE_ATTENTION"
 SPARSE_FRACTION = 0.5  # sparse when its padded work is at most this share of the dense work
 MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, nothing to save
-GATHER_COST = 12.0  # a gathered key/value slot costs about as much as this many query rows (measured, issue 14)
+# A gathered key/value slot costs about as much as this many query rows (`python -m mdcli.bench.attention`,
+# BENCHMARKS.md issue 14): Zen 3 (AVX2) 12; Zen 4 (AVX-512, oneDNN linears) 4, where 32 lone queries
+# each seeing 1/24 of a 5,000-slot cache attend in 164 ms a step gathered against 326 ms dense.
+GATHER_COST = 12.0
+GATHER_COST_AVX512 = 4.0
 
 
 def sparse_mode() -> str:
-    """MDCLI_SPARSE_ATTENTION: "off" (0, off, dense), "always" (every forward of 2+ queries, for
-    tests and measurement) or "auto" (the default: by `sparse_wanted`)."""
+    """MDCLI_SPARSE_ATTENTION: "off" (0, off, dense), "always" (the gathered plan for every forward
+    of 2+ queries), "prefix" (the prefix plan wherever the prefixes are few enough; both for tests
+    and measurement) or "auto" (the default: the cheaper plan by its work, or dense)."""
     value = os.environ.get(OPT_OUT, "").strip().lower()
     if value in {"0", "off", "no", "false", "dense"}:
         return "off"
+    if value == "prefix":
+        return "prefix"
     return "always" if value in {"always", "force"} else "auto"
 
 
-def sparse_wanted(queries: int, slots: int, groups: int, group_queries: int, group_keys: int) -> bool:
+def gathered_work(groups: int, group_queries: int, group_keys: int, gather_cost: float = GATHER_COST) -> float:
+    """The gathered plan's padded work in query-slot products, its gathers counted alike."""
+    return groups * group_keys * (group_queries + gather_cost)
+
+
+def sparse_wanted(queries: int, slots: int, groups: int, group_queries: int, group_keys: int,
+                  gather_cost: float = GATHER_COST) -> bool:
     """Whether the gathered attention pays for `queries` rows over `slots` keys, cut into `groups`
     groups of at most `group_queries` rows seeing at most `group_keys` slots each (padded)."""
     if queries < MIN_QUERIES:
         return False
-    padded = groups * group_keys * (group_queries + GATHER_COST)
-    return padded <= SPARSE_FRACTION * queries * slots
+    return gathered_work(groups, group_queries, group_keys, gather_cost) <= SPARSE_FRACTION * queries * slots
 
 
 @dataclass
@@ -66,20 +80,56 @@ class SparsePlan:
     rows: dict = field(default_factory=dict)  # per cache row stride: [B * G * K] rows to gather
     stacked: dict = field(default_factory=dict)  # per mask: [B * G, H/G * Q, K], the bmm core's rows
 
+    def attend(self, core: str, module, layer_type: str, query, keys, values, scale: float):
+        """[1, M, H * D]: this layer's attention on the "bmm" core or transformers' sdpa entry."""
+        mask = self.masks.get(layer_type) if isinstance(self.masks, dict) else self.masks
+        if core == "bmm":
+            return grouped_attention(self, query, keys, values, mask, scale)
+        return sdpa_attention(self, module, query, keys, values, mask, scale)
 
-def plan_for(mask) -> SparsePlan | None:
+
+def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan | None:
     """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
-    where the dense attention should run (off, a lone query, or too little to save)."""
-    import torch
-
+    where the dense attention should run (off, a lone query, or too little to save): the gathered
+    plan or the prefix plan (mdcli.prefix_attention), whichever does less work, when that is at
+    most SPARSE_FRACTION of the dense work. gather_cost: a gathered slot in query rows (by host)."""
     mode = sparse_mode()
     if mask is None or mode == "off":
         return None
-    full = mask.get("full_attention", next(iter(mask.values()))) if isinstance(mask, dict) else mask
+    kinds = list(mask.values()) if isinstance(mask, dict) else [mask]
+    full = mask.get("full_attention", kinds[0]) if isinstance(mask, dict) else mask
     m, n = full.shape[-2], full.shape[-1]
     if m < MIN_QUERIES:
         return None
     allowed = full[0, 0] == 0  # [M, N]: the widest mask (a window only narrows it)
+    if mode == "always":
+        return _gathered(mask, allowed, None)
+    prefix = _prefix(mask, kinds, allowed, gather_cost, None if mode == "prefix" else PREFIX_FRACTION * dense_work(m, n))
+    if mode == "prefix":
+        return prefix
+    budget = SPARSE_FRACTION * m * n
+    if prefix is not None:
+        budget = min(budget, prefix.work(gather_cost))
+    return _gathered(mask, allowed, budget, gather_cost) or prefix
+
+
+def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> PrefixPlan | None:
+    """The prefix plan if its work is within `budget` (None: any)."""
+    common = allowed  # [M, N]: seen under every mask
+    for other in kinds if len(kinds) > 1 else []:
+        common = common & (other[0, 0] == 0)
+    buckets = bucket_prefixes(common)
+    if buckets is None or (budget is not None and work_floor(*buckets) > budget):
+        return None
+    plan = plan_prefixes(mask, common, allowed, *buckets)
+    return plan if budget is None or plan.work(gather_cost) <= budget else None
+
+
+def _gathered(mask, allowed, budget: float | None, gather_cost: float = GATHER_COST) -> SparsePlan | None:
+    """The gathered plan if its padded work is within `budget` (None: any)."""
+    import torch
+
+    m, n = allowed.shape
     device = allowed.device
     starts = group_starts(allowed)  # [B] first row of each group
     b = starts.shape[0]
@@ -89,7 +139,7 @@ def plan_for(mask) -> SparsePlan | None:
     sizes = torch.bincount(group_of_row, minlength=b)  # [B]
     q_max = int(sizes.max())
     seen = int(allowed.sum(1).max())  # a group sees at least as many slots as its widest row
-    if mode == "auto" and not sparse_wanted(m, n, b, q_max, seen):
+    if budget is not None and gathered_work(b, q_max, seen, gather_cost) > budget:
         return None  # dense for sure: skip the union below (an [M, N] pass)
     if b == m:  # every row its own group (a decode step)
         visible = allowed  # [B, N]
@@ -98,7 +148,7 @@ def plan_for(mask) -> SparsePlan | None:
             0, group_of_row, allowed.to(torch.int32)) > 0
     counts = visible.sum(1)  # [B]
     k_max = int(counts.max())
-    if mode == "auto" and not sparse_wanted(m, n, b, q_max, k_max):
+    if budget is not None and gathered_work(b, q_max, k_max, gather_cost) > budget:
         return None
     return _plan(mask, visible, counts, starts, sizes, group_of_row, q_max, k_max)
 

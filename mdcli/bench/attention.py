@@ -1,0 +1,173 @@
+"""Benchmark: one layer's attention on the three plans mdcli's forward chooses between.
+
+    python -m mdcli.bench.attention            # one thread, the embedded model's head shapes
+
+For the masks of real forests (built here as the engine lays them out: a document in one run of
+slots, branches hanging off it, their generated tokens interleaved step by step), one decode step's
+attention (9 query heads over 3 key/value heads, head size 64, the bmm core) is timed:
+
+* dense: every query against every slot, masked (fastforward's core);
+* gathered: each query's visible slots copied out, then attended (mdcli.sparse_attention);
+* prefix: each bucket's visible prefix read in place, the rest gathered (mdcli.prefix_attention);
+
+next to the work the rule counts for each (query-slot products, a gathered slot counted as
+GATHER_COST of them, a bucket as BUCKET_COST), and the plan the rule picks. All three compute the
+same values (the largest difference is shown). This is what the rule's constants are fitted to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+from mdcli import sparse_attention as sa
+from mdcli.bench.margins import machine
+from mdcli.fastforward import _grouped_attention
+from mdcli.prefix_attention import bucket_prefixes, dense_work, plan_prefixes
+from mdcli.prefix_attention import grouped_attention as prefix_attention
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+@dataclass
+class Scene:
+    name: str
+    allowed: object  # [M, N] bool: what each of the step's M queries sees
+
+
+def _scattered(n_branches: int, written: int, start: int):
+    """Slots of each branch's `written` tokens, written one step at a time for all branches."""
+    return [[start + step * n_branches + b for step in range(written)] for b in range(n_branches)]
+
+
+def margins_step(questions: int, segments: int, document: int = 4000, suffix: int = 60, written: int = 24) -> Scene:
+    """Margins' chain layout: the document in one run; question q's margin of segment i reads its
+    first i segments, then its own suffix (laid after the document), then the tokens it wrote."""
+    import torch
+
+    branches = questions * segments
+    suffixes = document + branches * suffix
+    n = suffixes + branches * written + branches  # + this step's own new slots
+    allowed = torch.zeros(branches, n, dtype=torch.bool)
+    for b, tokens in enumerate(_scattered(branches, written, suffixes)):
+        segment = b % segments
+        allowed[b, : document * (segment + 1) // segments] = True
+        allowed[b, document + b * suffix: document + (b + 1) * suffix] = True
+        allowed[b, tokens] = True
+        allowed[b, n - branches + b] = True
+    return Scene(f"margins step: {questions} questions x {segments} segments, {document:,}-token document", allowed)
+
+
+def separate_prompts(branches: int, prompt: int = 230, shared: int = 30, written: int = 12) -> Scene:
+    """Classification: unrelated prompts after a short shared system prompt, tokens interleaved."""
+    import torch
+
+    start = shared + branches * prompt
+    n = start + branches * written + branches
+    allowed = torch.zeros(branches, n, dtype=torch.bool)
+    for b, tokens in enumerate(_scattered(branches, written, start)):
+        allowed[b, :shared] = True
+        allowed[b, shared + b * prompt: shared + (b + 1) * prompt] = True
+        allowed[b, tokens] = True
+        allowed[b, n - branches + b] = True
+    return Scene(f"classification step: {branches} prompts of {prompt} tokens", allowed)
+
+
+def shared_document(branches: int, document: int = 1500, question: int = 30, written: int = 64) -> Scene:
+    """ask-many: every branch reads the whole document, then its question and its answer."""
+    import torch
+
+    start = document + branches * question
+    n = start + branches * written + branches
+    allowed = torch.zeros(branches, n, dtype=torch.bool)
+    for b, tokens in enumerate(_scattered(branches, written, start)):
+        allowed[b, :document] = True
+        allowed[b, document + b * question: document + (b + 1) * question] = True
+        allowed[b, tokens] = True
+        allowed[b, n - branches + b] = True
+    return Scene(f"ask-many step: {branches} questions over a {document:,}-token document", allowed)
+
+
+def scenes() -> list[Scene]:
+    return [
+        margins_step(1, 8), margins_step(4, 8), margins_step(8, 8), margins_step(4, 16, written=12),
+        separate_prompts(8), separate_prompts(32), separate_prompts(64), separate_prompts(16, prompt=120),
+        separate_prompts(32, prompt=600), separate_prompts(32, prompt=1200),
+        shared_document(8), shared_document(32),
+    ]
+
+
+def _best_ms(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def measure(scene: Scene, repeats: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    allowed = scene.allowed
+    m, n = allowed.shape
+    mask = torch.zeros(m, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]  # [1, 1, M, N]
+    query = torch.randn(1, HEADS, m, DIM)
+    keys, values = torch.randn(1, KV_HEADS, n, DIM), torch.randn(1, KV_HEADS, n, DIM)
+    scale = DIM ** -0.5
+    rows = mask[0, 0].repeat(HEADS // KV_HEADS, 1)
+    gathered = sa._gathered(mask, allowed, None)
+    prefix = plan_prefixes(mask, allowed, allowed, *bucket_prefixes(allowed, max_buckets=10_000))
+    with torch.inference_mode():
+        dense_out = _grouped_attention(query, keys, values, rows, scale, KV_HEADS)
+        outs = {
+            "gathered": sa.grouped_attention(gathered, query, keys, values, gathered.masks, scale),
+            "prefix": prefix_attention(prefix, query, keys, values, None, scale),
+        }
+        times = {
+            "dense": _best_ms(lambda: _grouped_attention(query, keys, values, rows, scale, KV_HEADS), repeats),
+            "gathered": _best_ms(lambda: sa.grouped_attention(gathered, query, keys, values, gathered.masks, scale),
+                                 repeats),
+            "prefix": _best_ms(lambda: prefix_attention(prefix, query, keys, values, None, scale), repeats),
+        }
+    chosen = sa.plan_for(mask)
+    return {
+        "scene": scene.name, "queries": m, "slots": n, "buckets": len(prefix.buckets),
+        "work": {"dense": m * n, "gathered": sa.gathered_work(gathered.groups, gathered.group_queries,
+                                                              gathered.group_keys),
+                 "prefix": prefix.work(sa.GATHER_COST), 'dense_scaled': dense_work(m, n)},
+        "ms": times,
+        "chosen": "dense" if chosen is None else ("prefix" if hasattr(chosen, "buckets") else "gathered"),
+        "largest difference": max(float((out - dense_out).abs().max()) for out in outs.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mdcli.bench.attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"# {machine()}; torch threads {args.threads}; one layer, H={HEADS} G={KV_HEADS} D={DIM}, bmm core, "
+          f"median of {args.repeats}\n")
+    print("| forest | queries | slots | buckets | dense ms | gathered ms | prefix ms | work gathered / dense "
+          "| work prefix / dense | rule picks | fastest | largest difference |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for scene in scenes():
+        r = measure(scene, args.repeats)
+        ms, work = r["ms"], r["work"]
+        fastest = min(ms, key=ms.get)
+        print(f"| {r['scene']} | {r['queries']} | {r['slots']:,} | {r['buckets']} | {ms['dense']:.2f} | "
+              f"{ms['gathered']:.2f} | {ms['prefix']:.2f} | {work['gathered'] / work['dense']:.2f} | "
+              f"{work['prefix'] / work['dense_scaled']:.2f} | {r['chosen']} | {fastest} | {r['largest difference']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

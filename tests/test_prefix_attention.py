@@ -1,0 +1,114 @@
+"""Attention over each query's visible prefix read in place (mdcli.prefix_attention) is the dense attention.
+
+Margins' chain layout hangs branches off different depths of one long document. The radix prefill
+feeds such a document alone (its short side edges wait), so it lies in one run of slots and each
+branch sees a prefix of it: the forward then attends bucket by bucket, each bucket's prefix read
+in place and its few other slots gathered. On the tiny models of every architecture mdcli's
+forward supports (sliding windows included) and on both attention cores, every step's logits
+equal the dense path's and each branch's alone, and the greedy tokens equal `generate`. Which plan
+the rule picks on the forests the constants were fitted to is stated too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdcli.bench.attention import margins_step, separate_prompts, shared_document
+from mdcli.decoding import prefill_prompts
+from mdcli.prefix_attention import PrefixPlan, visible_prefix
+from mdcli.sparse_attention import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
+from tests.reference import generate_alone
+from tests.test_engine_exactness import VOCAB, alone_logits
+from tests.test_sparse_attention import SUPPORTED, decode, model_for, own_engine
+
+DEPTHS = [(70, 3), (70, 8), (140, 1), (140, 5), (140, 9), (210, 2), (210, 6)]
+
+
+def chain_forest() -> list[list[int]]:
+    """A 210-token document and branches reading 70, 140 or all of it, each with its own tail."""
+    g = torch.Generator().manual_seed(11)
+    document = torch.randint(2, VOCAB, (210,), generator=g).tolist()
+    return [document[:depth] + torch.randint(2, VOCAB, (tail,), generator=g).tolist() for depth, tail in DEPTHS]
+
+
+def additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def test_the_prefill_lays_a_document_read_to_different_depths_in_one_run_of_slots():
+    model = model_for("llama")
+    engine = own_engine(model, "bmm")
+    prompts = chain_forest()
+    rows = torch.stack([r.row for r in prefill_prompts(engine, prompts)])  # [C, N]
+    assert engine.forest.tokens[:210].tolist() == prompts[-1][:210], "the document comes first, in order"
+    seen = visible_prefix(rows)
+    for (depth, tail), row, prefix in zip(DEPTHS, rows, seen.tolist()):
+        assert prefix == depth, "each branch sees the document's first `depth` slots without a gap"
+        assert int(row.sum()) == depth + tail, "and its own tail, nothing else"
+
+
+@pytest.mark.parametrize("attention", ["bmm", "transformers"])
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, monkeypatch):
+    """Every forward of 2+ queries takes the prefix plan (=prefix): the tails' prefill and every step."""
+    model = model_for(arch)
+    prompts = chain_forest()
+    monkeypatch.setenv(OPT_OUT, "prefix")
+    prefixed = own_engine(model, attention)
+    prefix_logits, prefix_tokens = decode(prefixed, prompts, steps=8)
+    assert prefixed._fast.prefix_forwards >= 8, "the tails' prefill and the steps take the prefix plan"
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense = own_engine(model, attention)
+    dense_logits, dense_tokens = decode(dense, prompts, steps=8)
+    assert dense._fast.sparse_forwards == 0
+    assert prefix_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(prefix_logits, dense_logits))
+    assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        alone = alone_logits(model, prompt + prefix_tokens[i][:-1])
+        assert float((alone - prefix_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
+        assert prefix_tokens[i] == generate_alone(model, prompt, 8), f"branch {i}"
+
+
+def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded, monkeypatch):
+    model = embedded.model
+    prompts = [p for p in chain_forest() for _ in range(3)]  # three questions per depth: 21 branches
+    prompts = [p + [7 + i % 3] for i, p in enumerate(prompts)]
+    prefixed = own_engine(model, "bmm")
+    prefix_logits, prefix_tokens = decode(prefixed, prompts, steps=3)
+    assert prefixed._fast.prefix_forwards >= 1
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=3)
+    assert prefix_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(prefix_logits, dense_logits))
+    assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        assert prefix_tokens[i] == generate_alone(model, prompt, 3), f"branch {i}"
+
+
+def _picked(allowed: torch.Tensor, gather_cost: float = GATHER_COST_AVX512) -> str:
+    plan = plan_for(additive(allowed), gather_cost)
+    return "dense" if plan is None else {PrefixPlan: "prefix", SparsePlan: "gathered"}[type(plan)]
+
+
+def test_the_rule_reads_prefixes_in_place_for_many_questions_margins_and_stays_dense_otherwise():
+    # `python -m mdcli.bench.attention` on Zen 4: prefix 5.0 / dense 8.4 ms (4 x 8), 8.9 / 23.4 (8 x 8)
+    assert _picked(margins_step(4, 8).allowed) == "prefix"
+    assert _picked(margins_step(8, 8).allowed) == "prefix"
+    # one question: eight buckets of one query each read the document 4.5 times (2.3 / 2.2 ms)
+    assert _picked(margins_step(1, 8).allowed) == "dense"
+    # ask-many: every branch sees the whole document; nothing to leave out
+    assert _picked(shared_document(8).allowed) == "dense"
+    assert _picked(shared_document(32).allowed) == "dense"
+    # unrelated prompts: each sees ~1/30 of the cache, gathered (2.2 / 13.9 ms)
+    assert _picked(separate_prompts(32).allowed) == "gathered"
+
+
+def test_a_forest_with_more_distinct_prefixes_than_buckets_allowed_is_not_planned_by_prefix(monkeypatch):
+    monkeypatch.setenv(OPT_OUT, "prefix")
+    allowed = torch.zeros(40, 100, dtype=torch.bool)
+    for row in range(40):
+        allowed[row, : row + 1] = True  # 40 distinct prefixes
+    assert plan_for(additive(allowed)) is None
+    assert isinstance(plan_for(additive(allowed[:32])), PrefixPlan)
