@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculate", default="off",
                         help="with --questions: both sides' speculative decoding, auto | off | N (default off; "
                         "`mdcli margins` defaults to auto)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="with --questions: skip the untimed one-question stage run before both sides")
     parser.add_argument("--model", type=str, default=None)
     parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
@@ -274,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
               f"margins <= {args.margin_tokens}, classifications <= {args.classify_tokens}, "
               f"answers <= {args.answer_tokens} tokens\n")
         ok = compare_questions(lm, document, args.questions, budget, limits, processes=args.processes,
-                               model=args.model, rules_first=args.rules_first, speculate=args.speculate)
+                               model=args.model, rules_first=args.rules_first, speculate=args.speculate,
+                               warmup=not args.no_warmup)
         return 0 if ok else 1
     if args.sweep:
         sweep(lm, document, [int(s) for s in args.sweep.split(",")], args.margin_tokens, args.layout)
