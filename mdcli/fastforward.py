@@ -43,7 +43,7 @@ from mdcli import packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
 from mdcli.prefix_attention import PrefixPlan
-from mdcli.sparse_attention import GATHER_COST, GATHER_COST_AVX512, plan_for
+from mdcli.sparse_attention import host_gather_cost, plan_for
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +183,7 @@ class FastForward:
         # bmm materializes every score: a long prefill over a tree attends with sdpa (margins'
         # prefill, Zen 3: 24.8 s with sdpa, 46.0 s with bmm; Zen 4: 24.1 s, 36.9 s)
         self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
-        self.gather_cost = _gather_cost(model)
+        self.gather_cost = host_gather_cost(*packing.weight_kind(model))  # by host kind
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
@@ -293,11 +293,6 @@ def _bmm_max_queries(model) -> int | None:
     if kernel_name(*kind) == "oneDNN":
         return BMM_MAX_QUERIES_AVX512
     return None
-
-
-def _gather_cost(model) -> float:
-    """What gathering a cache slot costs in query rows, by host kind (mdcli.sparse_attention)."""
-    return GATHER_COST_AVX512 if kernel_name(*packing.weight_kind(model)) == "oneDNN" else GATHER_COST
 
 
 def _attention_wanted(model) -> str:

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mdcli.kernels import kernel_name
 from mdcli.prefix_attention import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ def sparse_mode() -> str:
     if value == "prefix":
         return "prefix"
     return "always" if value in {"always", "force"} else "auto"
+
+
+def host_gather_cost(device, dtype) -> float:
+    """GATHER_COST for the host kind mdcli's forwards run on (oneDNN linears: AVX-512)."""
+    return GATHER_COST_AVX512 if kernel_name(device, dtype) == "oneDNN" else GATHER_COST
 
 
 def gathered_work(groups: int, group_queries: int, group_keys: int, gather_cost: float = GATHER_COST) -> float:

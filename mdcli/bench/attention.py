@@ -10,8 +10,8 @@ attention (9 query heads over 3 key/value heads, head size 64, the bmm core) is 
 * gathered: each query's visible slots copied out, then attended (mdcli.sparse_attention);
 * prefix: each bucket's visible prefix read in place, the rest gathered (mdcli.prefix_attention);
 
-next to the work the rule counts for each (query-slot products, a gathered slot counted as
-GATHER_COST of them, a bucket as BUCKET_COST), and the plan the rule picks. All three compute the
+next to the work the rule counts for each (query-slot products, a gathered slot counted as this
+host kind's gather cost, a bucket as BUCKET_COST), and the plan the rule picks. All three compute the
 same values (the largest difference is shown). This is what the rule's constants are fitted to.
 """
 
@@ -112,6 +112,8 @@ def _best_ms(run, repeats: int) -> float:
 def measure(scene: Scene, repeats: int) -> dict:
     import torch
 
+    gather_cost = sa.host_gather_cost(torch.device("cpu"), torch.float32)
+
     torch.manual_seed(0)
     allowed = scene.allowed
     m, n = allowed.shape
@@ -134,12 +136,12 @@ def measure(scene: Scene, repeats: int) -> dict:
                                  repeats),
             "prefix": _best_ms(lambda: prefix_attention(prefix, query, keys, values, None, scale), repeats),
         }
-    chosen = sa.plan_for(mask)
+    chosen = sa.plan_for(mask, gather_cost)
     return {
         "scene": scene.name, "queries": m, "slots": n, "buckets": len(prefix.buckets),
         "work": {"dense": m * n, "gathered": sa.gathered_work(gathered.groups, gathered.group_queries,
-                                                              gathered.group_keys),
-                 "prefix": prefix.work(sa.GATHER_COST), 'dense_scaled': dense_work(m, n)},
+                                                              gathered.group_keys, gather_cost),
+                 "prefix": prefix.work(gather_cost), 'dense_scaled': dense_work(m, n)},
         "ms": times,
         "chosen": "dense" if chosen is None else ("prefix" if hasattr(chosen, "buckets") else "gathered"),
         "largest difference": max(float((out - dense_out).abs().max()) for out in outs.values()),
