@@ -283,7 +283,6 @@ class FastForward:
         return out.reshape(1, m, -1)  # [1, M, H * D]
 
 
-
 def _bmm_max_queries(model) -> int | None:
     """The most queries a forward attends to with bmm, by host kind (see BMM_MAX_QUERIES); None
     where bmm is not chosen at all."""

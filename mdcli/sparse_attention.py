@@ -14,9 +14,11 @@ Exact: a masked key's weight is exp(dtype-min - max) = 0 in the dense softmax, s
 changes nothing but the order of float sums (logits agree to float32 rounding, tokens identical).
 Padding keys carry the same dtype-min; padding query rows repeat a real row and are dropped.
 
-`sparse_wanted` is the rule (measured, BENCHMARKS.md issue 14): a plan whose padded work
-(groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N.
-`MDCLI_SPARSE_ATTENTION=0` turns it off, `=always` takes it for every forward of 2+ queries.
+`plan_for` is the rule (measured, BENCHMARKS.md issue 14): this gathered plan where its padded
+work (groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N, the
+prefix plan of mdcli.prefix_attention where its work is at most PREFIX_FRACTION of the dense work,
+the cheaper when both qualify, else dense. `MDCLI_SPARSE_ATTENTION=0` turns both off, `=always`
+takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix plan.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ class SparsePlan:
 def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan | None:
     """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
     where the dense attention should run (off, a lone query, or too little to save): the gathered
-    plan or the prefix plan (mdcli.prefix_attention), whichever does less work, when that is at
-    most SPARSE_FRACTION of the dense work. gather_cost: a gathered slot in query rows (by host)."""
+    plan (within SPARSE_FRACTION of the dense work) or the prefix plan (mdcli.prefix_attention,
+    within PREFIX_FRACTION), the one doing less work where both qualify. gather_cost: a gathered
+    slot in query rows (host_gather_cost)."""
     mode = sparse_mode()
     if mask is None or mode == "off":
         return None

@@ -20,7 +20,7 @@ from mdcli.prefix_attention import PrefixPlan, visible_prefix
 from mdcli.sparse_attention import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
 from tests.reference import generate_alone
 from tests.test_engine_exactness import VOCAB, alone_logits
-from tests.test_sparse_attention import SUPPORTED, decode, model_for, own_engine
+from tests.test_sparse_attention import SUPPORTED, decode, model_for, own_engine, wide_forest
 
 DEPTHS = [(70, 3), (70, 8), (140, 1), (140, 5), (140, 9), (210, 2), (210, 6)]
 
@@ -48,16 +48,19 @@ def test_the_prefill_lays_a_document_read_to_different_depths_in_one_run_of_slot
         assert int(row.sum()) == depth + tail, "and its own tail, nothing else"
 
 
+@pytest.mark.parametrize("forest", [chain_forest, wide_forest], ids=["one-document", "unrelated-roots"])
 @pytest.mark.parametrize("attention", ["bmm", "transformers"])
 @pytest.mark.parametrize("arch", SUPPORTED)
-def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, monkeypatch):
-    """Every forward of 2+ queries takes the prefix plan (=prefix): the tails' prefill and every step."""
+def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, forest,
+                                                                                         monkeypatch):
+    """Every forward of 2+ queries takes the prefix plan (=prefix): the tails' prefill and every
+    step. Unrelated roots make buckets whose prefix is empty (their rows see nothing at slot 0)."""
     model = model_for(arch)
-    prompts = chain_forest()
+    prompts = forest()
     monkeypatch.setenv(OPT_OUT, "prefix")
     prefixed = own_engine(model, attention)
     prefix_logits, prefix_tokens = decode(prefixed, prompts, steps=8)
-    assert prefixed._fast.prefix_forwards >= 8, "the tails' prefill and the steps take the prefix plan"
+    assert prefixed._fast.prefix_forwards >= 8, "the prefill's masked forwards and the steps take the prefix plan"
     monkeypatch.setenv(OPT_OUT, "0")
     dense = own_engine(model, attention)
     dense_logits, dense_tokens = decode(dense, prompts, steps=8)
