@@ -62,32 +62,30 @@ def margins_step(questions: int, segments: int, document: int = 4000, suffix: in
 
 def separate_prompts(branches: int, prompt: int = 230, shared: int = 30, written: int = 12) -> Scene:
     """Classification: unrelated prompts after a short shared system prompt, tokens interleaved."""
-    import torch
-
-    start = shared + branches * prompt
-    n = start + branches * written + branches
-    allowed = torch.zeros(branches, n, dtype=torch.bool)
-    for b, tokens in enumerate(_scattered(branches, written, start)):
-        allowed[b, :shared] = True
-        allowed[b, shared + b * prompt: shared + (b + 1) * prompt] = True
-        allowed[b, tokens] = True
-        allowed[b, n - branches + b] = True
-    return Scene(f"classification step: {branches} prompts of {prompt} tokens", allowed)
+    return Scene(f"classification step: {branches} prompts of {prompt} tokens",
+                 _after_shared(branches, shared, prompt, written))
 
 
 def shared_document(branches: int, document: int = 1500, question: int = 30, written: int = 64) -> Scene:
     """ask-many: every branch reads the whole document, then its question and its answer."""
+    return Scene(f"ask-many step: {branches} questions over a {document:,}-token document",
+                 _after_shared(branches, document, question, written))
+
+
+def _after_shared(branches: int, shared: int, own: int, written: int):
+    """[B, N] bool: every branch sees `shared` slots, then its own `own` slots laid one branch after
+    another, then the `written` tokens it wrote (interleaved) and this step's own new slot."""
     import torch
 
-    start = document + branches * question
+    start = shared + branches * own
     n = start + branches * written + branches
     allowed = torch.zeros(branches, n, dtype=torch.bool)
     for b, tokens in enumerate(_scattered(branches, written, start)):
-        allowed[b, :document] = True
-        allowed[b, document + b * question: document + (b + 1) * question] = True
+        allowed[b, :shared] = True
+        allowed[b, shared + b * own: shared + (b + 1) * own] = True
         allowed[b, tokens] = True
         allowed[b, n - branches + b] = True
-    return Scene(f"ask-many step: {branches} questions over a {document:,}-token document", allowed)
+    return allowed
 
 
 def scenes() -> list[Scene]:
