@@ -268,19 +268,18 @@ def prefill_steps(
     for i, prompt in enumerate(prompts):
         starts[i], slot = engine.forest.longest_cached_prefix(prompt, limit=len(prompt) - 1)
         attach.setdefault(slot, []).append(i)
-    pending = []
+    pending = []  # edges (row, prompts, start, end): each one's end found once, when it is made
     for slot, members in attach.items():
         row = engine.forest.row_of(slot) if slot >= 0 else engine.forest.empty_row()
         by_start: dict[int, list[int]] = {}
         for i in members:
             by_start.setdefault(starts[i], []).append(i)
         for start, group in by_start.items():
-            pending.extend((row, sub, start) for sub in _group_by_token(prompts, group, start))
+            pending.extend(_edges(prompts, row, group, start))
     done, total = 0, sum(_trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
     yield done, total
     while pending:
-        fed, pending = _spine_first(prompts, pending)
-        edges = [(row, group, start, _common_prefix_end(prompts, group, start)) for row, group, start in fed]
+        edges, pending = _spine_first(pending)
         steps = engine.extend_steps([row for row, _, _, _ in edges], [prompts[g[0]][s:e] for _, g, s, e in edges])
         outs = yield from _running_count(steps, done, total)
         done += sum(end - start for _, _, start, end in edges)
@@ -288,12 +287,18 @@ def prefill_steps(
             for i in group:
                 if len(prompts[i]) == end:
                     results[i] = out
-            longer = [i for i in group if len(prompts[i]) > end]
-            pending.extend((out.row, sub, end) for sub in _group_by_token(prompts, longer, end))
+            pending.extend(_edges(prompts, out.row, [i for i in group if len(prompts[i]) > end], end))
     return results  # type: ignore[return-value]
 
 
-def _spine_first(prompts: list[list[int]], pending: list) -> tuple[list, list]:
+def _edges(prompts: list[list[int]], row, group: list[int], start: int) -> list[tuple]:
+    """The radix tree's edges from `start` for the prompts in `group`, which all hang off `row`:
+    (row, prompts sharing the edge, start, end of their common tokens)."""
+    return [(row, sub, start, _common_prefix_end(prompts, sub, start))
+            for sub in _group_by_token(prompts, group, start)]
+
+
+def _spine_first(pending: list[tuple]) -> tuple[list, list]:
     """(edges to feed now, edges held back). An edge much longer than every other (a document
     that prompts read further into, as margins' chain layout, beside the short instructions that
     branch off it) is fed alone and the short edges wait: the document then lies in one
@@ -301,7 +306,7 @@ def _spine_first(prompts: list[list[int]], pending: list) -> tuple[list, list]:
     mdcli.prefix_attention attends to in place). Otherwise every edge is fed together."""
     if len(pending) < 2:
         return pending, []
-    lengths = [_common_prefix_end(prompts, group, start) - start for _, group, start in pending]
+    lengths = [end - start for _, _, start, end in pending]
     longest = max(range(len(pending)), key=lengths.__getitem__)
     others = max(length for i, length in enumerate(lengths) if i != longest)
     if lengths[longest] < SPINE_MIN_TOKENS or lengths[longest] < SPINE_RATIO * others:
