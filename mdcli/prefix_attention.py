@@ -46,6 +46,10 @@ class Bucket:
     stacked: dict = field(default_factory=dict)  # per mask: [H/G * Q, R], the bmm core's rows
     joined: dict = field(default_factory=dict)  # per mask: [1, 1, Q, p + R], sdpa's mask
 
+    def mask(self, kind: str | None) -> torch.Tensor:
+        """[Q, R] additive over the rest for a layer type (None: the forward's only mask)."""
+        return self.masks if kind is None else self.masks[kind]
+
 
 @dataclass
 class PrefixPlan:
@@ -132,8 +136,7 @@ def grouped_attention(plan: PrefixPlan, query, keys, values, kind, scale: float)
         stacked = query[0].index_select(1, bucket.rows).view(groups, per_group * q, dim)  # [G, H/G * Q, D]
         rows = bucket.stacked.get(kind)
         if rows is None:  # once per forward and mask kind, not per layer
-            small = bucket.masks[kind] if kind is not None else bucket.masks  # [Q, R]
-            rows = bucket.stacked[kind] = small.repeat(per_group, 1)  # [H/G * Q, R]
+            rows = bucket.stacked[kind] = bucket.mask(kind).repeat(per_group, 1)  # [H/G * Q, R]
         rest_keys = keys[0].index_select(1, bucket.rest)  # [G, R, D]
         rest_values = values[0].index_select(1, bucket.rest)
         scores = torch.cat([
@@ -160,7 +163,7 @@ def sdpa_attention(plan: PrefixPlan, module, query, keys, values, kind, scale: f
         q, p = bucket.rows.shape[0], bucket.prefix
         joined = bucket.joined.get(kind)
         if joined is None:  # [1, 1, Q, p + R]: the prefix unmasked, then the rest's mask
-            small = bucket.masks[kind] if kind is not None else bucket.masks
+            small = bucket.mask(kind)
             joined = torch.cat([small.new_zeros(q, p), small], dim=1)[None, None]
             bucket.joined[kind] = joined
         keys_b = torch.cat([keys[:, :, :p], keys.index_select(2, bucket.rest)], dim=2)  # [1, G, p + R, D]

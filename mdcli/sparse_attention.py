@@ -113,7 +113,8 @@ def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan 
     allowed = full[0, 0] == 0  # [M, N]: the widest mask (a window only narrows it)
     if mode == "always":
         return _gathered(mask, allowed, None)
-    prefix = _prefix(mask, kinds, allowed, gather_cost, None if mode == "prefix" else PREFIX_FRACTION * dense_work(m, n))
+    prefix_budget = None if mode == "prefix" else PREFIX_FRACTION * dense_work(m, n)
+    prefix = _prefix(mask, kinds, allowed, gather_cost, prefix_budget)
     if mode == "prefix":
         return prefix
     budget = SPARSE_FRACTION * m * n

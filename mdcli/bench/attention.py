@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from mdcli import sparse_attention as sa
 from mdcli.bench.margins import machine
 from mdcli.fastforward import _grouped_attention
-from mdcli.prefix_attention import bucket_prefixes, dense_work, plan_prefixes
+from mdcli.prefix_attention import PrefixPlan, bucket_prefixes, dense_work, plan_prefixes
 from mdcli.prefix_attention import grouped_attention as prefix_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -45,44 +45,36 @@ def _scattered(n_branches: int, written: int, start: int):
 def margins_step(questions: int, segments: int, document: int = 4000, suffix: int = 60, written: int = 24) -> Scene:
     """Margins' chain layout: the document in one run; question q's margin of segment i reads its
     first i segments, then its own suffix (laid after the document), then the tokens it wrote."""
-    import torch
-
-    branches = questions * segments
-    suffixes = document + branches * suffix
-    n = suffixes + branches * written + branches  # + this step's own new slots
-    allowed = torch.zeros(branches, n, dtype=torch.bool)
-    for b, tokens in enumerate(_scattered(branches, written, suffixes)):
-        segment = b % segments
-        allowed[b, : document * (segment + 1) // segments] = True
-        allowed[b, document + b * suffix: document + (b + 1) * suffix] = True
-        allowed[b, tokens] = True
-        allowed[b, n - branches + b] = True
-    return Scene(f"margins step: {questions} questions x {segments} segments, {document:,}-token document", allowed)
+    reads = [document * (b % segments + 1) // segments for b in range(questions * segments)]
+    return Scene(f"margins step: {questions} questions x {segments} segments, {document:,}-token document",
+                 _branches(reads, document, suffix, written))
 
 
 def separate_prompts(branches: int, prompt: int = 230, shared: int = 30, written: int = 12) -> Scene:
     """Classification: unrelated prompts after a short shared system prompt, tokens interleaved."""
     return Scene(f"classification step: {branches} prompts of {prompt} tokens",
-                 _after_shared(branches, shared, prompt, written))
+                 _branches([shared] * branches, shared, prompt, written))
 
 
 def shared_document(branches: int, document: int = 1500, question: int = 30, written: int = 64) -> Scene:
     """ask-many: every branch reads the whole document, then its question and its answer."""
     return Scene(f"ask-many step: {branches} questions over a {document:,}-token document",
-                 _after_shared(branches, document, question, written))
+                 _branches([document] * branches, document, question, written))
 
 
-def _after_shared(branches: int, shared: int, own: int, written: int):
-    """[B, N] bool: every branch sees `shared` slots, then its own `own` slots laid one branch after
-    another, then the `written` tokens it wrote (interleaved) and this step's own new slot."""
+def _branches(reads: list[int], own_start: int, own: int, written: int):
+    """[B, N] bool: branch b sees the first reads[b] slots, then its own `own` slots (laid one branch
+    after another from `own_start`), the `written` tokens it wrote (interleaved, one step at a time
+    for all branches) and this step's own new slot."""
     import torch
 
-    start = shared + branches * own
+    branches = len(reads)
+    start = own_start + branches * own
     n = start + branches * written + branches
     allowed = torch.zeros(branches, n, dtype=torch.bool)
-    for b, tokens in enumerate(_scattered(branches, written, start)):
-        allowed[b, :shared] = True
-        allowed[b, shared + b * own: shared + (b + 1) * own] = True
+    for b, (read, tokens) in enumerate(zip(reads, _scattered(branches, written, start))):
+        allowed[b, :read] = True
+        allowed[b, own_start + b * own: own_start + (b + 1) * own] = True
         allowed[b, tokens] = True
         allowed[b, n - branches + b] = True
     return allowed
@@ -139,9 +131,9 @@ def measure(scene: Scene, repeats: int) -> dict:
         "scene": scene.name, "queries": m, "slots": n, "buckets": len(prefix.buckets),
         "work": {"dense": m * n, "gathered": sa.gathered_work(gathered.groups, gathered.group_queries,
                                                               gathered.group_keys, gather_cost),
-                 "prefix": prefix.work(gather_cost), 'dense_scaled': dense_work(m, n)},
+                 "prefix": prefix.work(gather_cost), "dense_scaled": dense_work(m, n)},
         "ms": times,
-        "chosen": "dense" if chosen is None else ("prefix" if hasattr(chosen, "buckets") else "gathered"),
+        "chosen": "dense" if chosen is None else ("prefix" if isinstance(chosen, PrefixPlan) else "gathered"),
         "largest difference": max(float((out - dense_out).abs().max()) for out in outs.values()),
     }
 
@@ -165,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         fastest = min(ms, key=ms.get)
         print(f"| {r['scene']} | {r['queries']} | {r['slots']:,} | {r['buckets']} | {ms['dense']:.2f} | "
               f"{ms['gathered']:.2f} | {ms['prefix']:.2f} | {work['gathered'] / work['dense']:.2f} | "
-              f"{work['prefix'] / work['dense_scaled']:.2f} | {r['chosen']} | {fastest} | {r['largest difference']:.1e} |")
+              f"{work['prefix'] / work['dense_scaled']:.2f} | {r['chosen']} | {fastest} | "
+              f"{r['largest difference']:.1e} |")
     return 0
 
 
