@@ -19,8 +19,10 @@ from mdcli.decoding import prefill_prompts
 from mdcli.prefix_attention import PrefixPlan, visible_prefix
 from mdcli.sparse_attention import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
 from tests.reference import generate_alone
-from tests.test_engine_exactness import VOCAB, alone_logits
-from tests.test_sparse_attention import SUPPORTED, decode, model_for, own_engine, wide_forest
+from tests.test_engine_exactness import VOCAB
+from tests.test_sparse_attention import (
+    SUPPORTED, decode, model_for, own_engine, planned_equals_dense_and_alone, wide_forest,
+)
 
 DEPTHS = [(70, 3), (70, 8), (140, 1), (140, 5), (140, 9), (210, 2), (210, 6)]
 
@@ -55,23 +57,8 @@ def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate
                                                                                          monkeypatch):
     """Every forward of 2+ queries takes the prefix plan (=prefix): the tails' prefill and every
     step. Unrelated roots make buckets whose prefix is empty (their rows see nothing at slot 0)."""
-    model = model_for(arch)
-    prompts = forest()
-    monkeypatch.setenv(OPT_OUT, "prefix")
-    prefixed = own_engine(model, attention)
-    prefix_logits, prefix_tokens = decode(prefixed, prompts, steps=8)
-    assert prefixed._fast.prefix_forwards >= 8, "the prefill's masked forwards and the steps take the prefix plan"
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense = own_engine(model, attention)
-    dense_logits, dense_tokens = decode(dense, prompts, steps=8)
-    assert dense._fast.sparse_forwards == 0
-    assert prefix_tokens == dense_tokens
-    worst = max(float((a - b).abs().max()) for a, b in zip(prefix_logits, dense_logits))
-    assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
-    for i, prompt in enumerate(prompts):
-        alone = alone_logits(model, prompt + prefix_tokens[i][:-1])
-        assert float((alone - prefix_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
-        assert prefix_tokens[i] == generate_alone(model, prompt, 8), f"branch {i}"
+    forward = planned_equals_dense_and_alone(model_for(arch), forest(), "prefix", attention, monkeypatch)
+    assert forward.prefix_forwards >= 8, "the prefill's masked forwards and the steps take the prefix plan"
 
 
 def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded, monkeypatch):

@@ -71,27 +71,33 @@ def own_engine(model, attention: str, **options):
     return engine
 
 
+def planned_equals_dense_and_alone(model, prompts, mode: str, attention: str, monkeypatch, steps: int = 8):
+    """Decode with MDCLI_SPARSE_ATTENTION=mode, then dense: the same tokens, every step's logits within
+    1e-4 of the dense path's, the last step's within 1e-4 of each branch alone, and each branch's
+    tokens those of `generate`. Returns the planned engine's forward (to ask which plans it took)."""
+    monkeypatch.setenv(OPT_OUT, mode)
+    planned = own_engine(model, attention)
+    planned_logits, planned_tokens = decode(planned, prompts, steps=steps)
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense = own_engine(model, attention)
+    dense_logits, dense_tokens = decode(dense, prompts, steps=steps)
+    assert dense._fast.sparse_forwards == 0
+    assert planned_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(planned_logits, dense_logits))
+    assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        alone = alone_logits(model, prompt + planned_tokens[i][:-1])
+        assert float((alone - planned_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
+        assert planned_tokens[i] == generate_alone(model, prompt, steps), f"branch {i}"
+    return planned._fast
+
+
 @pytest.mark.parametrize("attention", ["bmm", "transformers"])
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_a_wide_forest_gives_the_dense_logits_each_branchs_alone_and_generate_tokens(arch, attention, monkeypatch):
     """Every forward gathers (=always): the prefill's and every decode step's."""
-    model = model_for(arch)
-    prompts = wide_forest()
-    monkeypatch.setenv(OPT_OUT, "always")
-    sparse = own_engine(model, attention)
-    sparse_logits, sparse_tokens = decode(sparse, prompts, steps=8)
-    assert sparse._fast.sparse_forwards >= 8, "the wide forest's prefill and steps take the sparse path"
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense = own_engine(model, attention)
-    dense_logits, dense_tokens = decode(dense, prompts, steps=8)
-    assert dense._fast.sparse_forwards == 0
-    assert sparse_tokens == dense_tokens
-    worst = max(float((a - b).abs().max()) for a, b in zip(sparse_logits, dense_logits))
-    assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
-    for i, prompt in enumerate(prompts):
-        alone = alone_logits(model, prompt + sparse_tokens[i][:-1])
-        assert float((alone - sparse_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
-        assert sparse_tokens[i] == generate_alone(model, prompt, 8), f"branch {i}"
+    forward = planned_equals_dense_and_alone(model_for(arch), wide_forest(), "always", attention, monkeypatch)
+    assert forward.sparse_forwards >= 8, "the wide forest's prefill and steps take the sparse path"
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)
