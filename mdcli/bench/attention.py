@@ -18,11 +18,10 @@ same values (the largest difference is shown). This is what the rule's constants
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 
 from mdcli import sparse_attention as sa
+from mdcli.bench.kernels import median_seconds
 from mdcli.bench.margins import machine
 from mdcli.fastforward import _grouped_attention
 from mdcli.prefix_attention import PrefixPlan, bucket_prefixes, dense_work, plan_prefixes
@@ -89,16 +88,6 @@ def scenes() -> list[Scene]:
     ]
 
 
-def _best_ms(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def measure(scene: Scene, repeats: int) -> dict:
     import torch
 
@@ -120,12 +109,12 @@ def measure(scene: Scene, repeats: int) -> dict:
             "gathered": sa.grouped_attention(gathered, query, keys, values, gathered.masks, scale),
             "prefix": prefix_attention(prefix, query, keys, values, None, scale),
         }
-        times = {
-            "dense": _best_ms(lambda: _grouped_attention(query, keys, values, rows, scale, KV_HEADS), repeats),
-            "gathered": _best_ms(lambda: sa.grouped_attention(gathered, query, keys, values, gathered.masks, scale),
-                                 repeats),
-            "prefix": _best_ms(lambda: prefix_attention(prefix, query, keys, values, None, scale), repeats),
+        runs = {
+            "dense": lambda: _grouped_attention(query, keys, values, rows, scale, KV_HEADS),
+            "gathered": lambda: sa.grouped_attention(gathered, query, keys, values, gathered.masks, scale),
+            "prefix": lambda: prefix_attention(prefix, query, keys, values, None, scale),
         }
+        times = {name: 1000 * median_seconds(run, repeats) for name, run in runs.items()}
     chosen = sa.plan_for(mask, gather_cost)
     return {
         "scene": scene.name, "queries": m, "slots": n, "buckets": len(prefix.buckets),

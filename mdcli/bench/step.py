@@ -16,7 +16,6 @@ parts add up to slightly more than an unwrapped step, and "Python glue" is the s
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from mdcli import engine as engine_module
 from mdcli import fastforward
 from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, prompts_for, weight_bytes
+from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
 from mdcli.blas_gemv import one_blas_thread, openblas_linear
 from mdcli.kernels import cpu_kernels
@@ -221,13 +221,7 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
                 def one_pass(function=function, mats=mats):
                     for (_, k), w in zip(shapes, mats):
                         function(inputs[k], w)
-                one_pass()
-                runs = []
-                for _ in range(repeats):
-                    started = time.perf_counter()
-                    one_pass()
-                    runs.append(time.perf_counter() - started)
-                timings.append(1000 * statistics.median(runs))
+                timings.append(1000 * median_seconds(one_pass, repeats))
             cells = " | ".join(f"{ms:.1f}" for ms in timings)
             lines.append(f"| {m} | {cells} | {timings[0] / min(timings):.2f}x |")
     return "\n".join(lines)
