@@ -112,15 +112,13 @@ def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan 
         return None
     allowed = full[0, 0] == 0  # [M, N]: the widest mask (a window only narrows it)
     if mode == "always":
-        return _gathered(mask, allowed, None)
+        return _gathered(mask, allowed, forced=True)
     prefix_budget = None if mode == "prefix" else PREFIX_FRACTION * dense_work(m, n)
     prefix = _prefix(mask, kinds, allowed, gather_cost, prefix_budget)
     if mode == "prefix":
         return prefix
-    budget = SPARSE_FRACTION * m * n
-    if prefix is not None:
-        budget = min(budget, prefix.work(gather_cost))
-    return _gathered(mask, allowed, budget, gather_cost) or prefix
+    beat = None if prefix is None else prefix.work(gather_cost)
+    return _gathered(mask, allowed, gather_cost, beat=beat) or prefix
 
 
 def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> PrefixPlan | None:
@@ -135,11 +133,18 @@ def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> P
     return plan if budget is None or plan.work(gather_cost) <= budget else None
 
 
-def _gathered(mask, allowed, budget: float | None, gather_cost: float = GATHER_COST) -> SparsePlan | None:
-    """The gathered plan if its padded work is within `budget` (None: any)."""
+def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool = False,
+              beat: float | None = None) -> SparsePlan | None:
+    """The gathered plan where `sparse_wanted` takes it and its work is at most `beat` (the prefix
+    plan's, if any), or whatever it costs when `forced`."""
     import torch
 
     m, n = allowed.shape
+
+    def wanted(keys: int) -> bool:
+        cheaper = beat is None or gathered_work(b, q_max, keys, gather_cost) <= beat
+        return forced or (sparse_wanted(m, n, b, q_max, keys, gather_cost) and cheaper)
+
     device = allowed.device
     starts = group_starts(allowed)  # [B] first row of each group
     b = starts.shape[0]
@@ -149,7 +154,7 @@ def _gathered(mask, allowed, budget: float | None, gather_cost: float = GATHER_C
     sizes = torch.bincount(group_of_row, minlength=b)  # [B]
     q_max = int(sizes.max())
     seen = int(allowed.sum(1).max())  # a group sees at least as many slots as its widest row
-    if budget is not None and gathered_work(b, q_max, seen, gather_cost) > budget:
+    if not wanted(seen):
         return None  # dense for sure: skip the union below (an [M, N] pass)
     if b == m:  # every row its own group (a decode step)
         visible = allowed  # [B, N]
@@ -158,7 +163,7 @@ def _gathered(mask, allowed, budget: float | None, gather_cost: float = GATHER_C
             0, group_of_row, allowed.to(torch.int32)) > 0
     counts = visible.sum(1)  # [B]
     k_max = int(counts.max())
-    if budget is not None and gathered_work(b, q_max, k_max, gather_cost) > budget:
+    if not wanted(k_max):
         return None
     return _plan(mask, visible, counts, starts, sizes, group_of_row, q_max, k_max)
 

@@ -101,7 +101,7 @@ def measure(scene: Scene, repeats: int) -> dict:
     keys, values = torch.randn(1, KV_HEADS, n, DIM), torch.randn(1, KV_HEADS, n, DIM)
     scale = DIM ** -0.5
     rows = mask[0, 0].repeat(HEADS // KV_HEADS, 1)
-    gathered = sa._gathered(mask, allowed, None)
+    gathered = sa._gathered(mask, allowed, forced=True)
     prefix = plan_prefixes(mask, allowed, allowed, *bucket_prefixes(allowed, max_buckets=10_000))
     with torch.inference_mode():
         dense_out = _grouped_attention(query, keys, values, rows, scale, KV_HEADS)
