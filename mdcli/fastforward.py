@@ -19,6 +19,9 @@ and the tests compare this one with it. What this forward changes, per layer:
   products run on OpenBLAS over that transposed copy (mdcli.blas_gemv: it streams the weights at
   the core's rate, torch's kernels at about half);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
+* where measured to pay (AVX-512), a forward of several tokens reads the cached keys and values it
+  is about to multiply by once, as a plain sum, before the products: they arrive cold after the
+  step's weights, and the small products read cold memory at a fraction of the rate a sum does;
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
   over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention); where
   they see different prefixes of one long run of slots (margins' chain layout), over each prefix
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
-from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
+from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
 from mdcli.sparse_attention import host_gather_cost, plan_for
 
@@ -166,11 +169,14 @@ class FastForward:
     None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
     forwards of up to SMALL_BLAS_QUERIES tokens also take OpenBLAS's weighted sum of the values.
     pair_padded: a two-token forward multiplies by the packed weights as four rows (see
-    `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`."""
+    `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`. read_ahead: a
+    forward of several tokens on the bmm core first streams the cached keys and values it attends
+    to through the CPU's caches (`mdcli.kernels.read_ahead`); None decides by
+    `mdcli.kernels.read_ahead_step`."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
-                 pair_padded: bool | None = None) -> None:
+                 pair_padded: bool | None = None, read_ahead: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -184,6 +190,7 @@ class FastForward:
         # prefill, Zen 3: 24.8 s with sdpa, 46.0 s with bmm; Zen 4: 24.1 s, 36.9 s)
         self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
         self.gather_cost = host_gather_cost(*packing.weight_kind(model))  # by host kind
+        self.read_ahead = read_ahead_step(*packing.weight_kind(model)) if read_ahead is None else read_ahead
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
@@ -236,6 +243,7 @@ class FastForward:
         self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "transformers"
         masks = None if plan is not None else self._step_masks(mask, attention)
+        reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
@@ -246,6 +254,8 @@ class FastForward:
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
+            if reach:
+                read_ahead(keys[0, :, :reach], values[0, :, :reach])
             if plan is not None:  # [1, M, H * D]
                 attended = plan.attend(attention if attention == "bmm" else "sdpa", layer.attention, layer.layer_type,
                                        query, keys, values, self.scaling)
@@ -260,6 +270,19 @@ class FastForward:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
+
+    def _read_reach(self, plan, mask, m: int, attention: str) -> int:
+        """How many leading cache slots each layer streams through the CPU's caches before attending
+        (mdcli.kernels.read_ahead; 0: none): where it was measured to pay, a forward of several
+        tokens on the bmm core, the whole cache for dense attention, the longest prefix a bucket
+        reads in place for the prefix plan; none for gathered slots (the gather reads them)."""
+        if not self.read_ahead or m == 1 or attention != "bmm":
+            return 0
+        if plan is None:
+            return next(iter(mask.values())).shape[-1] if isinstance(mask, dict) else mask.shape[-1]
+        if isinstance(plan, PrefixPlan):
+            return max(bucket.prefix for bucket in plan.buckets)
+        return 0
 
     def _step_masks(self, mask, attention: str):
         """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that

@@ -138,6 +138,30 @@ def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
     return "AVX512" in cpu_capability() and _onednn_linear_works() and openblas_works()
 
 
+def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where mdcli's own forward streams the cached keys and values of each layer through the
+    CPU's caches (`read_ahead`) before a forward of several tokens multiplies by them: a float32
+    CPU model, x86-64 with AVX-512, the kernel choice left to auto (measured on Zen 4, see
+    `read_ahead`)."""
+    return _auto_float32_x86_cpu(device, dtype) and "AVX512" in cpu_capability()
+
+
+def read_ahead(*views: torch.Tensor) -> None:
+    """Read every view once, in order, so that the products that follow find it in the CPU's caches.
+
+    Between two uses of a layer's cached keys and values a step streams ~500 MB of weights, so they
+    come from memory, and the batched products of a few queries read memory badly: on one Zen 4
+    core, 12 query rows per key/value group over 1,533 cold cached slots, 30 layers, the scores
+    took 8.2 ms and the weighted sum 6.6 (the keys read at ~5 GB/s, a plain sum reads 27); the
+    whole attention 15.6-18.2 ms, and 11.6-12.4 once a sum had read them. Whole steps of the embedded model over 1,500 tokens
+    (`python -m mdcli.bench.step --guesses G`, BENCHMARKS.md "Reading the cache ahead"): a branch
+    verifying 1 / 3 / 7 guesses 45.7 -> 43.3, 51.5 -> 46.7, 67.1 -> 62.6 ms, 8 branches 69.3 -> 64.5
+    ms; a lone token, whose weighted sum runs on OpenBLAS, unchanged (36.6 / 36.2), so it is not
+    read ahead."""
+    for view in views:
+        view.sum()  # the result is not wanted: the reading is the point
+
+
 def _auto_float32_x86_cpu(device: torch.device, dtype: torch.dtype) -> bool:
     """A float32 model on an x86-64 CPU with the kernel choice left to auto: where the host-kind
     step rules (`avx2_step`, `lone_blas_step`) apply at all."""

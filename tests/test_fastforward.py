@@ -316,7 +316,8 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token),
     bmm attention up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to 32 queries, and on one
     thread a transposed copy that a lone token multiplies on OpenBLAS (measured on Zen 4), on more
-    threads no transposed copy; forced stock kernels: neither copy, sdpa."""
+    threads no transposed copy, and the cached keys and values read ahead for forwards of several
+    tokens (measured on Zen 4); forced stock kernels: neither copy, sdpa, no reading ahead."""
     model = tiny_model("llama", "sdpa")
     cpu = torch.device("cpu")
     torch_threads(2)
@@ -324,11 +325,11 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     if avx2_step(cpu, torch.float32):
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, True, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
-        assert not chosen.pair_padded  # measured on AVX-512 only
+        assert not chosen.pair_padded and not chosen.read_ahead  # measured on AVX-512 only
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
-        assert chosen.pair_padded
+        assert chosen.pair_padded and chosen.read_ahead
         torch_threads(1)
         alone = FastForward(model)
         blas = openblas_works()
@@ -337,6 +338,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
     assert (stock.packed, stock.transposed, stock.pair_padded, stock.attention) == (False, False, False, "transformers")
+    assert not stock.read_ahead
     assert stock.bmm_max_queries is None
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")

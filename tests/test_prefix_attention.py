@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdcli import fastforward
 from mdcli.bench.attention import margins_step, separate_prompts, shared_document
 from mdcli.decoding import prefill_prompts
 from mdcli.prefix_attention import PrefixPlan, visible_prefix
@@ -24,6 +25,7 @@ from tests.test_sparse_attention import (
     SUPPORTED, decode, model_for, own_engine, planned_equals_dense_and_alone, wide_forest,
 )
 
+WINDOWED = {"mistral", "qwen2-mixed"}  # a window on every layer, or on some
 DEPTHS = [(70, 3), (70, 8), (140, 1), (140, 5), (140, 9), (210, 2), (210, 6)]
 
 
@@ -102,3 +104,48 @@ def test_a_forest_with_more_distinct_prefixes_than_buckets_allowed_is_not_planne
         allowed[row, : row + 1] = True  # 40 distinct prefixes
     assert plan_for(additive(allowed)) is None
     assert isinstance(plan_for(additive(allowed[:32])), PrefixPlan)
+
+
+@pytest.mark.parametrize("mode", ["0", "prefix"], ids=["dense", "prefix-plan"])
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_reading_the_cache_ahead_changes_no_logit_and_reads_only_what_the_plan_attends_in_place(arch, mode,
+                                                                                                 monkeypatch):
+    """mdcli.kernels.read_ahead only reads: the same forest decoded with and without it gives the
+    same logits bit for bit. Dense attention reads the whole cache ahead, the prefix plan its
+    longest prefix (the 210-token document), and only forwards of several queries read ahead."""
+    monkeypatch.setenv(OPT_OUT, mode)
+    model = model_for(arch)
+    reaches: list[int] = []
+    real = fastforward.read_ahead
+
+    def counted(keys, values):  # the real read, and how many slots it covered
+        reaches.append(keys.shape[1])
+        real(keys, values)
+
+    monkeypatch.setattr(fastforward, "read_ahead", counted)
+    runs = []
+    for ahead in (False, True):
+        engine = own_engine(model, "bmm")
+        engine._fast.read_ahead = ahead
+        runs.append((decode(engine, chain_forest(), steps=4), len(engine)))
+    ((plain_logits, plain_tokens), _), ((ahead_logits, ahead_tokens), cache_length) = runs
+    assert ahead_tokens == plain_tokens
+    assert all(torch.equal(a, b) for a, b in zip(plain_logits, ahead_logits))
+    assert len(reaches) % model.config.num_hidden_layers == 0, "a forward reads ahead in every layer or none"
+    if mode == "prefix" and arch in WINDOWED:
+        assert reaches == [], "under a window no slot is in every query's prefix: nothing is read in place"
+    elif mode == "prefix":
+        assert set(reaches) == {210}, "the longest prefix read in place: the document"
+    else:
+        assert max(reaches) == cache_length, "the last step reads its whole cache"
+
+
+def test_a_lone_query_does_not_read_ahead(monkeypatch):
+    """A lone token's weighted sum runs on OpenBLAS where this pays, which reads well cold."""
+    model = model_for("llama")
+    engine = own_engine(model, "bmm")
+    engine._fast.read_ahead = True
+    reads = []
+    monkeypatch.setattr(fastforward, "read_ahead", lambda *views: reads.append(views))
+    decode(engine, [chain_forest()[0]], steps=3)
+    assert reads == [] and engine.forwards >= 3
