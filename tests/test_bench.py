@@ -162,6 +162,21 @@ def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_who
     assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6
 
 
+def test_step_benchmark_variants_name_the_forwards_choices_and_guesses_feed_a_speculative_chain():
+    from mdcli.bench.step import EngineStepper
+
+    lm = random_model("tiny")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
+    plain = EngineStepper(lm, prompts, "mdcli:bmm:packed")
+    ahead = EngineStepper(lm, prompts, "mdcli:bmm:packed+ahead", guesses=2)
+    assert not plain.engine._fast.read_ahead and ahead.engine._fast.read_ahead
+    before = len(ahead.engine)
+    ahead.step()
+    plain.step()
+    assert len(ahead.engine) == before + 2 * 3, "each branch's token and its two guesses"
+    assert ahead.engine.forwards == plain.engine.forwards
+
+
 def test_the_margins_questions_bench_compares_equal_work_and_reports_every_phase(capsys):
     from mdcli.bench.margins import bench_document
     from mdcli.bench.margins_questions import compare_questions, run_stage

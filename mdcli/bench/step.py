@@ -6,7 +6,9 @@
 The reference is what `generate` does per token, with the loop reduced to its core: the prompt
 prefilled into a stock `DynamicCache`, then one token per forward on torch's own kernels, greedy.
 The engine steps are mdcli's `Engine.forward` with 1 or B chains of one token each over the shared
-cache of the same prompts (the bench's document plus questions, `mdcli.bench.ask.prompts_for`).
+cache of the same prompts (the bench's document plus questions, `mdcli.bench.ask.prompts_for`);
+with `--guesses G` each branch feeds a chain of 1 + G tokens through the tree mask a speculative
+step verifies its guesses with, against the same single-token reference.
 
 The profile times parts by wrapping them (module hooks on linears, norms, attention blocks and
 MLPs; the rotary, attention-kernel and cache-write functions): the wrapping costs a little, so the
@@ -238,10 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--branches", default="1,8")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--guesses", type=int, default=0,
+                        help="each branch's step also verifies this many guessed tokens (a speculative step)")
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, "
-                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|packed+openblas ...")
+                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
           f"weights; prompt {len(prompts[0])} tokens")
     for width in widths:
         steppers = {"reference": ReferenceStepper(lm, prompts[0])}
-        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f) for f in args.forwards.split(",")}
+        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f, args.guesses) for f in args.forwards.split(",")}
         medians = median_step_seconds(steppers, args.steps)
         reference = medians["reference"]
         for name, seconds in medians.items():
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             for forward in args.forwards.split(","):
                 profile = StepProfile(lm)
-                median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward)}, args.steps,
+                median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward, args.guesses)}, args.steps,
                                     observe=profile.observe)
                 print(f"\n| part of a {width}-branch step, {forward} forward | ms | share |\n|---|---:|---:|")
                 rows = profile.table()

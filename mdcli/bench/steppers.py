@@ -48,10 +48,14 @@ class EngineStepper:
     forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
     it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
     plain, packed, transposed, openblas (the transposed copy multiplied on OpenBLAS, mdcli.blas_gemv)
-    or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), and "padded" for two-row
-    products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear)."""
+    or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), "padded" for two-row
+    products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear), and "ahead" to
+    read the cache ahead (mdcli.kernels.read_ahead; without it, not).
 
-    def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli") -> None:
+    guesses: each branch's step also verifies this many guessed tokens, a chain after its token
+    (the tree a speculative step feeds, mdcli.speculate); the step then continues from the last."""
+
+    def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli", guesses: int = 0) -> None:
         import torch
 
         self.engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types,
@@ -61,7 +65,9 @@ class EngineStepper:
             copies = set(weights.split("+"))
             self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
                                             transposed=bool(copies & {"transposed", "openblas"}),
-                                            lone_blas="openblas" in copies, pair_padded="padded" in copies)
+                                            lone_blas="openblas" in copies, pair_padded="padded" in copies,
+                                            read_ahead="ahead" in copies)
+        self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
@@ -70,6 +76,11 @@ class EngineStepper:
 
         tokens = self.logits.argmax(-1).tolist()
         stacked = torch.stack([_pad(r, len(self.engine)) for r in self.rows])  # [B, N]
+        if self.guesses:  # a chain of 1 + guesses nodes per branch; its guesses repeat its token
+            chain = list(range(-1, self.guesses))  # node i's parent: i - 1
+            trees = self.engine.forward_trees(stacked, [chain] * len(tokens), [[t] * len(chain) for t in tokens])
+            self.rows, self.logits = [t.rows[-1] for t in trees], torch.stack([t.logits[-1] for t in trees])
+            return
         outs = self.engine.forward(stacked, [[t] for t in tokens])
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])
 
