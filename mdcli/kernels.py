@@ -153,11 +153,11 @@ def read_ahead(*views: torch.Tensor) -> None:
     come from memory, and the batched products of a few queries read memory badly: on one Zen 4
     core, 12 query rows per key/value group over 1,533 cold cached slots, 30 layers, the scores
     took 8.2 ms and the weighted sum 6.6 (the keys read at ~5 GB/s, a plain sum reads 27); the
-    whole attention 15.6-18.2 ms, and 11.6-12.4 once a sum had read them. Whole steps of the embedded model over 1,500 tokens
-    (`python -m mdcli.bench.step --guesses G`, BENCHMARKS.md "Reading the cache ahead"): a branch
-    verifying 1 / 3 / 7 guesses 45.7 -> 43.3, 51.5 -> 46.7, 67.1 -> 62.6 ms, 8 branches 69.3 -> 64.5
-    ms; a lone token, whose weighted sum runs on OpenBLAS, unchanged (36.6 / 36.2), so it is not
-    read ahead."""
+    whole attention 15.6-18.2 ms, and 11.6-12.4 once a sum had read them. Whole steps of the
+    embedded model over 1,500 tokens (`python -m mdcli.bench.step --guesses G`, BENCHMARKS.md
+    "Reading the cache ahead"): a branch verifying 1 / 3 / 7 guesses 45.7 -> 43.3, 51.5 -> 46.7,
+    67.1 -> 62.6 ms, 8 branches 69.3 -> 64.5 ms; a lone token, whose weighted sum runs on OpenBLAS,
+    unchanged (36.6 / 36.2), so it is not read ahead."""
     for view in views:
         view.sum()  # the result is not wanted: the reading is the point
 

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
           f"weights; prompt {len(prompts[0])} tokens")
     for width in widths:
         steppers = {"reference": ReferenceStepper(lm, prompts[0])}
-        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f, args.guesses) for f in args.forwards.split(",")}
+        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f, args.guesses)
+                     for f in args.forwards.split(",")}
         medians = median_step_seconds(steppers, args.steps)
         reference = medians["reference"]
         for name, seconds in medians.items():
