@@ -19,10 +19,10 @@ from mdcli.bench.attention import margins_step, separate_prompts, shared_documen
 from mdcli.decoding import prefill_prompts
 from mdcli.prefix_attention import PrefixPlan, visible_prefix
 from mdcli.sparse_attention import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
-from tests.reference import generate_alone
 from tests.test_engine_exactness import VOCAB
 from tests.test_sparse_attention import (
-    SUPPORTED, decode, model_for, own_engine, planned_equals_dense_and_alone, wide_forest,
+    SUPPORTED, by_rule_equals_dense_and_generate, decode, model_for, own_engine, planned_equals_dense_and_alone,
+    wide_forest,
 )
 
 WINDOWED = {"mistral", "qwen2-mixed"}  # a window on every layer, or on some
@@ -64,19 +64,10 @@ def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate
 
 
 def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded, monkeypatch):
-    model = embedded.model
     prompts = [p for p in chain_forest() for _ in range(3)]  # three questions per depth: 21 branches
     prompts = [p + [7 + i % 3] for i, p in enumerate(prompts)]
-    prefixed = own_engine(model, "bmm")
-    prefix_logits, prefix_tokens = decode(prefixed, prompts, steps=3)
-    assert prefixed._fast.prefix_forwards >= 1
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=3)
-    assert prefix_tokens == dense_tokens
-    worst = max(float((a - b).abs().max()) for a, b in zip(prefix_logits, dense_logits))
-    assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
-    for i, prompt in enumerate(prompts):
-        assert prefix_tokens[i] == generate_alone(model, prompt, 3), f"branch {i}"
+    forward = by_rule_equals_dense_and_generate(embedded.model, prompts, 3, monkeypatch)
+    assert forward.prefix_forwards >= 1
 
 
 def _picked(allowed: torch.Tensor, gather_cost: float = GATHER_COST_AVX512) -> str:

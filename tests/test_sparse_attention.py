@@ -113,21 +113,27 @@ def test_a_wide_forest_fed_in_small_forwards_stays_exact(arch, monkeypatch):
         assert tokens[i] == generate_alone(model, prompt, 6), f"branch {i}"
 
 
+def by_rule_equals_dense_and_generate(model, prompts, steps: int, monkeypatch):
+    """Decode by the rule (auto), then dense: the same tokens, every step's logits within 1e-3 of
+    the dense path's, each branch's tokens those of `generate`. Returns the rule's forward (to ask
+    which plans it took)."""
+    ruled = own_engine(model, "bmm")
+    ruled_logits, ruled_tokens = decode(ruled, prompts, steps=steps)
+    monkeypatch.setenv(OPT_OUT, "0")
+    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=steps)
+    assert ruled_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(ruled_logits, dense_logits))
+    assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
+    for i, prompt in enumerate(prompts):
+        assert ruled_tokens[i] == generate_alone(model, prompt, steps), f"branch {i}"
+    return ruled._fast
+
+
 def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded, monkeypatch):
     """By the rule (auto): the prefill of twelve unrelated roots gathers, the decode steps too
     where each branch sees little of the cache."""
-    model = embedded.model
-    prompts = wide_forest()
-    sparse = own_engine(model, "bmm")
-    sparse_logits, sparse_tokens = decode(sparse, prompts, steps=4)
-    assert sparse._fast.sparse_forwards >= 1
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=4)
-    assert sparse_tokens == dense_tokens
-    worst = max(float((a - b).abs().max()) for a, b in zip(sparse_logits, dense_logits))
-    assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
-    for i, prompt in enumerate(prompts):
-        assert sparse_tokens[i] == generate_alone(model, prompt, 4), f"branch {i}"
+    forward = by_rule_equals_dense_and_generate(embedded.model, wide_forest(), 4, monkeypatch)
+    assert forward.sparse_forwards >= 1
 
 
 def test_the_rule_gathers_only_when_queries_see_a_small_part_of_the_cache():
