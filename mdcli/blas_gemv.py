@@ -10,8 +10,9 @@ that OpenBLAS, built for every x86 level and picking its kernels from the CPU (i
 "SkylakeX"), so no new binary is needed: `openblas_linear` views torch's tensors as numpy arrays
 (no copy), multiplies, and views the result back.
 
-Where it is used (`mdcli.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 (where it was
-measured), with torch on one thread. OpenBLAS has its own thread pool, which spins while torch's
+Where it is used (`mdcli.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 or AVX2
+only (measured on Zen 4 and Zen 3; on Zen 3, where MKL on the transposed copy already streams well,
+the step gains 3-5%), with torch on one thread. OpenBLAS has its own thread pool, which spins while torch's
 OpenMP threads want the same cores: with two threads each the step took 381 ms instead of 41, so
 mdcli runs OpenBLAS on one thread during its forwards (`one_blas_thread`, restored afterwards) and
 only when torch runs one thread too; with more threads torch's own multi-threaded kernels on the

@@ -10,18 +10,20 @@ and the tests compare this one with it. What this forward changes, per layer:
 * rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
   per step by the model's own rotary module (every rope type transformers knows stays exact);
 * the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) or on
-  an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a key/value group stacked and the
-  mask's rows repeated for them once per step, elsewhere transformers' sdpa entry;
+  an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a
+  key/value group stacked and the mask's rows repeated for them once per step, elsewhere
+  transformers' sdpa entry;
 * where linears run on oneDNN, the projections and the head multiply by weights packed once into
   oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy); on an AVX2-only
   x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
-  [in, out] weights faster for one row); with AVX-512 and torch on one thread a lone token's
-  products run on OpenBLAS over that transposed copy (mdcli.blas_gemv: it streams the weights at
-  the core's rate, torch's kernels at about half);
+  [in, out] weights faster for one row); with torch on one thread a lone token's products run on
+  OpenBLAS over that transposed copy (mdcli.blas_gemv: on AVX-512 it streams the weights at the
+  core's rate, torch's kernels at about half; on Zen 3 a few percent faster than MKL);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
-* where measured to pay (AVX-512), a forward of several tokens reads the cached keys and values it
-  is about to multiply by once, as a plain sum, before the products: they arrive cold after the
-  step's weights, and the small products read cold memory at a fraction of the rate a sum does;
+* where measured to pay (AVX-512 and AVX2 x86-64), a forward of several tokens reads the cached
+  keys and values it is about to multiply by once, as a plain sum, before the products: they
+  arrive cold after the step's weights, and the small products read cold memory at a fraction of
+  the rate a sum does;
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
   over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention); where
   they see different prefixes of one long run of slots (margins' chain layout), over each prefix
@@ -60,11 +62,14 @@ OPT_OUT = "MDCLI_FORWARD"
 # at 570): 32.
 BMM_MAX_QUERIES = 64
 BMM_MAX_QUERIES_AVX512 = 32
-# Where a lone token's step runs on OpenBLAS (one thread, AVX-512), forwards of up to this many tokens
-# also take its weighted sum of the cached values (Zen 4, the embedded model over 1,500 tokens, a
-# branch with 1-4 guesses, A/B in one process: 2 tokens 51.5 -> 48.4 ms, 3: 54.0 -> 51.1, 4: 51.7 ->
-# 52.8); their products keep the packed copy.
+# Where a lone token's step runs on OpenBLAS (one thread), forwards of up to this many tokens also
+# take its weighted sum of the cached values; their products keep the packed copy. AVX-512 (Zen 4,
+# the embedded model over 1,500 tokens, a branch with 1-4 guesses, A/B in one process: 2 tokens
+# 51.5 -> 48.4 ms, 3: 54.0 -> 51.1, 4: 51.7 -> 52.8): 3. AVX2 (Zen 3, 2 and 3 branches, interleaved
+# steps, two copies of each: 2 branches 96.7 / 96.1 -> 99.0 / 102.4 ms, 3: 127.7 / 125.9 -> 131.7 /
+# 127.6): only the lone token.
 SMALL_BLAS_QUERIES = 3
+SMALL_BLAS_QUERIES_AVX2 = 1
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -167,7 +172,8 @@ class FastForward:
     weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
     products on the transposed copies run on OpenBLAS (mdcli.blas_gemv) instead of torch's kernels;
     None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
-    forwards of up to SMALL_BLAS_QUERIES tokens also take OpenBLAS's weighted sum of the values.
+    forwards of up to `blas_queries` tokens (SMALL_BLAS_QUERIES, or SMALL_BLAS_QUERIES_AVX2 on an
+    AVX2-only x86-64 CPU) also take OpenBLAS's weighted sum of the values.
     pair_padded: a two-token forward multiplies by the packed weights as four rows (see
     `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`. read_ahead: a
     forward of several tokens on the bmm core first streams the cached keys and values it attends
@@ -199,6 +205,8 @@ class FastForward:
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
         self.lone_blas = self.transposed and (lone_blas_step(*packing.weight_kind(model)) if lone_blas is None
                                               else lone_blas)
+        self.blas_queries = (SMALL_BLAS_QUERIES_AVX2 if avx2_step(*packing.weight_kind(model))
+                             else SMALL_BLAS_QUERIES) if self.lone_blas else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
@@ -222,7 +230,7 @@ class FastForward:
         else:  # F.linear is looked up per call: mdcli.kernels may route it
             linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
             layers, head = self.layers, self.head
-        if self.lone_blas and m <= SMALL_BLAS_QUERIES:
+        if m <= self.blas_queries:
             with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
                 return self._forward(tokens, positions, mask, cache, keep, linear, layers, head,
                                      weighted_sum=openblas_bmm)

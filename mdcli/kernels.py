@@ -21,9 +21,9 @@ slower than torch's own kernels (prefill of a 1,819-token forest 9.18 s vs 8.40 
 160 vs 154 ms), so there mdcli keeps torch's; re-measured on a real Zen 3 core with
 `python -m mdcli.bench.kernels` (benchmarks/results/step-zen3-kernels.txt): oneDNN linears 0.99x
 of MKL at 1 token, 0.92x at 8, 0.75x at 512, its attention products 0.65-0.94x of sdpa. (mdcli's
-own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) On AVX-512
-with torch on one thread, mdcli's own forward takes a lone token's products to OpenBLAS instead
-(`lone_blas_step`, mdcli.blas_gemv). `kernel_choice` says which ran and why; reports and
+own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) On both host
+kinds, with torch on one thread, mdcli's own forward takes a lone token's products to OpenBLAS
+instead (`lone_blas_step`, mdcli.blas_gemv). `kernel_choice` says which ran and why; reports and
 the `start` event carry it. `MDCLI_CPU_KERNELS=torch|onednn` forces either (`auto`, the default,
 decides by the CPU). They are process-wide switches (`F.linear` and transformers' "sdpa" entry),
 installed only while mdcli runs the model, so another thread's forwards during that time take them
@@ -88,7 +88,7 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
     the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)."""
     choice = _routing(device, dtype)
-    if choice.name == "oneDNN" and lone_blas_step(device, dtype):
+    if lone_blas_step(device, dtype):
         return KernelChoice(choice.name, f"{choice.reason}; one thread: a lone token on OpenBLAS")
     return choice
 
@@ -127,23 +127,26 @@ def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
 
 def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own decode forward multiplies a lone token's step on OpenBLAS over
-    transposed weight copies (mdcli.blas_gemv): a float32 CPU model, x86-64 with AVX-512 and the
-    kernel choice left to auto (measured on Zen 4), torch on one thread (OpenBLAS's threads and
-    torch's fight over the cores: 381 ms a step with two each), numpy's OpenBLAS present and
-    agreeing with torch."""
+    transposed weight copies (mdcli.blas_gemv): a float32 CPU model, x86-64 with AVX-512 (measured
+    on Zen 4: 0.78x -> 0.55x of transformers' step) or AVX2 only (measured on Zen 3: 0.66x ->
+    0.63x), the kernel choice left to auto, torch on one thread (OpenBLAS's threads and torch's
+    fight over the cores: 381 ms a step with two each), numpy's OpenBLAS present and agreeing with
+    torch."""
     import torch
 
     if not _auto_float32_x86_cpu(device, dtype) or torch.get_num_threads() != 1:
         return False
-    return "AVX512" in cpu_capability() and _onednn_linear_works() and openblas_works()
+    on_measured_host = "AVX512" in cpu_capability() or cpu_capability() == "AVX2"
+    return on_measured_host and _onednn_linear_works() and openblas_works()
 
 
 def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own forward streams the cached keys and values of each layer through the
     CPU's caches (`read_ahead`) before a forward of several tokens multiplies by them: a float32
-    CPU model, x86-64 with AVX-512, the kernel choice left to auto (measured on Zen 4, see
-    `read_ahead`)."""
-    return _auto_float32_x86_cpu(device, dtype) and "AVX512" in cpu_capability()
+    CPU model, x86-64 with AVX-512 (measured on Zen 4, see `read_ahead`) or AVX2 only (Zen 3: 2-5%
+    faster steps of several tokens in every one of seven interleaved comparisons, e.g. a branch
+    with 3 guesses 98.8 -> 94.2 ms, 8 branches 185.4 -> 180.2 ms), the kernel choice left to auto."""
+    return _auto_float32_x86_cpu(device, dtype) and ("AVX512" in cpu_capability() or cpu_capability() == "AVX2")
 
 
 def read_ahead(*views: torch.Tensor) -> None:

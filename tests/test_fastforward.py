@@ -14,7 +14,15 @@ import torch
 
 from mdcli.blas_gemv import one_blas_thread, openblas_library, openblas_works
 from mdcli.decoding import prefill_prompts
-from mdcli.fastforward import BMM_MAX_QUERIES, BMM_MAX_QUERIES_AVX512, FastForward, fast_forward_for, unsupported_reason
+from mdcli.fastforward import (
+    BMM_MAX_QUERIES,
+    BMM_MAX_QUERIES_AVX512,
+    SMALL_BLAS_QUERIES,
+    SMALL_BLAS_QUERIES_AVX2,
+    FastForward,
+    fast_forward_for,
+    unsupported_reason,
+)
 from mdcli.forest import pad_rows
 from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
 from mdcli.packing import pack, packed_linear, pair_padded_linear
@@ -313,11 +321,12 @@ def torch_threads():
 
 
 def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
-    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token),
-    bmm attention up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to 32 queries, and on one
-    thread a transposed copy that a lone token multiplies on OpenBLAS (measured on Zen 4), on more
-    threads no transposed copy, and the cached keys and values read ahead for forwards of several
-    tokens (measured on Zen 4); forced stock kernels: neither copy, sdpa, no reading ahead."""
+    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token, on
+    one thread OpenBLAS), bmm attention up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to
+    32 queries, and on one thread a transposed copy that a lone token multiplies on OpenBLAS, its
+    weighted sum for forwards of up to 3 tokens (measured on Zen 4), on more threads no transposed
+    copy; on both, the cached keys and values read ahead for forwards of several tokens (measured
+    on Zen 4 and Zen 3); forced stock kernels: neither copy, sdpa, no reading ahead."""
     model = tiny_model("llama", "sdpa")
     cpu = torch.device("cpu")
     torch_threads(2)
@@ -325,7 +334,12 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     if avx2_step(cpu, torch.float32):
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, True, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
-        assert not chosen.pair_padded and not chosen.read_ahead  # measured on AVX-512 only
+        assert chosen.read_ahead and not chosen.pair_padded  # padding measured slower on Zen 3
+        torch_threads(1)
+        alone = FastForward(model)
+        blas = openblas_works()
+        assert (alone.transposed, alone.lone_blas, alone.blas_queries) == (True, blas, SMALL_BLAS_QUERIES_AVX2 * blas)
+        assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
@@ -334,6 +348,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         alone = FastForward(model)
         blas = openblas_works()
         assert (alone.packed, alone.transposed, alone.lone_blas) == (True, blas, blas)
+        assert alone.blas_queries == SMALL_BLAS_QUERIES * blas
         assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
