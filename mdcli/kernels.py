@@ -143,9 +143,10 @@ def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
 def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own forward streams the cached keys and values of each layer through the
     CPU's caches (`read_ahead`) before a forward of several tokens multiplies by them: a float32
-    CPU model, x86-64 with AVX-512 (measured on Zen 4, see `read_ahead`) or AVX2 only (Zen 3: 2-5%
-    faster steps of several tokens in every one of seven interleaved comparisons, e.g. a branch
-    with 3 guesses 98.8 -> 94.2 ms, 8 branches 185.4 -> 180.2 ms), the kernel choice left to auto."""
+    CPU model, x86-64 with AVX-512 (measured on Zen 4, see `read_ahead`) or AVX2 only (Zen 3: steps
+    of several tokens 1-4% faster in each of eight paired comparisons of one run, e.g. a branch with
+    3 guesses 137.8 -> 134.5 ms, 8 branches 185.4 -> 180.2 ms; 5 of 7 pairs in other runs, the two
+    losses 1-2%), the kernel choice left to auto."""
     return _auto_float32_x86_cpu(device, dtype) and ("AVX512" in cpu_capability() or cpu_capability() == "AVX2")
 
 
