@@ -136,8 +136,7 @@ def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
 
     if not _auto_float32_x86_cpu(device, dtype) or torch.get_num_threads() != 1:
         return False
-    on_measured_host = "AVX512" in cpu_capability() or cpu_capability() == "AVX2"
-    return on_measured_host and _onednn_linear_works() and openblas_works()
+    return _measured_vector_isa() and _onednn_linear_works() and openblas_works()
 
 
 def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
@@ -147,7 +146,7 @@ def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
     of several tokens 1-4% faster in each of eight paired comparisons of one run, e.g. a branch with
     3 guesses 137.8 -> 134.5 ms, 8 branches 185.4 -> 180.2 ms; 5 of 7 pairs in other runs, the two
     losses 1-2%), the kernel choice left to auto."""
-    return _auto_float32_x86_cpu(device, dtype) and ("AVX512" in cpu_capability() or cpu_capability() == "AVX2")
+    return _auto_float32_x86_cpu(device, dtype) and _measured_vector_isa()
 
 
 def read_ahead(*views: torch.Tensor) -> None:
@@ -164,6 +163,13 @@ def read_ahead(*views: torch.Tensor) -> None:
     unchanged (36.6 / 36.2), so it is not read ahead."""
     for view in views:
         view.sum()  # the result is not wanted: the reading is the point
+
+
+def _measured_vector_isa() -> bool:
+    """torch dispatches to AVX-512 or to AVX2: the two host kinds the step rules were measured on
+    (Zen 4 and Zen 3); an older or emulated-down capability keeps torch's own path."""
+    capability = cpu_capability()
+    return "AVX512" in capability or capability == "AVX2"
 
 
 def _auto_float32_x86_cpu(device: torch.device, dtype: torch.dtype) -> bool:
