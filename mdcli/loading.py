@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
+DEVICE_ENV = "MDCLI_DEVICE"  # what --device auto means, when set
+
 _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
@@ -134,12 +136,13 @@ def load_tokenizer(
 
 
 def resolve_device(device: str) -> torch.device:
-    """The device to run on: "auto" is CUDA when present, else CPU; an absent GPU is an error."""
+    """The device to run on: "auto" is $MDCLI_DEVICE when set, else CUDA when present, else CPU; an
+    absent GPU is an error."""
     import torch
 
     name = device.strip().lower()
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = _auto_device_name()
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
@@ -226,6 +229,20 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool) -> int | None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")
     return bits
+
+
+def _auto_device_name() -> str:
+    """What "auto" means here. $MDCLI_DEVICE lets a GPU machine's user (and the test suite, whose
+    exactness checks are float32 on CPU) keep every run on one device without naming it each time."""
+    import torch
+
+    chosen = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if chosen and chosen != "auto":
+        if chosen not in ("cpu", "cuda", "mps") and not chosen.startswith("cuda:"):
+            fix = f"set {DEVICE_ENV} to auto, cpu, cuda or cuda:N"
+            raise UsageError(f"unknown device '{chosen}' in ${DEVICE_ENV}", fix=fix)
+        return chosen
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _cuda_device(name: str) -> torch.device:

@@ -10,6 +10,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # One thread, here and in the CLI subprocesses the tests start: on a shared 2-core machine two
 # threads per process oversubscribe the cores and run 10-25x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The exactness checks compare float32 on CPU, also on a machine with a GPU (where --device auto
+# would pick CUDA in bf16); the GPU tests name cuda themselves.
+os.environ.setdefault("MDCLI_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

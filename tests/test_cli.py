@@ -99,6 +99,11 @@ def test_4bit_without_cuda_is_refused_before_loading(story):
     assert_one_line_error(result, 2, "CUDA")
 
 
+def test_an_unknown_device_in_mdcli_device_is_a_usage_error_naming_the_variable(story, monkeypatch):
+    monkeypatch.setenv("MDCLI_DEVICE", "tpu")
+    assert_one_line_error(mdcli("ask-many", str(story), "-q", "Who?"), 2, "$MDCLI_DEVICE", "set MDCLI_DEVICE")
+
+
 def test_an_unknown_model_id_while_offline_says_how_to_fix_it(story):
     result = mdcli("ask-many", str(story), "-q", "Who?", "-m", "no-such-org/no-such-model-xyz")
     assert result.exit_code in (1, 2)

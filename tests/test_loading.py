@@ -156,7 +156,8 @@ def test_an_unwritable_cache_is_a_one_line_load_error(monkeypatch, tmp_path):
 
 
 @no_cuda_only
-def test_auto_device_and_dtype_on_cpu():
+def test_auto_device_and_dtype_on_cpu(monkeypatch):
+    monkeypatch.delenv("MDCLI_DEVICE", raising=False)
     device = resolve_device("auto")
     assert device == torch.device("cpu")
     assert resolve_dtype("auto", device) == (torch.float32, "fp32: CPU")
@@ -176,6 +177,25 @@ def test_float16_on_cpu_is_refused(tiny):
     with pytest.raises(UsageError) as info:
         load_model(str(tiny["llama"]), device="cpu", dtype="float16")
     assert_one_line(info.value, "float16", "--dtype float32")
+
+
+def test_auto_device_follows_mdcli_device_when_set(monkeypatch):
+    monkeypatch.setenv("MDCLI_DEVICE", "CPU ")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("MDCLI_DEVICE", "auto")
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
+
+
+def test_an_explicit_device_outranks_mdcli_device(monkeypatch):
+    monkeypatch.setenv("MDCLI_DEVICE", "cuda:7")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_unknown_mdcli_device_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("MDCLI_DEVICE", "tpu")
+    with pytest.raises(UsageError) as info:
+        resolve_device("auto")
+    assert_one_line(info.value, "'tpu' in $MDCLI_DEVICE", "set MDCLI_DEVICE to auto, cpu")
 
 
 @pytest.mark.parametrize(("option", "value"), [("device", "tpu"), ("dtype", "int8")])
