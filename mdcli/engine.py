@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from mdcli import cache as kv
+from mdcli.cuda_attention import cuda_attention
 from mdcli.fastforward import fast_forward_for
 from mdcli.forest import Forest, layout_chains, layout_trees, pad_rows
 from mdcli.kernels import cpu_kernels
@@ -158,7 +159,8 @@ class Engine:
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
         # an unmasked forward is a causal one: mdcli's forward takes it only for a lone token without a window
         fast = self._fast is not None and (mask is not None or (len(tokens) == 1 and self.sliding_window is None))
-        with torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype):
+        with (torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype),
+              cuda_attention(self.device, self.dtype)):
             if fast:
                 logits = self._fast(tokens, positions, mask, self.cache, keep_logits)  # [C, V] or None
             else:

@@ -91,8 +91,8 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id)."""
     check_attn_implementation(attn)
-    bits = _quantization_bits(load_in_4bit, load_in_8bit)
     torch_device = resolve_device(device)
+    bits = _quantization_bits(load_in_4bit, load_in_8bit, torch_device)
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
     with quiet_loading(quiet):
         source = _resolve_source(model, progress)
@@ -212,8 +212,9 @@ def quiet_loading(quiet: bool) -> Iterator[None]:
             hub_utils.enable_progress_bars()
 
 
-def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool) -> int | None:
-    """4, 8 or None; bitsandbytes needs CUDA and the optional extra."""
+def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool, device: torch.device) -> int | None:
+    """4, 8 or None; bitsandbytes needs CUDA (chosen as the device, not merely present) and the
+    optional extra."""
     if load_in_4bit and load_in_8bit:
         raise UsageError("--load-in-4bit and --load-in-8bit exclude each other", fix="pass only one of them")
     if not (load_in_4bit or load_in_8bit):
@@ -225,6 +226,11 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool) -> int | None:
         raise UsageError(
             "4-bit/8-bit loading needs a CUDA GPU",
             fix=f"drop --load-in-{bits}bit or use --device cuda on a GPU machine",
+        )
+    if device.type != "cuda":
+        raise UsageError(
+            f"4-bit/8-bit loading runs on CUDA, not on the chosen device '{device}'",
+            fix=f"use --device cuda (check MDCLI_DEVICE) or drop --load-in-{bits}bit",
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")

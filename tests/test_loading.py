@@ -179,6 +179,13 @@ def test_float16_on_cpu_is_refused(tiny):
     assert_one_line(info.value, "float16", "--dtype float32")
 
 
+@pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
+def test_bitsandbytes_on_a_cpu_device_is_refused_with_or_without_a_gpu(tiny, flag):
+    with pytest.raises(UsageError) as info:
+        load_model(str(tiny["llama"]), device="cpu", **{flag: True})
+    assert_one_line(info.value, "CUDA", "--device cuda")
+
+
 def test_auto_device_follows_mdcli_device_when_set(monkeypatch):
     monkeypatch.setenv("MDCLI_DEVICE", "CPU ")
     assert resolve_device("auto") == torch.device("cpu")
@@ -447,7 +454,7 @@ def test_embedded_model_on_cuda_in_bf16():
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes (pip install 'mdcli[cuda]')")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_embedded_model_quantized_with_bitsandbytes(bits):
-    loaded = load_model(load_in_4bit=bits == 4, load_in_8bit=bits == 8, quiet=True)
+    loaded = load_model(device="cuda", load_in_4bit=bits == 4, load_in_8bit=bits == 8, quiet=True)
     assert loaded.device.type == "cuda" and loaded.dtype_reason.startswith(f"{bits}-bit bitsandbytes")
     with torch.no_grad():
         logits = loaded.model(chat_ids(loaded.tokenizer).to(loaded.device)).logits
