@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 OPT_IN = "MDCLI_CUDNN_ATTENTION"
 
 
-def cuda_attention(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
+def cuda_attention(device: torch.device) -> AbstractContextManager:
     """The context mdcli's forwards on `device` run in: sdpa without cuDNN on CUDA, else nothing."""
     if device.type != "cuda" or os.environ.get(OPT_IN, "").strip() == "1":
         return nullcontext()

@@ -160,7 +160,7 @@ class Engine:
         # an unmasked forward is a causal one: mdcli's forward takes it only for a lone token without a window
         fast = self._fast is not None and (mask is not None or (len(tokens) == 1 and self.sliding_window is None))
         with (torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype),
-              cuda_attention(self.device, self.dtype)):
+              cuda_attention(self.device)):
             if fast:
                 logits = self._fast(tokens, positions, mask, self.cache, keep_logits)  # [C, V] or None
             else:

@@ -38,7 +38,8 @@ ModelOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[
-    str, typer.Option("--device", help="auto | cpu | cuda | cuda:N (auto: $MDCLI_DEVICE if set, else CUDA when present).")
+    str,
+    typer.Option("--device", help="auto | cpu | cuda | cuda:N (auto: $MDCLI_DEVICE if set, else CUDA when present)."),
 ]
 DtypeOpt = Annotated[
     str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on capable CUDA, fp32 on CPU).")
