@@ -141,8 +141,22 @@ def resolve_device(device: str) -> torch.device:
     import torch
 
     name = device.strip().lower()
-    if name == "auto":
-        name = _auto_device_name()
+    if name != "auto":
+        return _named_device(name, f"unknown device '{device}'", "use --device auto, cpu, cuda or cuda:N")
+    # $MDCLI_DEVICE lets a GPU machine's user (and the test suite, whose exactness checks are
+    # float32 on CPU) keep every run on one device without naming it each time
+    chosen = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if chosen and chosen != "auto":
+        return _named_device(chosen, f"unknown device '{chosen}' in ${DEVICE_ENV}",
+                             f"set {DEVICE_ENV} to auto, cpu, cuda or cuda:N")
+    return _cuda_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _named_device(name: str, unknown: str, fix: str) -> torch.device:
+    """cpu, cuda, cuda:N or mps as a torch.device; `unknown` and `fix` word the error for any other
+    name after where it came from (--device or $MDCLI_DEVICE)."""
+    import torch
+
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
@@ -151,7 +165,7 @@ def resolve_device(device: str) -> torch.device:
         if not torch.backends.mps.is_available():
             raise UsageError("MPS (Apple GPU) is not available", fix="use --device cpu")
         return torch.device("mps")
-    raise UsageError(f"unknown device '{device}'", fix="use --device auto, cpu, cuda or cuda:N")
+    raise UsageError(unknown, fix=fix)
 
 
 def resolve_dtype(dtype: str, device: torch.device, bits: int | None = None) -> tuple[torch.dtype, str]:
@@ -235,20 +249,6 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool, device: torch.dev
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")
     return bits
-
-
-def _auto_device_name() -> str:
-    """What "auto" means here. $MDCLI_DEVICE lets a GPU machine's user (and the test suite, whose
-    exactness checks are float32 on CPU) keep every run on one device without naming it each time."""
-    import torch
-
-    chosen = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if chosen and chosen != "auto":
-        if chosen not in ("cpu", "cuda", "mps") and not chosen.startswith("cuda:"):
-            fix = f"set {DEVICE_ENV} to auto, cpu, cuda or cuda:N"
-            raise UsageError(f"unknown device '{chosen}' in ${DEVICE_ENV}", fix=fix)
-        return chosen
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _cuda_device(name: str) -> torch.device:
