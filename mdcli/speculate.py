@@ -17,10 +17,12 @@ decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
   timed during the run (see `plan`, `ForwardCost`), and a branch whose drafts keep failing
   pauses drafting for a while (after 3 failed steps in a row: 2, 4, ... 16 steps).
 
-A run takes as many forwards as its slowest branch needs, so with several branches auto counts a
-guess as saving a forward only when it shortens that: the branches furthest from done must all
-accept their guesses together (`_plan_levels`). Eight branches tied at the same distance rarely
-all do, so auto then mostly waits until one branch is left behind, or alone.
+A run takes as many forwards as its slowest branch needs, so with several branches auto weighs
+two plans (`_plan_several`): guesses that surely shorten the run this step (the branches furthest
+from done must all accept together, `_plan_levels`: what pays on one CPU core, where eight tied
+branches rarely all do, so auto mostly waits until one is left behind), and every branch guessing
+for the run as a whole (`_plan_broad`: what pays where a wider forward costs about what a plain one
+does, as on a GPU). The cost model, timed on the machine the run is on, decides between them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
 PAUSE_AFTER = 3  # auto: steps in a row with every guess rejected before a branch pauses guessing ...
 MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
+# auto, several branches: an accepted guess of a branch that guesses every step saves this share of
+# 1/B of a forward (B branches), since the run lasts as long as its slowest branch. On one CPU core
+# (Zen 3, 8 branches x 64 tokens, every branch guessing 1 or 3 deep) it saved 0.57-0.68 of that.
+BROAD_SHARE = 0.6
+PROBES = 3  # auto, several branches: forwards wider than a plain step to time before trusting the cost model
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,14 @@ def parse_speculate(value: str | int | Speculate | None) -> Speculate:
     return Speculate("off") if most == 0 else Speculate("fixed", most)
 
 
+def _keep(trees: list[DraftTree], picked: list[tuple[float, int, int]]) -> list[DraftTree]:
+    """Each tree trimmed to its picked nodes ((worth, branch, node) triples)."""
+    chosen: list[list[int]] = [[] for _ in trees]
+    for _, b, node in picked:
+        chosen[b].append(node)
+    return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+
+
 def _critical_share(remaining: list[int]) -> list[float]:
     """1 / c for each of the c branches with the most tokens left, 0 for the others."""
     most = max(remaining)
@@ -109,10 +124,12 @@ class ForwardCost:
         self.seen = [0.0] * 5  # the same sums over timed forwards of 2+ tokens, in prior units
         self.unit: float | None = None  # seconds per prior unit, set by the first measurement
         self.single: float | None = None  # running mean of one-token forwards, in prior units
+        self.timed: dict[int, int] = {}  # forwards timed, by their number of tokens
 
     def observe(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
+        self.timed[tokens] = self.timed.get(tokens, 0) + 1
         if self.unit is None:  # the first forward lands on the prior's line
             self.unit = seconds / (16 + tokens)
         t = seconds / self.unit
@@ -122,6 +139,10 @@ class ForwardCost:
         self.seen = [self.decay * v for v in self.seen]
         for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
             self.seen[i] += v
+
+    def wider_than(self, tokens: int) -> int:
+        """How many forwards of more than `tokens` tokens were timed."""
+        return sum(count for m, count in self.timed.items() if m > tokens)
 
     def __call__(self, tokens: int) -> float:
         """Predicted cost of a forward of `tokens` tokens, in the model's own units."""
@@ -180,48 +201,80 @@ class SpeculationPolicy:
         auto, a lone branch: a node accepted with chance p saves p of a step t(1); d guesses cost
         t(1 + d) - t(1). auto verifies the d likeliest nodes, for the d that saves the most time,
         if any (checked as a whole, since the first guess can cost more than the next ones).
-        auto, several branches: `_plan_levels`. N: the likeliest nodes, up to N per branch, those
+        auto, several branches: `_plan_several`. N: the likeliest nodes, up to N per branch, those
         of the branches furthest from done first when `room` runs short.
         """
         self.step += 1
         fed = len(trees)
+        remaining = remaining or [0] * fed
         if self.setting.mode == "auto" and fed > 1:
-            return self._plan_levels(trees, room, remaining or [0] * fed)
-        weight = _critical_share(remaining or [0] * fed)
+            return self._plan_several(trees, room, remaining)
+        picked = self._ranked(trees, _critical_share(remaining), room)
+        if self.setting.mode == "auto":
+            picked = picked[: self._best_count(picked, fed)[0]]
+        return _keep(trees, picked)
+
+    def _ranked(self, trees: list[DraftTree], weight: list[float], room: int) -> list[tuple[float, int, int]]:
+        """(worth, branch, node) of the likeliest nodes, worth = chance x the branch's weight,
+        best first: at most `room` in all and `most` per branch, each after its parent."""
         ranked = sorted(
             ((p * weight[b], b, node) for b, tree in enumerate(trees) for node, p in enumerate(tree.probability)),
             key=lambda item: (-item[0], item[1], item[2]),
         )
-        chosen: list[list[int]] = [[] for _ in trees]
+        chosen: list[set[int]] = [set() for _ in trees]
         picked: list[tuple[float, int, int]] = []
         for worth, b, node in ranked:
-            if len(picked) >= room:
+            if len(picked) >= room or (self.setting.mode == "auto" and worth <= 0):
                 break
             parent = trees[b].parents[node]
             if len(chosen[b]) >= self.setting.most or (parent >= 0 and parent not in chosen[b]):
                 continue
-            if self.setting.mode == "auto" and worth <= 0:
-                break
-            chosen[b].append(node)
+            chosen[b].add(node)
             picked.append((worth, b, node))
-        if self.setting.mode == "auto":
-            picked = picked[: self._best_count(picked, fed)]
-            chosen = [[] for _ in trees]
-            for _, b, node in picked:
-                chosen[b].append(node)
-        return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+        return picked
 
-    def _plan_levels(self, trees: list[DraftTree], room: int, remaining: list[int]) -> list[DraftTree]:
-        """auto with several branches: how far to try to shorten the run this step.
+    def _plan_several(self, trees: list[DraftTree], room: int, remaining: list[int]) -> list[DraftTree]:
+        """auto with several branches: the better of two plans, or none when neither saves time.
+
+        `_plan_levels` counts only the forwards this step surely takes off the run (the branches
+        furthest from done must all accept together), right where a wider forward costs much
+        more (one CPU core). `_plan_broad` has every branch guess for the run's length as a whole,
+        which pays where a wider forward costs about what a plain one does (a GPU). Until the
+        cost model has timed forwards wider than a plain step, the broad plan is tried a few
+        times with one guess per branch (`PROBES`), so that it can find out which machine it is on."""
+        levels_gain, levels = self._plan_levels(trees, room, remaining)
+        broad_gain, broad = self._plan_broad(trees, room, remaining)
+        if broad_gain > levels_gain:
+            return broad
+        fed = len(trees)
+        if levels_gain <= 0 and self.cost.wider_than(fed) < PROBES:
+            probe = _keep(trees, [(1.0, b, tree.likeliest_path()[0]) for b, tree in enumerate(trees) if len(tree)])
+            if sum(map(len, probe)) >= max(2, fed // 2):
+                return probe
+        return levels
+
+    def _plan_broad(self, trees: list[DraftTree], room: int, remaining: list[int]) -> tuple[float, list[DraftTree]]:
+        """Every branch guesses; an accepted guess counts as BROAD_SHARE / B of a saved step (B
+        branches share the run's length), less for a branch nearer done than the furthest."""
+        top = max(max(remaining), 1)
+        fed = len(trees)
+        weight = [BROAD_SHARE * max(r, 0) / top / fed for r in remaining]
+        picked = self._ranked(trees, weight, room)
+        count, gain = self._best_count(picked, fed)
+        return gain, _keep(trees, picked[:count])
+
+    def _plan_levels(self, trees: list[DraftTree], room: int, remaining: list[int]) -> tuple[float, list[DraftTree]]:
+        """How far to try to shorten the run this step, counting only surely saved forwards.
 
         Without further guesses the run needs max(remaining) more forwards. Shortening it by J
         needs every branch b with gap g_b = max(remaining) - remaining_b < J to accept J - g_b
         guesses; so for each J the branches below that level draft that deep along their likeliest
         path, and the forwards saved are expected at sum over j <= J of prod_b P(b accepts
         j - g_b guesses). The J that saves the most time net of the wider forward's cost is
-        verified, if any saves time. (Counting each guess as a share of a step instead, as for a
-        lone branch, made eight branches of 64-256 tokens 7-15% slower than without guesses:
-        accepted guesses of branches that were not the slowest saved nothing.)"""
+        the plan (with its gain), if any saves time. (Counting each guess of a branch tied for
+        furthest as 1/c of a step while only those branches guessed made eight branches of 64-256
+        tokens 7-15% slower on one CPU core: accepted guesses of branches that were no longer the
+        slowest saved nothing.)"""
         top = max(remaining)
         gaps = [top - r for r in remaining]
         paths = [tree.likeliest_path() for tree in trees]
@@ -243,10 +296,11 @@ class SpeculationPolicy:
             gain = saved * step - (self.cost(fed + sum(depths)) - step)
             if gain > best_gain:
                 best_level, best_gain = level, gain
-        return [tree.keep(path[: max(0, best_level - gap)]) for tree, gap, path in zip(trees, gaps, paths)]
+        return best_gain, [tree.keep(path[: max(0, best_level - gap)]) for tree, gap, path in zip(trees, gaps, paths)]
 
-    def _best_count(self, picked: list[tuple[float, int, int]], fed: int) -> int:
-        """How many of the ranked nodes to verify: the count that saves the most time."""
+    def _best_count(self, picked: list[tuple[float, int, int]], fed: int) -> tuple[int, float]:
+        """How many of the ranked nodes to verify (the count that saves the most time), and the
+        time it saves."""
         step = self.cost(fed)
         best, best_gain, saved = 0, 0.0, 0.0
         for count, (worth, _, _) in enumerate(picked, start=1):
@@ -254,7 +308,7 @@ class SpeculationPolicy:
             gain = saved - (self.cost(fed + count) - step)
             if gain > best_gain:
                 best, best_gain = count, gain
-        return best
+        return best, best_gain
 
     # -- learning ----------------------------------------------------------------------------
 

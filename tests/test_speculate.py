@@ -142,21 +142,42 @@ def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
     assert len(ahead) == 0 and len(behind) > 0
 
 
-def test_auto_guesses_for_tied_branches_only_when_all_of_them_would_likely_be_right():
-    """Eight branches equally far from done: a forward is saved only if all eight accept."""
-    drafter_tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3]
+TIED_DRAFTS = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3]
 
-    def kept_with(first: float, follow: float) -> list[int]:
-        policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
-                                   follow={3: follow, 2: follow, 1: follow})
-        for m in (8, 16, 32):
-            policy.observe_forward(m, 0.08 + 0.002 * m)
-        trees = [policy.draft(_state(policy, PromptLookup().drafter(drafter_tokens)), [], 8) for _ in range(8)]
-        return [len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8)]
 
-    assert kept_with(0.5, 0.8) == [0] * 8  # 0.5 ** 8: a forward saved once in 256 steps
-    likely = kept_with(0.99, 0.99)
+def _tied_plan(per_token: float, first: float, follow: float, timed=(8, 16, 32) * 2) -> list[int]:
+    """Draft tokens auto verifies for eight branches tied 50 tokens from done, after timing
+    forwards of `timed` tokens at 80 ms + `per_token` s a token."""
+    policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
+                               follow={3: follow, 2: follow, 1: follow})
+    for m in timed:
+        policy.observe_forward(m, 0.08 + per_token * m)
+    trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(8)]
+    return [len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8)]
+
+
+def test_where_a_token_costs_much_tied_branches_guess_only_when_all_of_them_would_likely_be_right():
+    """One CPU core: each token adds ~6% to an eight-token forward; a forward is saved only if
+    all eight accept, and 0.5 ** 8 is a forward saved once in 256 steps."""
+    assert _tied_plan(0.01, 0.5, 0.8) == [0] * 8
+    likely = _tied_plan(0.01, 0.99, 0.99)
     assert min(likely) > 0 and len(set(likely)) == 1  # all guess, equally deep
+
+
+def test_where_wider_forwards_cost_almost_nothing_every_tied_branch_guesses_deep():
+    """A GPU: 64 more tokens add 0.01% to a forward, so every branch's guesses pay for the run as
+    a whole even though this step is rarely shortened by them all."""
+    kept = _tied_plan(0.000001, 0.5, 0.8)
+    assert min(kept) >= 2 and sum(kept) > 16
+
+
+def test_auto_probes_wider_forwards_a_few_times_before_trusting_its_cost_prior():
+    """Only plain eight-token steps timed: auto cannot tell a CPU from a GPU yet, so it verifies
+    one guess per branch (a probe), until PROBES wider forwards have been timed."""
+    from mdcli.speculate import PROBES
+
+    assert _tied_plan(0.01, 0.5, 0.8, timed=(8,) * 20) == [1] * 8
+    assert _tied_plan(0.01, 0.5, 0.8, timed=(8,) * 20 + (16,) * PROBES) == [0] * 8
 
 
 def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
