@@ -111,17 +111,27 @@ class ForwardCost:
     One token (a lone branch's plain step) often runs a cheaper kernel than several (a causal
     kernel instead of a masked one: on one CPU core the second token of a forward can cost a third
     of a step, later ones a few percent), so m = 1 is tracked on its own (a running mean) and
-    m >= 2 by a line t(m) = a + b m (weighted least squares, recent forwards weighing more, so it
-    follows the cache growing). Until forwards of several sizes are timed, a light prior says one
-    token costs 1/16 of a forward and m = 1 is on the line.
+    m >= 2 by a line t(m) = a + b m. Its level a follows the cache growing (recent forwards weigh
+    most), while its slope b, what each further token costs, is learnt over the whole run: most
+    forwards of a run may be one width (eight branches, no guesses), and those say nothing about
+    the slope, so the few wider ones must not be forgotten within tens of steps. Until forwards of
+    several sizes are timed, a light prior says one token costs 1/16 of a forward and m = 1 is on
+    the line.
     """
 
-    decay = 0.95
-    # sums of 1, m, m^2, t, m t over pseudo-forwards (m, t) = (2, 18) and (34, 50), weight 1/4 each
-    _prior = tuple(0.25 * v for v in (2.0, 36.0, 1160.0, 68.0, 1736.0))
+    decay = 0.95  # per timed forward: the level
+    slope_decay = 0.998  # per timed forward: the slope
+    # The prior, in units of the first forward timed: t(m) = 16 + m. Its slope weighs as much as a
+    # spread of 4 squared tokens (two real forwards 3 tokens apart outweigh it), its level as a
+    # quarter of a forward.
+    prior_slope, prior_level = 1.0, 16.0
+    slope_weight, level_weight = 4.0, 0.25
 
     def __init__(self) -> None:
-        self.seen = [0.0] * 5  # the same sums over timed forwards of 2+ tokens, in prior units
+        # sums of 1, m, m^2, t, m t over timed forwards of 2+ tokens (t in prior units), weighted
+        # for the level and for the slope
+        self.recent = [0.0] * 5
+        self.long = [0.0] * 5
         self.unit: float | None = None  # seconds per prior unit, set by the first measurement
         self.single: float | None = None  # running mean of one-token forwards, in prior units
         self.timed: dict[int, int] = {}  # forwards timed, by their number of tokens
@@ -136,9 +146,9 @@ class ForwardCost:
         if tokens == 1:
             self.single = t if self.single is None else self.single + (1 - self.decay) * (t - self.single)
             return
-        self.seen = [self.decay * v for v in self.seen]
-        for i, v in enumerate((1.0, tokens, tokens * tokens, t, tokens * t)):
-            self.seen[i] += v
+        sample = (1.0, tokens, tokens * tokens, t, tokens * t)
+        self.recent = [self.decay * v + x for v, x in zip(self.recent, sample)]
+        self.long = [self.slope_decay * v + x for v, x in zip(self.long, sample)]
 
     def wider_than(self, tokens: int) -> int:
         """How many forwards of more than `tokens` tokens were timed."""
@@ -146,11 +156,15 @@ class ForwardCost:
 
     def __call__(self, tokens: int) -> float:
         """Predicted cost of a forward of `tokens` tokens, in the model's own units."""
-        n, sm, smm, st, smt = (p + v for p, v in zip(self._prior, self.seen))
-        b = max((n * smt - sm * st) / (n * smm - sm * sm), 1e-3)
-        a = max((st - b * sm) / n, 1e-3)
         if tokens == 1 and self.single is not None:
             return self.single
+        n, sm, smm, st, smt = self.long
+        spread = smm - sm * sm / n if n else 0.0  # sum of w (m - mean m)^2
+        covariance = smt - sm * st / n if n else 0.0
+        b = (covariance + self.slope_weight * self.prior_slope) / (spread + self.slope_weight)
+        b = max(b, 1e-3)
+        n, sm, _, st, _ = self.recent
+        a = max((st - b * sm + self.level_weight * self.prior_level) / (n + self.level_weight), 1e-3)
         return a + b * tokens
 
 

@@ -116,5 +116,5 @@ def test_float32_forest_equals_generate_on_cuda():
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes (pip install 'mdcli[cuda]')")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_forest_agrees_with_generate_up_to_ties(bits):
-    lm = load_model(load_in_4bit=bits == 4, load_in_8bit=bits == 8, quiet=True)
+    lm = load_model(load_in_4bit=bits == 4, load_in_8bit=bits == 8, device="cuda", quiet=True)
     assert disagreements(lm, MAX_TIE_GAP) == []

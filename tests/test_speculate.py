@@ -201,6 +201,19 @@ def test_the_cost_model_learns_one_token_forwards_apart_and_a_line_for_more():
     assert cost(1) / cost(2) == pytest.approx(0.020 / 0.029, rel=0.02)
 
 
+@pytest.mark.parametrize("per_token", [0.00001, 0.005], ids=["gpu-like", "cpu-core-like"])
+def test_the_cost_model_keeps_the_slope_of_a_few_wide_forwards_through_hundreds_of_plain_steps(per_token):
+    """Eight branches, no guesses for 300 steps: those forwards all have eight tokens and say
+    nothing about what a further token costs, so what three wider forwards showed must stand."""
+    cost = ForwardCost()
+    for m in (8, 16, 12, 16):
+        cost.observe(m, 0.02 + per_token * m)
+    for _ in range(300):
+        cost.observe(8, 0.02 + per_token * 8)
+    expected = (0.02 + per_token * 64) / (0.02 + per_token * 8)
+    assert cost(64) / cost(8) == pytest.approx(expected, rel=0.15)
+
+
 def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
     policy = SpeculationPolicy(Speculate("auto"))
     state = _state(policy, PromptLookup().drafter([1, 2, 3, 1, 2]))
