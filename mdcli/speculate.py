@@ -45,7 +45,7 @@ MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
 # 1/B of a forward (B branches), since the run lasts as long as its slowest branch. On one CPU core
 # (Zen 3, 8 branches x 64 tokens, every branch guessing 1 or 3 deep) it saved 0.57-0.68 of that.
 BROAD_SHARE = 0.6
-PROBES = 3  # auto, several branches: forwards wider than a plain step to time before trusting the cost model
+PROBES = 3  # auto, several branches: steps that verify guesses to time before trusting the cost model
 
 
 @dataclass(frozen=True)
@@ -106,66 +106,82 @@ def _critical_share(remaining: list[int]) -> list[float]:
 
 
 class ForwardCost:
-    """Seconds for a forward of m tokens, learnt from the forwards timed during the run.
+    """Seconds for a decode step, learnt from the steps timed during the run: a plain step of m
+    tokens (each branch its next token), or one that also verifies d guesses.
 
-    One token (a lone branch's plain step) often runs a cheaper kernel than several (a causal
-    kernel instead of a masked one: on one CPU core the second token of a forward can cost a third
-    of a step, later ones a few percent), so m = 1 is tracked on its own (a running mean) and
-    m >= 2 by a line t(m) = a + b m. Its level a follows the cache growing (recent forwards weigh
-    most), while its slope b, what each further token costs, is learnt over the whole run: most
-    forwards of a run may be one width (eight branches, no guesses), and those say nothing about
-    the slope, so the few wider ones must not be forgotten within tens of steps. Until forwards of
-    several sizes are timed, a light prior says one token costs 1/16 of a forward and m = 1 is on
-    the line.
+    plain(m) is a running mean per width, recent steps weighing most, so it follows the cache
+    growing. A verifying step costs plain(m) + c + b d: c is what verifying costs beyond the
+    guesses themselves (on one CPU core a lone branch's second token switches to a dearer kernel;
+    on a GPU, where more tokens cost almost nothing, the walk and the cache rollback are most of
+    it), b what each guess costs. c and b are learnt over the whole run (least squares with a
+    light prior): most steps of a run may be plain and say nothing about them, so the few that
+    verified must not be forgotten within tens of steps. Before anything is timed, the prior says
+    t(m) = 16 + m, in units of the first step timed: a guess costs 1/16 of a step.
     """
 
-    decay = 0.95  # per timed forward: the level
-    slope_decay = 0.998  # per timed forward: the slope
-    # The prior, in units of the first forward timed: t(m) = 16 + m. Its slope weighs as much as a
-    # spread of 4 squared tokens (two real forwards 3 tokens apart outweigh it), its level as a
-    # quarter of a forward.
-    prior_slope, prior_level = 1.0, 16.0
-    slope_weight, level_weight = 4.0, 0.25
+    decay = 0.95  # per plain step of that width
+    slope_decay = 0.998  # per verifying step
+    prior_c, prior_b = 0.0, 1.0
+    # the prior's weight: for c, a quarter of a step; for b, a spread of 4 squared guesses (two
+    # real steps 3 guesses apart outweigh it)
+    c_weight, b_weight = 0.25, 4.0
 
     def __init__(self) -> None:
-        # sums of 1, m, m^2, t, m t over timed forwards of 2+ tokens (t in prior units), weighted
-        # for the level and for the slope
-        self.recent = [0.0] * 5
-        self.long = [0.0] * 5
-        self.unit: float | None = None  # seconds per prior unit, set by the first measurement
-        self.single: float | None = None  # running mean of one-token forwards, in prior units
-        self.timed: dict[int, int] = {}  # forwards timed, by their number of tokens
+        self.unit: float | None = None  # seconds per prior unit, set by the first step timed
+        self.plain_steps: dict[int, float] = {}  # width -> running mean, in prior units
+        self.sums = [0.0] * 5  # over verifying steps (d, e = t - plain(m)): sums of 1, d, d^2, e, d e
+        self.timed: dict[int, int] = {}  # verifying steps timed, by their number of guesses
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def _units(self, tokens: int, seconds: float) -> float:
+        if self.unit is None:  # the first step lands on the prior's line
+            self.unit = seconds / (16 + tokens)
+        return seconds / self.unit
+
+    def observe_plain(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        self.timed[tokens] = self.timed.get(tokens, 0) + 1
-        if self.unit is None:  # the first forward lands on the prior's line
-            self.unit = seconds / (16 + tokens)
-        t = seconds / self.unit
-        if tokens == 1:
-            self.single = t if self.single is None else self.single + (1 - self.decay) * (t - self.single)
+        t = self._units(tokens, seconds)
+        mean = self.plain_steps.get(tokens)
+        self.plain_steps[tokens] = t if mean is None else mean + (1 - self.decay) * (t - mean)
+
+    def observe_verified(self, tokens: int, guesses: int, seconds: float) -> None:
+        """A step of `tokens` tokens of the branches' own plus `guesses` guessed ones."""
+        if seconds <= 0 or guesses < 1:
             return
-        sample = (1.0, tokens, tokens * tokens, t, tokens * t)
-        self.recent = [self.decay * v + x for v, x in zip(self.recent, sample)]
-        self.long = [self.slope_decay * v + x for v, x in zip(self.long, sample)]
+        self.timed[guesses] = self.timed.get(guesses, 0) + 1
+        extra = self._units(tokens + guesses, seconds) - self.plain(tokens)
+        sample = (1.0, guesses, guesses * guesses, extra, guesses * extra)
+        self.sums = [self.slope_decay * v + x for v, x in zip(self.sums, sample)]
 
-    def wider_than(self, tokens: int) -> int:
-        """How many forwards of more than `tokens` tokens were timed."""
-        return sum(count for m, count in self.timed.items() if m > tokens)
+    def verified_steps(self) -> int:
+        """How many verifying steps were timed."""
+        return sum(self.timed.values())
 
-    def __call__(self, tokens: int) -> float:
-        """Predicted cost of a forward of `tokens` tokens, in the model's own units."""
-        if tokens == 1 and self.single is not None:
-            return self.single
-        n, sm, smm, st, smt = self.long
-        spread = smm - sm * sm / n if n else 0.0  # sum of w (m - mean m)^2
-        covariance = smt - sm * st / n if n else 0.0
-        b = (covariance + self.slope_weight * self.prior_slope) / (spread + self.slope_weight)
-        b = max(b, 1e-3)
-        n, sm, _, st, _ = self.recent
-        a = max((st - b * sm + self.level_weight * self.prior_level) / (n + self.level_weight), 1e-3)
-        return a + b * tokens
+    def _extra_line(self) -> tuple[float, float]:
+        """(c, b): ridge least squares of e = c + b d, pulled towards the prior."""
+        n, sd, sdd, se, sde = self.sums
+        a11, a12, a22 = n + self.c_weight, sd, sdd + self.b_weight
+        r1, r2 = se + self.c_weight * self.prior_c, sde + self.b_weight * self.prior_b
+        det = a11 * a22 - a12 * a12
+        c = (r1 * a22 - a12 * r2) / det
+        b = max((a11 * r2 - a12 * r1) / det, 1e-3)
+        return c, b
+
+    def plain(self, tokens: int) -> float:
+        """Predicted cost of a plain step of `tokens` tokens, in prior units."""
+        if tokens in self.plain_steps:
+            return self.plain_steps[tokens]
+        if not self.plain_steps:
+            return 16.0 + tokens
+        nearest = min(self.plain_steps, key=lambda m: abs(m - tokens))  # a branch finished, or forked
+        return self.plain_steps[nearest] + self._extra_line()[1] * (tokens - nearest)
+
+    def verified(self, tokens: int, guesses: int) -> float:
+        """Predicted cost of a step of `tokens` tokens plus `guesses` guesses, in prior units."""
+        if guesses < 1:
+            return self.plain(tokens)
+        c, b = self._extra_line()
+        return self.plain(tokens) + max(c + b * guesses, 1e-3)
 
 
 @dataclass
@@ -261,7 +277,7 @@ class SpeculationPolicy:
         if broad_gain > levels_gain:
             return broad
         fed = len(trees)
-        if levels_gain <= 0 and self.cost.wider_than(fed) < PROBES:
+        if levels_gain <= 0 and self.cost.verified_steps() < PROBES:
             probe = _keep(trees, [(1.0, b, tree.likeliest_path()[0]) for b, tree in enumerate(trees) if len(tree)])
             if sum(map(len, probe)) >= max(2, fed // 2):
                 return probe
@@ -293,7 +309,7 @@ class SpeculationPolicy:
         gaps = [top - r for r in remaining]
         paths = [tree.likeliest_path() for tree in trees]
         fed = len(trees)
-        step = self.cost(fed)
+        step = self.cost.plain(fed)
         best_level, best_gain, saved = 0, 0.0, 0.0
         for level in range(1, self.setting.most + 1):
             depths = [min(max(0, level - gap), len(path)) for gap, path in zip(gaps, paths)]
@@ -307,7 +323,7 @@ class SpeculationPolicy:
             if together == 0.0:
                 break
             saved += together
-            gain = saved * step - (self.cost(fed + sum(depths)) - step)
+            gain = saved * step - (self.cost.verified(fed, sum(depths)) - step)
             if gain > best_gain:
                 best_level, best_gain = level, gain
         return best_gain, [tree.keep(path[: max(0, best_level - gap)]) for tree, gap, path in zip(trees, gaps, paths)]
@@ -315,19 +331,22 @@ class SpeculationPolicy:
     def _best_count(self, picked: list[tuple[float, int, int]], fed: int) -> tuple[int, float]:
         """How many of the ranked nodes to verify (the count that saves the most time), and the
         time it saves."""
-        step = self.cost(fed)
+        step = self.cost.plain(fed)
         best, best_gain, saved = 0, 0.0, 0.0
         for count, (worth, _, _) in enumerate(picked, start=1):
             saved += worth * step
-            gain = saved - (self.cost(fed + count) - step)
+            gain = saved - (self.cost.verified(fed, count) - step)
             if gain > best_gain:
                 best, best_gain = count, gain
         return best, best_gain
 
     # -- learning ----------------------------------------------------------------------------
 
-    def observe_forward(self, tokens: int, seconds: float) -> None:
-        self.cost.observe(tokens, seconds)
+    def observe_plain(self, tokens: int, seconds: float) -> None:
+        self.cost.observe_plain(tokens, seconds)
+
+    def observe_verified(self, tokens: int, guesses: int, seconds: float) -> None:
+        self.cost.observe_verified(tokens, guesses, seconds)
 
     def observe(self, state: BranchDrafts, tree: DraftTree, accepted: list[int]) -> None:
         """accepted: the draft nodes accepted, root first (a path of `tree`)."""

@@ -69,9 +69,29 @@ def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> It
         started = time.perf_counter()
         loop.forward(to_feed)
         if all(len(chain) == 1 for _, chain in to_feed):
-            policy.observe_forward(fed, _synced(engine, started))
+            policy.observe_plain(fed, _synced(engine, started))
         return [t for t, _ in to_feed]
-    return (yield from _verify(loop, to_feed, trees))
+    # what the step costs in all (the forward, the walk, the rollback), not counting the time the
+    # events' consumers take (they take it for a plain step's tokens too)
+    started, consumers = time.perf_counter(), [0.0]
+    live = yield from _without_consumers(_verify(loop, to_feed, trees), consumers)
+    seconds = _synced(engine, started) - consumers[0]
+    policy.observe_verified(fed, sum(len(t) for t in trees), seconds)
+    return live
+
+
+def _without_consumers(events: Iterator[Event], consumers: list[float]):
+    """Pass `events` on and return what they return, adding the time spent in the consumer
+    (between handing an event on and being resumed) to consumers[0]."""
+    try:
+        event = next(events)
+        while True:
+            handed = time.perf_counter()
+            yield event
+            consumers[0] += time.perf_counter() - handed
+            event = next(events)
+    except StopIteration as stop:
+        return stop.value
 
 
 def _draft(loop: StepLoop, tip: Tip) -> DraftTree:
@@ -91,13 +111,10 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     parents = [_fed_parents(len(chain), tree) for (_, chain), tree in zip(to_feed, trees)]
     tokens = [chain + tree.tokens for (_, chain), tree in zip(to_feed, trees)]
     rows = torch.stack([pad_rows(t.row[None], start)[0] for t, _ in to_feed])  # [C, N]
-    started = time.perf_counter()
     results = engine.forward_trees(rows, parents, tokens)
     greedy = [_greedy_choices(loop, t, r.logits) for (t, _), r in zip(to_feed, results)]
-    engine_seconds = _synced(engine, started)
     loop.counters.steps += 1
     loop.counters.draft_tokens += sum(len(t) for t in trees)
-    loop.speculation.observe_forward(sum(map(len, tokens)), engine_seconds)
 
     watch = loop.speculation.setting.watch
     live, kept, finished, offset, seen = [], [], False, start, []

@@ -125,8 +125,7 @@ def _state(policy, drafter):
 def test_auto_verifies_fewer_drafts_when_a_forward_token_costs_more():
     def kept_with(cost_per_token: float) -> int:
         policy = SpeculationPolicy(Speculate("auto"))
-        for m in (1, 4, 16, 32):
-            policy.observe_forward(m, 0.02 + cost_per_token * m)
+        _time_steps(policy, 1, (0, 3, 15, 31), 0.02, cost_per_token)
         drafter = PromptLookup().drafter(list(range(40)) * 2 + list(range(5)))
         tree = policy.draft(_state(policy, drafter), [], 16)
         return len(policy.plan([tree], room=100)[0])
@@ -145,13 +144,23 @@ def test_auto_spends_no_guesses_on_a_branch_already_ahead_of_the_others():
 TIED_DRAFTS = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3]
 
 
-def _tied_plan(per_token: float, first: float, follow: float, timed=(8, 16, 32) * 2) -> list[int]:
+def _time_steps(policy, tokens: int, guesses, base: float, per_token: float, overhead: float = 0.0) -> None:
+    """Time steps of `tokens` tokens plus each count of `guesses` (0: a plain step) at `base` s +
+    `per_token` s a token (+ `overhead` s for a verifying step)."""
+    for g in guesses:
+        seconds = base + per_token * (tokens + g)
+        if g:
+            policy.observe_verified(tokens, g, seconds + overhead)
+        else:
+            policy.observe_plain(tokens, seconds)
+
+
+def _tied_plan(per_token: float, first: float, follow: float, guesses=(0, 8, 24) * 2, overhead=0.0) -> list[int]:
     """Draft tokens auto verifies for eight branches tied 50 tokens from done, after timing
-    forwards of `timed` tokens at 80 ms + `per_token` s a token."""
+    steps of eight tokens plus `guesses` at 80 ms + `per_token` s a token (+ `overhead`)."""
     policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
                                follow={3: follow, 2: follow, 1: follow})
-    for m in timed:
-        policy.observe_forward(m, 0.08 + per_token * m)
+    _time_steps(policy, 8, guesses, 0.08, per_token, overhead)
     trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(8)]
     return [len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8)]
 
@@ -171,47 +180,63 @@ def test_where_wider_forwards_cost_almost_nothing_every_tied_branch_guesses_deep
     assert min(kept) >= 2 and sum(kept) > 16
 
 
+def test_what_verifying_costs_beyond_the_guesses_makes_auto_guess_deeper_or_not_at_all():
+    """A GPU where the forward is free but the walk and the rollback add a fixed 10 ms to a
+    30 ms step: a few guesses do not pay for it, many likely ones do."""
+    def kept_with(first: float, follow: float) -> int:
+        policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
+                                   follow={3: follow, 2: follow, 1: follow})
+        _time_steps(policy, 8, (0, 8, 24, 0, 40, 16) * 3, 0.03, 0.0, overhead=0.01)
+        trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(8)]
+        return sum(len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8))
+
+    assert kept_with(0.1, 0.3) == 0
+    assert kept_with(0.6, 0.9) > 16
+
+
 def test_auto_probes_wider_forwards_a_few_times_before_trusting_its_cost_prior():
     """Only plain eight-token steps timed: auto cannot tell a CPU from a GPU yet, so it verifies
-    one guess per branch (a probe), until PROBES wider forwards have been timed."""
+    one guess per branch (a probe), until PROBES verifying steps have been timed."""
     from mdcli.speculate import PROBES
 
-    assert _tied_plan(0.01, 0.5, 0.8, timed=(8,) * 20) == [1] * 8
-    assert _tied_plan(0.01, 0.5, 0.8, timed=(8,) * 20 + (16,) * PROBES) == [0] * 8
+    assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20) == [1] * 8
+    assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20 + (8,) * PROBES) == [0] * 8
 
 
 def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
     """Two tokens behind: its first two guesses alone can save forwards; any deeper one saves a
     forward only together with a guess of the branch ahead."""
     policy = SpeculationPolicy(Speculate("auto"), first={3: 0.9, 2: 0.9, 1: 0.9}, follow={3: 0.9, 2: 0.9, 1: 0.9})
-    for m in (2, 8, 16):
-        policy.observe_forward(m, 0.08 + 0.001 * m)
+    _time_steps(policy, 2, (0, 6, 14), 0.08, 0.001)
     tree = policy.draft(_state(policy, PromptLookup().drafter([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3])), [], 8)
     behind, ahead = policy.plan([tree, tree], room=100, remaining=[32, 30])
     assert len(behind) >= 2 and len(behind) == len(ahead) + 2
 
 
-def test_the_cost_model_learns_one_token_forwards_apart_and_a_line_for_more():
+def test_the_cost_model_learns_plain_steps_by_width_and_verifying_as_a_fixed_part_plus_a_part_per_guess():
     cost = ForwardCost()
-    cost.observe(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
+    cost.observe_plain(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
+    cost.observe_plain(8, 0.040)
     for _ in range(40):
-        for m in (2, 8, 16, 40):
-            cost.observe(m, 0.025 + 0.002 * m)
-    assert cost(10) / cost(2) == pytest.approx(0.045 / 0.029, rel=0.02)
-    assert cost(1) / cost(2) == pytest.approx(0.020 / 0.029, rel=0.02)
+        for guesses in (1, 7, 15, 39):
+            cost.observe_verified(1, guesses, 0.020 + 0.009 + 0.002 * guesses)
+    assert cost.verified(1, 9) / cost.plain(1) == pytest.approx((0.029 + 0.018) / 0.020, rel=0.02)
+    assert cost.plain(8) / cost.plain(1) == pytest.approx(2.0)
+    assert cost.verified(8, 4) / cost.plain(8) == pytest.approx((0.049 + 0.008) / 0.040, rel=0.02)
 
 
 @pytest.mark.parametrize("per_token", [0.00001, 0.005], ids=["gpu-like", "cpu-core-like"])
-def test_the_cost_model_keeps_the_slope_of_a_few_wide_forwards_through_hundreds_of_plain_steps(per_token):
-    """Eight branches, no guesses for 300 steps: those forwards all have eight tokens and say
-    nothing about what a further token costs, so what three wider forwards showed must stand."""
+def test_the_cost_model_keeps_what_a_few_verifying_steps_showed_through_hundreds_of_plain_steps(per_token):
+    """Eight branches, no guesses for 300 steps: those steps say nothing about what a guess
+    costs, so what three verifying steps showed must stand."""
     cost = ForwardCost()
-    for m in (8, 16, 12, 16):
-        cost.observe(m, 0.02 + per_token * m)
+    cost.observe_plain(8, 0.02 + per_token * 8)
+    for guesses in (4, 16, 40):
+        cost.observe_verified(8, guesses, 0.02 + per_token * (8 + guesses))
     for _ in range(300):
-        cost.observe(8, 0.02 + per_token * 8)
+        cost.observe_plain(8, 0.02 + per_token * 8)
     expected = (0.02 + per_token * 64) / (0.02 + per_token * 8)
-    assert cost(64) / cost(8) == pytest.approx(expected, rel=0.15)
+    assert cost.verified(8, 56) / cost.plain(8) == pytest.approx(expected, rel=0.15)
 
 
 def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
