@@ -271,7 +271,7 @@ class StepLoop:
         todo = [i for i, t in enumerate(tips) if t.pending is None]
         if todo:
             sub = [tips[i] for i in todo]
-            logits = self.suppress_eos(torch.stack([t.logits for t in sub]), sub)  # [k, V]
+            logits = self.suppress_eos(torch.stack([t.logits for t in sub]), sub, in_place=True)  # [k, V], a copy
             chosen = choose_tokens(logits, [t.sampler for t in sub])
             picked = torch.log_softmax(logits, -1)[torch.arange(len(sub)), torch.tensor(chosen)].tolist()
             for i, token, logprob in zip(todo, chosen, picked):
@@ -280,12 +280,13 @@ class StepLoop:
             t.pending = None
         return tokens, logprobs
 
-    def suppress_eos(self, logits: torch.Tensor, tips: Sequence[Tip]) -> torch.Tensor:
-        """[k, V] -> EOS at -inf for tips that ignore it, as generate's min_new_tokens does."""
+    def suppress_eos(self, logits: torch.Tensor, tips: Sequence[Tip], in_place: bool = False) -> torch.Tensor:
+        """[k, V] -> EOS at -inf for tips that ignore it, as generate's min_new_tokens does
+        (in a copy, unless `in_place`)."""
         rows = [i for i, t in enumerate(tips) if t.ignore_eos]
         if not rows or not self.eos:
             return logits
-        logits = logits.clone()
+        logits = logits if in_place else logits.clone()
         logits[_index(rows, logits.device)[:, None], _index(sorted(self.eos), logits.device)] = float("-inf")
         return logits
 

@@ -112,7 +112,7 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     tokens = [chain + tree.tokens for (_, chain), tree in zip(to_feed, trees)]
     rows = torch.stack([pad_rows(t.row[None], start)[0] for t, _ in to_feed])  # [C, N]
     results = engine.forward_trees(rows, parents, tokens)
-    greedy = [_greedy_choices(loop, t, r.logits) for (t, _), r in zip(to_feed, results)]
+    greedy = _greedy_choices(loop, to_feed, trees, results)
     loop.counters.steps += 1
     loop.counters.draft_tokens += sum(len(t) for t in trees)
 
@@ -161,14 +161,50 @@ def _fed_parents(chain: int, tree: DraftTree) -> list[int]:
     return list(range(-1, chain - 1)) + [chain - 1 if p < 0 else chain + p for p in tree.parents]
 
 
-def _greedy_choices(loop: StepLoop, tip: Tip, logits: torch.Tensor) -> list[int] | None:
-    """[n, V] -> the argmax after every node, in one op (None for sampled tips)."""
-    if not tip.sampler.params.greedy:
-        return None
-    return loop.suppress_eos(logits, [tip] * logits.shape[0]).argmax(-1).tolist()
+@dataclass
+class _Greedy:
+    """A greedy tip's choices in a verified step, by index among its fed tokens."""
+
+    tokens: list[int]  # the argmax after each fed token
+    logprobs: dict[int, float]  # its logprob, after the fed tokens the walk visits
+    logits: torch.Tensor  # [n, V] with EOS suppressed where the tip ignores it
 
 
-def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, argmax) -> Iterator[Event]:
+def _greedy_choices(loop: StepLoop, to_feed, trees: list[DraftTree], results) -> list[_Greedy | None]:
+    """Every greedy tip's choices (None for sampled tips), in a few ops over the whole step and two
+    reads from the device, not a few per node (on a GPU each read waits for the device): the
+    argmax after every fed token, then the logprobs where each walk will go (the chain's last
+    token, then every guess the argmax confirms; a finish may stop it sooner)."""
+    import torch
+
+    greedy = [i for i, (tip, _) in enumerate(to_feed) if tip.sampler.params.greedy]
+    if not greedy:
+        return [None] * len(to_feed)
+    sizes = [results[i].logits.shape[0] for i in greedy]
+    row_tips = [to_feed[i][0] for i, n in zip(greedy, sizes) for _ in range(n)]
+    logits = torch.cat([results[i].logits for i in greedy])  # [n, V], a copy: suppressed in place
+    logits = loop.suppress_eos(logits, row_tips, in_place=True)
+    argmax = logits.argmax(-1).tolist()
+    visits: list[int] = []  # rows of `logits` the walks visit
+    starts = [0]
+    for i, n in zip(greedy, sizes):
+        kids, node, offset = trees[i].children(), -1, starts[-1]
+        chain = len(to_feed[i][1])
+        while node is not None:
+            visits.append(offset + chain + node)
+            node = kids[node + 1].get(argmax[visits[-1]])
+        starts.append(offset + n)
+    chosen = torch.tensor([argmax[v] for v in visits], device=logits.device)[:, None]  # [v, 1]
+    picked = torch.log_softmax(logits[visits], -1).gather(-1, chosen)[:, 0].tolist()  # [v]
+    logprob_at = dict(zip(visits, picked))
+    choices: list[_Greedy | None] = [None] * len(to_feed)
+    for i, start, end in zip(greedy, starts, starts[1:]):
+        own = {v - start: logprob_at[v] for v in range(start, end) if v in logprob_at}
+        choices[i] = _Greedy(argmax[start:end], own, logits[start:end])
+    return choices
+
+
+def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _Greedy | None) -> Iterator[Event]:
     """Accept the tip's guesses while they are its own tokens, through the loop's one accept
     path. Returns (the fed nodes it keeps, indices into its tree of fed tokens; the draft nodes it
     accepted; whether the tip goes on: a finished tip's children are forked by the policy into
@@ -179,9 +215,12 @@ def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, argmax) -
     node, accepted = -1, []  # node: draft index, -1 is the chain's last token
     while True:
         at = fed + node  # index of `node` among the fed tokens
-        logits = loop.suppress_eos(result.logits[at][None], [tip])[0]  # [V]
-        token = argmax[at] if argmax is not None else tip.sampler(logits)
-        logprob = float(torch.log_softmax(logits, -1)[token])
+        if greedy is not None:
+            token, logprob, logits = greedy.tokens[at], greedy.logprobs[at], greedy.logits[at]
+        else:
+            logits = loop.suppress_eos(result.logits[at][None], [tip])[0]  # [V]
+            token = tip.sampler(logits)
+            logprob = float(torch.log_softmax(logits, -1)[token])
         guess = children[node + 1].get(token)
         if guess is None:  # the model's own token: shown at the next step, fed after it
             tip.pending, tip.row, tip.logits = (token, logprob), result.rows[at], logits

@@ -15,6 +15,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mdcli.api import ask_many, run_specs
 from mdcli.decoding import BranchSpec, Decoder
@@ -94,6 +96,27 @@ def test_prompt_lookup_also_reads_the_branch_own_answer_so_far():
     assert drafter.candidates(4) == []
     drafter.add([10, 11, 12, 13, 10, 11])
     assert drafter.candidates(2)[0] == Candidate((12, 13), 2)
+
+
+@given(
+    document=st.lists(st.integers(0, 5), min_size=64, max_size=160),
+    tails=st.lists(st.lists(st.integers(0, 5), max_size=12), min_size=2, max_size=4),
+    answers=st.lists(st.lists(st.integers(0, 5), max_size=10), min_size=4, max_size=4),
+)
+@settings(max_examples=60, deadline=None)
+def test_branches_sharing_a_document_share_its_index_and_draft_exactly_as_alone(document, tails, answers):
+    """One lookup source for the run: later branches reuse the first one's index of the document
+    (and of its question, where theirs starts the same) and index only their own rest; their
+    candidates at every point are those of a drafter built alone."""
+    together = PromptLookup(max_occurrences=5)
+    drafters = [together.drafter(document + tail) for tail in tails]
+    for tail, drafter, answer in zip(tails, drafters, answers):
+        alone = PromptLookup(max_occurrences=5).drafter(document + tail)
+        for token in answer:
+            assert drafter.candidates(4) == alone.candidates(4)
+            drafter.add([token])
+            alone.add([token])
+        assert drafter.candidates(4) == alone.candidates(4)
 
 
 def test_candidates_merge_into_a_tree_whose_probabilities_never_rise_down_a_path():
