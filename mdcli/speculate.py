@@ -45,7 +45,13 @@ MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
 # 1/B of a forward (B branches), since the run lasts as long as its slowest branch. On one CPU core
 # (Zen 3, 8 branches x 64 tokens, every branch guessing 1 or 3 deep) it saved 0.57-0.68 of that.
 BROAD_SHARE = 0.6
-PROBES = 3  # auto, several branches: steps that verify guesses to time before trusting the cost model
+# auto, several branches: steps that verify guesses to time before trusting the cost model, each
+# with the likeliest first guesses of up to PROBE_GUESSES branches, while the run has at least
+# PROBE_RUN_LEFT steps to go (a shorter run has little to gain; on one CPU core the three probes
+# of an 8 x 64 run cost about 1% of it)
+PROBES = 3
+PROBE_GUESSES = 8
+PROBE_RUN_LEFT = 32
 
 
 @dataclass(frozen=True)
@@ -270,17 +276,18 @@ class SpeculationPolicy:
         furthest from done must all accept together), right where a wider forward costs much
         more (one CPU core). `_plan_broad` has every branch guess for the run's length as a whole,
         which pays where a wider forward costs about what a plain one does (a GPU). Until the
-        cost model has timed forwards wider than a plain step, the broad plan is tried a few
-        times with one guess per branch (`PROBES`), so that it can find out which machine it is on."""
+        cost model has timed steps that verify guesses, a few first guesses are tried now and then
+        (`PROBES`), so that it can find out which machine it is on."""
         levels_gain, levels = self._plan_levels(trees, room, remaining)
         broad_gain, broad = self._plan_broad(trees, room, remaining)
         if broad_gain > levels_gain:
             return broad
         fed = len(trees)
-        if levels_gain <= 0 and self.cost.verified_steps() < PROBES:
-            probe = _keep(trees, [(1.0, b, tree.likeliest_path()[0]) for b, tree in enumerate(trees) if len(tree)])
-            if sum(map(len, probe)) >= max(2, fed // 2):
-                return probe
+        if levels_gain <= 0 and self.cost.verified_steps() < PROBES and max(remaining) >= PROBE_RUN_LEFT:
+            firsts = sorted(((tree.probability[tree.likeliest_path()[0]], b, tree.likeliest_path()[0])
+                             for b, tree in enumerate(trees) if len(tree)), reverse=True)[:PROBE_GUESSES]
+            if len(firsts) >= min(fed // 2, PROBE_GUESSES // 2):
+                return _keep(trees, firsts)
         return levels
 
     def _plan_broad(self, trees: list[DraftTree], room: int, remaining: list[int]) -> tuple[float, list[DraftTree]]:

@@ -178,14 +178,15 @@ def _time_steps(policy, tokens: int, guesses, base: float, per_token: float, ove
             policy.observe_plain(tokens, seconds)
 
 
-def _tied_plan(per_token: float, first: float, follow: float, guesses=(0, 8, 24) * 2, overhead=0.0) -> list[int]:
-    """Draft tokens auto verifies for eight branches tied 50 tokens from done, after timing
-    steps of eight tokens plus `guesses` at 80 ms + `per_token` s a token (+ `overhead`)."""
+def _tied_plan(per_token: float, first: float, follow: float, guesses=(0, 8, 24) * 2, overhead=0.0,
+               branches: int = 8, left: int = 50) -> list[int]:
+    """Draft tokens auto verifies for `branches` branches tied `left` tokens from done, after timing
+    steps of that many tokens plus `guesses` at 80 ms + `per_token` s a token (+ `overhead`)."""
     policy = SpeculationPolicy(Speculate("auto"), first={3: first, 2: first, 1: first},
                                follow={3: follow, 2: follow, 1: follow})
-    _time_steps(policy, 8, guesses, 0.08, per_token, overhead)
-    trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(8)]
-    return [len(t) for t in policy.plan(trees, room=200, remaining=[50] * 8)]
+    _time_steps(policy, branches, guesses, 0.08, per_token, overhead)
+    trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(branches)]
+    return [len(t) for t in policy.plan(trees, room=200, remaining=[left] * branches)]
 
 
 def test_where_a_token_costs_much_tied_branches_guess_only_when_all_of_them_would_likely_be_right():
@@ -220,10 +221,12 @@ def test_what_verifying_costs_beyond_the_guesses_makes_auto_guess_deeper_or_not_
 def test_auto_probes_wider_forwards_a_few_times_before_trusting_its_cost_prior():
     """Only plain eight-token steps timed: auto cannot tell a CPU from a GPU yet, so it verifies
     one guess per branch (a probe), until PROBES verifying steps have been timed."""
-    from mdcli.speculate import PROBES
+    from mdcli.speculate import PROBE_GUESSES, PROBE_RUN_LEFT, PROBES
 
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20) == [1] * 8
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20 + (8,) * PROBES) == [0] * 8
+    assert sum(_tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20, branches=32)) == PROBE_GUESSES  # a bounded probe
+    assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20, left=PROBE_RUN_LEFT - 1) == [0] * 8  # too short to pay
 
 
 def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
