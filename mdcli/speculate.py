@@ -136,7 +136,7 @@ class ForwardCost:
         self.unit: float | None = None  # seconds per prior unit, set by the first step timed
         self.plain_steps: dict[int, float] = {}  # width -> running mean, in prior units
         self.sums = [0.0] * 5  # over verifying steps (d, e = t - plain(m)): sums of 1, d, d^2, e, d e
-        self.timed: dict[int, int] = {}  # verifying steps timed, by their number of guesses
+        self.verifying = 0  # verifying steps timed
 
     def _units(self, tokens: int, seconds: float) -> float:
         if self.unit is None:  # the first step lands on the prior's line
@@ -154,16 +154,12 @@ class ForwardCost:
         """A step of `tokens` tokens of the branches' own plus `guesses` guessed ones."""
         if seconds <= 0 or guesses < 1:
             return
-        self.timed[guesses] = self.timed.get(guesses, 0) + 1
+        self.verifying += 1
         extra = self._units(tokens + guesses, seconds) - self.plain(tokens)
         sample = (1.0, guesses, guesses * guesses, extra, guesses * extra)
         self.sums = [self.slope_decay * v + x for v, x in zip(self.sums, sample)]
 
-    def verified_steps(self) -> int:
-        """How many verifying steps were timed."""
-        return sum(self.timed.values())
-
-    def _extra_line(self) -> tuple[float, float]:
+    def extra_line(self) -> tuple[float, float]:
         """(c, b): ridge least squares of e = c + b d, pulled towards the prior."""
         n, sd, sdd, se, sde = self.sums
         a11, a12, a22 = n + self.c_weight, sd, sdd + self.b_weight
@@ -180,13 +176,13 @@ class ForwardCost:
         if not self.plain_steps:
             return 16.0 + tokens
         nearest = min(self.plain_steps, key=lambda m: abs(m - tokens))  # a branch finished, or forked
-        return self.plain_steps[nearest] + self._extra_line()[1] * (tokens - nearest)
+        return self.plain_steps[nearest] + self.extra_line()[1] * (tokens - nearest)
 
     def verified(self, tokens: int, guesses: int) -> float:
         """Predicted cost of a step of `tokens` tokens plus `guesses` guesses, in prior units."""
         if guesses < 1:
             return self.plain(tokens)
-        c, b = self._extra_line()
+        c, b = self.extra_line()
         return self.plain(tokens) + max(c + b * guesses, 1e-3)
 
 
@@ -283,9 +279,13 @@ class SpeculationPolicy:
         if broad_gain > levels_gain:
             return broad
         fed = len(trees)
-        if levels_gain <= 0 and self.cost.verified_steps() < PROBES and max(remaining) >= PROBE_RUN_LEFT:
-            firsts = sorted(((tree.probability[tree.likeliest_path()[0]], b, tree.likeliest_path()[0])
-                             for b, tree in enumerate(trees) if len(tree)), reverse=True)[:PROBE_GUESSES]
+        if levels_gain <= 0 and self.cost.verifying < PROBES and max(remaining) >= PROBE_RUN_LEFT:
+            firsts = []  # (chance, branch, node) of each branch's likeliest first guess
+            for b, tree in enumerate(trees):
+                if len(tree):
+                    node = tree.likeliest_path()[0]
+                    firsts.append((tree.probability[node], b, node))
+            firsts = sorted(firsts, reverse=True)[:PROBE_GUESSES]
             if len(firsts) >= min(fed // 2, PROBE_GUESSES // 2):
                 return _keep(trees, firsts)
         return levels

@@ -49,7 +49,7 @@ for name, tokens, seconds in timed:
 print("  ".join(f"{n[0]}{t}:{len(v)}x{1000 * sorted(v)[len(v) // 2]:.1f}" for (n, t), v in sorted(by.items())))
 if policies:
     cost = policies[-1].cost
-    c, b = cost._extra_line()
+    c, b = cost.extra_line()
     plain = cost.plain(branches)
     print(f"cost model: verifying costs a plain step x (1 + {c / plain:.3f} + {b / plain:.4f} per guess); "
-          f"{cost.verified_steps()} verifying steps timed")
+          f"{cost.verifying} verifying steps timed")
