@@ -18,7 +18,7 @@ branch fed, the mask rows the engine gave those tokens and what was accepted (`m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,9 +80,10 @@ def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> It
     return live
 
 
-def _without_consumers(events: Iterator[Event], consumers: list[float]):
+def _without_consumers(events: Generator[Event, None, list], consumers: list[float]):
     """Pass `events` on and return what they return, adding the time spent in the consumer
-    (between handing an event on and being resumed) to consumers[0]."""
+    (between handing an event on and being resumed) to consumers[0]. Closed early (the consumer
+    stopped, e.g. on Ctrl-C), it closes `events` at once, as `yield from` would."""
     try:
         event = next(events)
         while True:
@@ -92,6 +93,8 @@ def _without_consumers(events: Iterator[Event], consumers: list[float]):
             event = next(events)
     except StopIteration as stop:
         return stop.value
+    finally:
+        events.close()
 
 
 def _draft(loop: StepLoop, tip: Tip) -> DraftTree:
