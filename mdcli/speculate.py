@@ -230,8 +230,8 @@ class SpeculationPolicy:
 
         room: most draft tokens in all; remaining: tokens each branch may still generate.
 
-        auto, a lone branch: a node accepted with chance p saves p of a step t(1); d guesses cost
-        t(1 + d) - t(1). auto verifies the d likeliest nodes, for the d that saves the most time,
+        auto, a lone branch: a node accepted with chance p saves p of a plain step; d guesses cost
+        what a step verifying them adds to it (`ForwardCost`). auto verifies the d likeliest nodes, for the d that saves the most time,
         if any (checked as a whole, since the first guess can cost more than the next ones).
         auto, several branches: `_plan_several`. N: the likeliest nodes, up to N per branch, those
         of the branches furthest from done first when `room` runs short.
