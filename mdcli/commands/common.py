@@ -88,7 +88,8 @@ SpeculateOpt = Annotated[
         help="Speculative decoding: auto | off | N (most draft tokens per branch per step). Drafts come from "
         "the text each branch reads; the model verifies them, so the tokens never change, only the forwards. "
         "auto guesses only where its measured costs say a guess saves time: on one CPU core it pays for long "
-        "answers that quote their sources and stays within a few percent of off elsewhere.",
+        "answers that quote their sources; on a GPU, where a wider forward costs about what a plain one does, "
+        "every branch guesses; elsewhere it stays within a few percent of off.",
     ),
 ]
 ChunkOpt = Annotated[
