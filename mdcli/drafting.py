@@ -20,6 +20,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mdcli.forest import common_prefix_length
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -64,21 +66,10 @@ class PromptLookup:
         if first is None:
             self._first = _LookupDrafter(self, context)
             return self._first
-        shared = _common_length(first.tokens, context)
+        shared = common_prefix_length(first.tokens, context)
         if shared < self.shared_at_least:
             return _LookupDrafter(self, context)
         return _LookupDrafter(self, context, base=(first.index, shared))
-
-
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if a[:mid] == b[:mid] else (low, mid)
-    return low
 
 
 class _LookupDrafter:

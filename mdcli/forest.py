@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
 
@@ -113,6 +115,16 @@ def _last_true(rows: torch.Tensor) -> torch.Tensor:
         return torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
     last = rows.shape[1] - 1 - rows.flip(1).to(torch.int8).argmax(1)
     return torch.where(rows.any(1), last, torch.full_like(last, -1))
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:

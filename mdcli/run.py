@@ -17,14 +17,14 @@ Strategies decide which branches exist; the step loop (mdcli/steps.py) decodes t
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from mdcli.engine import ChainResult, Engine, run_to_end
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
-from mdcli.forest import pad_rows
+from mdcli.forest import common_prefix_length, pad_rows
 from mdcli.kernels import kernel_choice
 from mdcli.speculate import SpeculationPolicy, parse_speculate
 
@@ -312,16 +312,6 @@ def _spine_first(pending: list[tuple]) -> tuple[list, list]:
     if lengths[longest] < SPINE_MIN_TOKENS or lengths[longest] < SPINE_RATIO * others:
         return pending, []
     return [pending[longest]], pending[:longest] + pending[longest + 1:]
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two token lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _running_count(

@@ -23,7 +23,6 @@ for name in ("forward", "forward_trees"):
         return out
     setattr(Engine, name, wrapped)
 policies = []
-original_init = speculate.SpeculationPolicy.__post_init__ if hasattr(speculate.SpeculationPolicy, "__post_init__") else None
 original_plan = speculate.SpeculationPolicy.plan
 
 
