@@ -13,12 +13,12 @@ and the tests compare this one with it. What this forward changes, per layer:
   an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a
   key/value group stacked and the mask's rows repeated for them once per step, elsewhere
   transformers' sdpa entry;
-* where linears run on oneDNN, the projections and the head multiply by weights packed once into
-  oneDNN's blocked layout (mdcli.packing: faster, at the cost of a second copy); on an AVX2-only
-  x86-64 CPU too, and there a lone-token step multiplies by a transposed copy instead (MKL reads
-  [in, out] weights faster for one row); with torch on one thread a lone token's products run on
-  OpenBLAS over that transposed copy (mdcli.blas_gemv: on AVX-512 it streams the weights at the
-  core's rate, torch's kernels at about half; on Zen 3 a few percent faster than MKL);
+* the projections and the head multiply by weight copies laid out for the kernel that takes the
+  forward's size (mdcli.packing): where linears run on oneDNN and on AVX2-only x86-64, a copy packed
+  in oneDNN's blocked layout; with torch on one thread, forwards of up to TILED_MAX_ROWS tokens on an
+  AVX2-only x86-64 CPU take mdcli's own kernel over a tiled copy (mdcli.tiled_gemm), and a lone token
+  OpenBLAS over a transposed copy (mdcli.blas_gemv; on AVX-512 torch's kernels read it at about half
+  the core's rate);
 * keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
 * where measured to pay (AVX-512 and AVX2 x86-64), a forward of several tokens reads the cached
   keys and values it is about to multiply by once, as a plain sum, before the products: they
@@ -46,9 +46,11 @@ from typing import TYPE_CHECKING
 
 from mdcli import packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
+from mdcli.forward_support import unsupported_reason
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
 from mdcli.sparse_attention import host_gather_cost, plan_for
+from mdcli.tiled_gemm import tiled_linear
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +72,11 @@ BMM_MAX_QUERIES_AVX512 = 32
 # 127.6): only the lone token.
 SMALL_BLAS_QUERIES = 3
 SMALL_BLAS_QUERIES_AVX2 = 1
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Forwards of up to this many tokens multiply by the tiled copy where it is made (mdcli.tiled_gemm);
+# wider ones by the packed copy. Zen 3, whole steps of the embedded model over 1,529 tokens, one
+# thread, interleaved, packed -> tiled: 2 branches 117 -> 81 ms, 3: 127 -> 96, 4: 137 -> 102, 6: 155
+# -> 126, 8: 193-206 -> 170-174, but 12: 212 -> 236, 16: 247 -> 284, 32: 494 -> 630.
+TILED_MAX_ROWS = 8
 
 
 def fast_forward_for(model, **options) -> FastForward | None:
@@ -91,51 +97,6 @@ def packing_wanted(model) -> bool:
 def transposing_wanted(model) -> bool:
     """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.packing)."""
     return packing.transposing_wanted(model)
-
-
-def unsupported_reason(model) -> str | None:
-    """Why this model keeps transformers' forward (None: it can use mdcli's)."""
-    import torch.nn as nn
-
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return f"model type {getattr(config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return "only the sdpa attention implementation is reproduced"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return "unexpected module layout"
-    if type(inner.embed_tokens) is not nn.Embedding:
-        return "the embedding is not a plain nn.Embedding"
-    if len(inner.layers) != config.num_hidden_layers:
-        return "layer count differs from the config"
-    for layer in inner.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) is not nn.Linear or not _plain(m.weight) for m in linears):
-            return "a projection is not a plain dense nn.Linear (quantized or wrapped weights)"
-        head_norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
-        if any(n is not None for n in head_norms) and not all(n is not None and _plain_rms_norm(n) for n in head_norms):
-            return "query/key norms other than Qwen3's RMSNorm over each head are not reproduced"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not _plain_rms_norm(norm):
-                return f"norm {type(norm).__name__} is not the plain Llama RMSNorm"
-    if not _plain_rms_norm(inner.norm):
-        return "the final norm is not the plain Llama RMSNorm"
-    return None
-
-
-def _plain(tensor) -> bool:
-    import torch
-
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
-
-
-def _plain_rms_norm(norm) -> bool:
-    name = type(norm).__name__
-    plain = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
-    return name in plain and hasattr(norm, "variance_epsilon")
 
 
 @dataclass
@@ -178,11 +139,16 @@ class FastForward:
     `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`. read_ahead: a
     forward of several tokens on the bmm core first streams the cached keys and values it attends
     to through the CPU's caches (`mdcli.kernels.read_ahead`); None decides by
-    `mdcli.kernels.read_ahead_step`."""
+    `mdcli.kernels.read_ahead_step`. tiled: forwards of up to TILED_MAX_ROWS tokens multiply by
+    weight copies in mdcli.tiled_gemm's tiles (its own kernel); None decides by
+    `packing.tiling_wanted`; a lone token still takes the transposed copy where that is made (OpenBLAS
+    on it measured 2-5% faster in whole steps on Zen 3), else the tiled one and OpenBLAS's weighted
+    sum of the values, as with lone_blas."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
-                 pair_padded: bool | None = None, read_ahead: bool | None = None) -> None:
+                 pair_padded: bool | None = None, read_ahead: bool | None = None,
+                 tiled: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -201,16 +167,19 @@ class FastForward:
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
         self.head = model.lm_head.weight  # [V, hidden]
+        self.tiled = packing.tiling_wanted(model) if tiled is None else tiled
+        if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
+            copies, self.small_head = packing.tiled_weights(model, self.layers)
+            self.small = _with_weights(self.layers, copies)
         self.transposed = transposing_wanted(model) if transposed is None else transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
-        self.lone_blas = self.transposed and (lone_blas_step(*packing.weight_kind(model)) if lone_blas is None
-                                              else lone_blas)
+        blas_host = lone_blas_step(*packing.weight_kind(model))
+        self.lone_blas = self.transposed and (blas_host if lone_blas is None else lone_blas)
         self.blas_queries = (SMALL_BLAS_QUERIES_AVX2 if avx2_step(*packing.weight_kind(model))
-                             else SMALL_BLAS_QUERIES) if self.lone_blas else 0
+                             else SMALL_BLAS_QUERIES) if self.lone_blas or (self.tiled and blas_host) else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
-            self.lone = [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
-                         for layer, (qkv, o, gate_up, down) in zip(self.layers, copies)]
+            self.lone = _with_weights(self.layers, copies)
         self.packed = packing_wanted(model) if packed is None else packed
         self.pair_padded = self.packed and (packing.pair_padding_wanted(model) if pair_padded is None else pair_padded)
         if self.packed:
@@ -227,6 +196,8 @@ class FastForward:
         m = tokens.shape[0]
         if m == 1 and self.transposed:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
+        elif self.tiled and m <= TILED_MAX_ROWS:
+            linear, layers, head = _tiled_linear, self.small, self.small_head
         else:  # F.linear is looked up per call: mdcli.kernels may route it
             linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
             layers, head = self.layers, self.head
@@ -355,6 +326,16 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
         scores = torch.baddbmm(rows, stacked, keys_t, alpha=scale)
     out = (weighted_sum or torch.bmm)(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
     return out.view(groups, per_group, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+def _with_weights(layers, copies) -> list[_Layer]:
+    """The layers with each one's (qkv, o, gate_up, down) replaced by its copies."""
+    return [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
+            for layer, (qkv, o, gate_up, down) in zip(layers, copies)]
+
+
+def _tiled_linear(x, weight, bias=None):
+    return tiled_linear(x, weight, bias)
 
 
 def _packed_linear(x, weight, bias=None):

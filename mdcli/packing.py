@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from mdcli import tiled_gemm
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
 from mdcli.memory import available_memory_bytes
 
@@ -47,10 +48,26 @@ def transposing_wanted(model) -> bool:
     """A transposed copy for the lone-token step: on an AVX2 x86-64 CPU (MKL multiplies by it,
     measured on Zen 3) and where OpenBLAS takes a lone token's products (mdcli.blas_gemv: AVX-512,
     one thread, measured on Zen 4); only if it fits beside the packed copy (when that is made) in
-    half the free memory."""
+    half the free memory, beside the tiled copy too where that is made (`tiling_wanted`: it gains
+    more, so it is made first)."""
     if not _copies_allowed(model) or not (_avx2_host(model) or lone_blas_step(*weight_kind(model))):
         return False
-    return _fits(model, copies=2 if packing_wanted(model) else 1)
+    return _fits(model, copies=1 + packing_wanted(model) + tiling_wanted(model))
+
+
+def tiling_wanted(model) -> bool:
+    """A tiled copy (mdcli.tiled_gemm) for forwards of 1 to a few tens of tokens: on an AVX2 x86-64
+    CPU with torch on one thread (the kernel runs one thread; measured on Zen 3), or on any AVX2
+    x86-64 CPU with MDCLI_TILED_GEMM=always; only if the kernel builds and agrees with torch, and
+    the copy fits beside the packed one in half the free memory."""
+    import torch
+
+    chosen = tiled_gemm.setting()
+    if chosen == "off" or not _copies_allowed(model) or weight_kind(model)[0].type != "cpu":
+        return False
+    if chosen == "auto" and not (_avx2_host(model) and torch.get_num_threads() == 1):
+        return False
+    return tiled_gemm.tiled_works() and _fits(model, copies=2 if packing_wanted(model) else 1)
 
 
 def _copies_allowed(model) -> bool:
@@ -95,6 +112,11 @@ def transposed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
     return _copied(model, layers, _TRANSPOSED_CACHE, transpose)
 
 
+def tiled_weights(model, layers) -> tuple[list[tuple], object]:
+    """The same, each weight in mdcli.tiled_gemm's tiles for `tiled_linear`."""
+    return _copied(model, layers, _TILED_CACHE, tiled_gemm.tile)
+
+
 def _copied(model, layers, key: str, convert) -> tuple[list[tuple], torch.Tensor]:
     cached = model.__dict__.get(key)
     if cached is None or len(cached[0]) != len(layers):
@@ -105,6 +127,7 @@ def _copied(model, layers, key: str, convert) -> tuple[list[tuple], torch.Tensor
 
 
 _TRANSPOSED_CACHE = "_mdcli_transposed_projections"
+_TILED_CACHE = "_mdcli_tiled_projections"
 _CACHE = "_mdcli_packed_projections"
 
 

@@ -26,6 +26,7 @@ from mdcli.fastforward import (
 from mdcli.forest import pad_rows
 from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
 from mdcli.packing import pack, packed_linear, pair_padded_linear
+from mdcli.tiled_gemm import tiled_works
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
@@ -36,14 +37,15 @@ VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None, pair_padded=None):
+                    transposed=None, lone_blas=None, pair_padded=None, tiled=False):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
-    tokens; return the worst logit difference and the tokens."""
+    tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
+    so each test exercises the copies it names."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
     attention, packed = variant
     own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
-                            pair_padded=pair_padded)
+                            pair_padded=pair_padded, tiled=tiled)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -340,6 +342,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         blas = openblas_works()
         assert (alone.transposed, alone.lone_blas, alone.blas_queries) == (True, blas, SMALL_BLAS_QUERIES_AVX2 * blas)
         assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
+        assert not chosen.tiled and alone.tiled == tiled_works()  # the kernel runs one thread
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
@@ -358,7 +361,12 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
     unpacked = FastForward(model)
-    assert not unpacked.packed and not unpacked.transposed
+    assert not unpacked.packed and not unpacked.transposed and not unpacked.tiled
+    monkeypatch.delenv("MDCLI_PACKED_WEIGHTS")
+    monkeypatch.setenv("MDCLI_TILED_GEMM", "0")
+    assert not FastForward(model).tiled
+    monkeypatch.setenv("MDCLI_TILED_GEMM", "always")
+    assert FastForward(model).tiled == tiled_works()
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)

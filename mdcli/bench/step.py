@@ -100,6 +100,7 @@ class StepProfile:
         timed_pair_padded_linear = timed_linear_of(fastforward._pair_padded_linear, 0)
         timed_transposed_linear = timed_linear_of(fastforward._transposed_linear, 1)
         timed_blas_linear = timed_linear_of(fastforward._blas_linear, 1)
+        timed_tiled_linear = timed_linear_of(fastforward._tiled_linear, 0)  # TiledWeight.shape is (out, in)
 
         patches = [
             (F, "linear", timed_linear),
@@ -112,6 +113,7 @@ class StepProfile:
             (fastforward, "_pair_padded_linear", timed_pair_padded_linear),
             (fastforward, "_transposed_linear", timed_transposed_linear),
             (fastforward, "_blas_linear", timed_blas_linear),
+            (fastforward, "_tiled_linear", timed_tiled_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))

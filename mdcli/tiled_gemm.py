@@ -1,0 +1,168 @@
+"""Products of a few rows by a weight read once: mdcli's own small kernel for AVX2 x86-64 CPUs.
+
+A decode forward of 2-32 tokens (several branches, or a branch and its guesses) multiplies a few
+rows of activations by every weight. Memory-bound, it should cost about what one row costs: the
+weight is read once either way. On a Zen 3 core (AVX2, one thread) no kernel torch or numpy ships
+does that: the embedded model's 121 fused projections and its head (538 MB) take 43 ms for one row
+on OpenBLAS, but 71 ms for 2 rows on OpenBLAS and 72 on oneDNN's packed copy, 63-77 for 4 and
+96-104 for 8. `tiled_gemm.c` (next to this file) streams a copy of each weight laid out in tiles
+of 16 output columns once, each loaded weight vector serving up to 4 rows: 44 ms for 1 or 2 rows,
+46-48 for 3-4, 73-84 for 8, 120 for 16 (oneDNN 148), level with oneDNN at 32 and slower at 64
+(BENCHMARKS.md, "Small products on Zen 3").
+
+The kernel is C with AVX2 intrinsics, compiled once per machine with the system's C compiler
+(`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see mdcli.embedded), and
+loaded with ctypes: nothing to build at install, nothing new to download. Without a compiler, or
+if the library fails its check against torch, mdcli keeps torch's and numpy's kernels (the step
+is slower, the tokens the same). `MDCLI_TILED_GEMM=0` turns it off, `=always` uses it on any
+x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.fastforward.
+
+Each output is one multiply-add chain in input order, another summation order than other BLAS
+kernels: logits agree with them to float32 rounding (tested like every other kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mdcli.embedded import cache_root
+
+if TYPE_CHECKING:
+    import torch
+
+OPT_OUT = "MDCLI_TILED_GEMM"
+TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
+SOURCE = Path(__file__).with_name("tiled_gemm.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+COMPILE_SECONDS = 120
+
+
+def setting() -> str:
+    """MDCLI_TILED_GEMM: "off", "always", or "auto" (unset or anything else)."""
+    value = os.environ.get(OPT_OUT, "").strip().lower()
+    if value in {"0", "off", "no", "false"}:
+        return "off"
+    return "always" if value == "always" else "auto"
+
+
+def tiled_works() -> bool:
+    """The kernel compiled (or was compiled before) for this machine and computes what torch does."""
+    return _cpu_has_avx2_fma() and library() is not None and _agrees_with_torch()
+
+
+def tile(weight: torch.Tensor) -> TiledWeight:
+    """[out, in] float32 -> the weight as tiles of TILE output columns: [ceil(out / TILE), in, TILE]."""
+    import torch
+
+    with torch.inference_mode(False), torch.no_grad():
+        out, inner = weight.shape
+        padded = torch.zeros(-(-out // TILE) * TILE, inner, dtype=weight.dtype)  # [out rounded up, in]
+        padded[:out] = weight.detach()
+        tiles = padded.view(-1, TILE, inner).transpose(1, 2).contiguous()  # [tiles, in, TILE]
+    return TiledWeight(tiles, out)
+
+
+@dataclass(frozen=True, slots=True)
+class TiledWeight:
+    """A weight in tiles (`tile`): [ceil(out / TILE), in, TILE], and its true output size."""
+
+    tiles: torch.Tensor
+    out_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in), as the weight's own shape."""
+        return self.out_features, self.tiles.shape[1]
+
+
+def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for a tiled W. x: [..., in] float32 CPU -> [..., out]."""
+    import torch
+
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
+    rows, inner = flat.shape
+    out = torch.empty(rows, weight.out_features, dtype=flat.dtype)  # [rows, out]
+    library().tiled_gemm(flat.data_ptr(), rows, inner, weight.tiles.data_ptr(), weight.out_features, out.data_ptr())
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use and kept in the cache folder; None if it cannot be."""
+    path = _library_path()
+    if not path.exists() and not _compile(path):
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.tiled_gemm.argtypes = [pointer, size, size, pointer, size, pointer]
+    lib.tiled_gemm.restype = None
+    return lib
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _library_path() -> Path:
+    """Named after the source, the flags and the compiler, so a change of any builds anew."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + str(_compiler()).encode())
+    return cache_root() / "kernels" / f"tiled_gemm-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(path: Path) -> bool:
+    """cc into a temporary file beside `path`, then renamed: concurrent first runs never load half a file."""
+    compiler = _compiler()
+    if compiler is None:
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
+        os.close(handle)
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
+                              timeout=COMPILE_SECONDS, check=False)
+        if done.returncode != 0:
+            os.unlink(partial)
+            return False
+        os.replace(partial, path)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _cpu_has_avx2_fma() -> bool:
+    """x86-64 whose torch build found AVX2 (which implies FMA for ATen) or AVX-512."""
+    import torch
+
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return False
+    return torch.backends.cpu.get_cpu_capability() in {"AVX2", "AVX512"}
+
+
+@cache
+def _agrees_with_torch() -> bool:
+    """Every row count the kernel branches on (1-4 and a second pass) and a partial last tile."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(37, 24, generator=generator), torch.randn(37, generator=generator)
+    tiled = tile(weight)
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(rows, 24, generator=generator)
+        if not torch.allclose(tiled_linear(x, tiled, bias), x @ weight.T + bias, rtol=1e-5, atol=1e-5):
+            return False
+    return True
