@@ -50,7 +50,7 @@ from mdcli.forward_support import unsupported_reason
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
 from mdcli.sparse_attention import host_gather_cost, plan_for
-from mdcli.tiled_gemm import tiled_linear
+from mdcli.tiled_gemm import TILED_MAX_ROWS, tiled_linear
 
 if TYPE_CHECKING:
     import torch
@@ -72,11 +72,6 @@ BMM_MAX_QUERIES_AVX512 = 32
 # 127.6): only the lone token.
 SMALL_BLAS_QUERIES = 3
 SMALL_BLAS_QUERIES_AVX2 = 1
-# Forwards of up to this many tokens multiply by the tiled copy where it is made (mdcli.tiled_gemm);
-# wider ones by the packed copy. Zen 3, whole steps of the embedded model over 1,529 tokens, one
-# thread, interleaved, packed -> tiled: 2 branches 117 -> 81 ms, 3: 127 -> 96, 4: 137 -> 102, 6: 155
-# -> 126, 8: 193-206 -> 170-174, but 12: 212 -> 236, 16: 247 -> 284, 32: 494 -> 630.
-TILED_MAX_ROWS = 8
 
 
 def fast_forward_for(model, **options) -> FastForward | None:

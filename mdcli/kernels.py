@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
+from mdcli import tiled_gemm
 from mdcli.blas_gemv import openblas_works
 from mdcli.errors import UsageError
 
@@ -88,9 +89,28 @@ def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
     the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)."""
     choice = _routing(device, dtype)
-    if lone_blas_step(device, dtype):
-        return KernelChoice(choice.name, f"{choice.reason}; one thread: a lone token on OpenBLAS")
+    notes = [note for wanted, note in ((lone_blas_step, "a lone token on OpenBLAS"),
+                                       (tiled_step, f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel"))
+             if wanted(device, dtype)]
+    if notes:
+        return KernelChoice(choice.name, f"{choice.reason}; one thread: {', '.join(notes)}")
     return choice
+
+
+def tiled_step(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where mdcli's own decode forward multiplies forwards of a few tokens by a tiled weight
+    copy on mdcli's own kernel (mdcli.tiled_gemm): a float32 CPU model on an AVX2-only x86-64 CPU
+    (`avx2_step`, measured on Zen 3) with torch on one thread (the kernel runs one), or wherever
+    the kernel runs with MDCLI_TILED_GEMM=always; never with MDCLI_TILED_GEMM=0, and only where
+    the kernel built and agrees with torch."""
+    import torch
+
+    setting = tiled_gemm.setting()
+    if setting == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if setting == "auto" and not (avx2_step(device, dtype) and torch.get_num_threads() == 1):
+        return False
+    return tiled_gemm.tiled_works()
 
 
 def _routing(device: torch.device, dtype: torch.dtype) -> KernelChoice:

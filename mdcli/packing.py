@@ -18,6 +18,10 @@ both: the packed copy first, then the transposed one if it still fits.
 
 On an x86-64 CPU with AVX-512 the transposed copy is made too where a lone token's products run
 on OpenBLAS (mdcli.blas_gemv: torch on one thread), which streams it at the core's rate.
+
+On an AVX2-only x86-64 CPU with torch on one thread, a tiled copy (mdcli.tiled_gemm) serves forwards
+of 2 to TILED_MAX_ROWS tokens, where every kernel torch and numpy ship costs 1.6-1.8x a lone row; it
+is made before the transposed copy (it gains more) under the same memory rule.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 from typing import TYPE_CHECKING
 
 from mdcli import tiled_gemm
-from mdcli.kernels import avx2_step, kernel_name, lone_blas_step
+from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
 from mdcli.memory import available_memory_bytes
 
 if TYPE_CHECKING:
@@ -56,18 +60,11 @@ def transposing_wanted(model) -> bool:
 
 
 def tiling_wanted(model) -> bool:
-    """A tiled copy (mdcli.tiled_gemm) for forwards of 1 to a few tens of tokens: on an AVX2 x86-64
-    CPU with torch on one thread (the kernel runs one thread; measured on Zen 3), or on any AVX2
-    x86-64 CPU with MDCLI_TILED_GEMM=always; only if the kernel builds and agrees with torch, and
-    the copy fits beside the packed one in half the free memory."""
-    import torch
-
-    chosen = tiled_gemm.setting()
-    if chosen == "off" or not _copies_allowed(model) or weight_kind(model)[0].type != "cpu":
-        return False
-    if chosen == "auto" and not (_avx2_host(model) and torch.get_num_threads() == 1):
-        return False
-    return tiled_gemm.tiled_works() and _fits(model, copies=2 if packing_wanted(model) else 1)
+    """A tiled copy (mdcli.tiled_gemm) for forwards of 1 to TILED_MAX_ROWS tokens where
+    `mdcli.kernels.tiled_step` says so, unless turned off, and only if it fits beside the packed copy
+    (when that is made) in half the free memory."""
+    return _copies_allowed(model) and tiled_step(*weight_kind(model)) and \
+        _fits(model, copies=2 if packing_wanted(model) else 1)
 
 
 def _copies_allowed(model) -> bool:

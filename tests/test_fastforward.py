@@ -324,7 +324,8 @@ def torch_threads():
 
 def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token, on
-    one thread OpenBLAS), bmm attention up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to
+    one thread OpenBLAS, and a tiled copy for 2-48 tokens where mdcli's kernel builds), bmm attention
+    up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to
     32 queries, and on one thread a transposed copy that a lone token multiplies on OpenBLAS, its
     weighted sum for forwards of up to 3 tokens (measured on Zen 4), on more threads no transposed
     copy; on both, the cached keys and values read ahead for forwards of several tokens (measured
@@ -343,6 +344,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         assert (alone.transposed, alone.lone_blas, alone.blas_queries) == (True, blas, SMALL_BLAS_QUERIES_AVX2 * blas)
         assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
         assert not chosen.tiled and alone.tiled == tiled_works()  # the kernel runs one thread
+        assert ("tokens on mdcli's tiled kernel" in kernel_choice(cpu, torch.float32).reason) == alone.tiled
     elif kernel_name(cpu, torch.float32) == "oneDNN":
         assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
         assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
@@ -351,6 +353,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
         alone = FastForward(model)
         blas = openblas_works()
         assert (alone.packed, alone.transposed, alone.lone_blas) == (True, blas, blas)
+        assert not alone.tiled  # mdcli's AVX2 kernel is measured only on AVX2-only hosts
         assert alone.blas_queries == SMALL_BLAS_QUERIES * blas
         assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import cache as kv
 from mdcli import engine as engine_module
-from mdcli import fastforward
+from mdcli import fastforward, tiled_gemm
 from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
@@ -198,8 +198,8 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
     """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
     output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
     plain weights, oneDNN on packed weights (mdcli.packing), torch (MKL) and OpenBLAS on transposed
-    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread). Median ms over
-    `repeats`."""
+    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread), and mdcli's tiled
+    kernel (mdcli.tiled_gemm) where it builds. Median ms over `repeats`."""
     import torch
     import torch.nn.functional as F
 
@@ -212,11 +212,14 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
     def onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    kernels = ((F.linear, weights), (onednn, weights), (packed_linear, packed), (transposed_linear, transposed),
-               (openblas_linear, transposed))
-    lines = ["| M tokens | stock `F.linear`, ms | oneDNN, ms | oneDNN packed, ms | MKL transposed, ms "
-             "| OpenBLAS transposed, ms | best vs stock |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    kernels = [(F.linear, weights), (onednn, weights), (packed_linear, packed), (transposed_linear, transposed),
+               (openblas_linear, transposed)]
+    names = ["stock `F.linear`", "oneDNN", "oneDNN packed", "MKL transposed", "OpenBLAS transposed"]
+    if tiled_gemm.tiled_works():  # mdcli's own kernel, where it builds
+        kernels.append((tiled_gemm.tiled_linear, [tiled_gemm.tile(w) for w in weights]))
+        names.append("mdcli tiled")
+    lines = ["| M tokens | " + " | ".join(f"{name}, ms" for name in names) + " | best vs stock |",
+             "|---:|" + "---:|" * (len(names) + 1)]
     with torch.inference_mode(), one_blas_thread():
         for m in token_counts:
             inputs = {k: torch.randn(m, k, generator=generator) for k in (576, 1536)}
