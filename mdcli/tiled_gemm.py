@@ -7,9 +7,9 @@ does that: the embedded model's 121 fused projections and its head (538 MB) take
 on OpenBLAS, but 71 ms for 2 rows on OpenBLAS and 72 on oneDNN's packed copy, 63-77 for 4 and
 96-104 for 8. `tiled_gemm.c` (next to this file) streams a copy of each weight laid out in tiles
 of 16 output columns once, each loaded weight vector serving up to 4 rows (more rows re-read the
-tile from the core's caches): in one run, oneDNN packed -> tiled, 2 rows 79 -> 57 ms, 4: 88 -> 58,
-8: 98 -> 66, 16: 133 -> 103, 32: 203 -> 192, 48: 245 -> 205 (BENCHMARKS.md, "Small products on
-Zen 3").
+tile from the core's caches): `python -m mdcli.bench.step --linears`, oneDNN packed -> tiled, 2
+rows 61 -> 41 ms, 4: 74 -> 48, 8: 124 -> 61, 16: 132 -> 88, 64: 339 -> 252, one row 37.0 on
+OpenBLAS and 38.6 tiled (BENCHMARKS.md, "Small products on Zen 3").
 
 The kernel is C with AVX2 intrinsics, compiled once per machine with the system's C compiler
 (`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see mdcli.embedded), and
@@ -49,8 +49,9 @@ COMPILE_SECONDS = 120
 # mdcli.fastforward multiplies forwards of up to this many tokens by the tiled copy where it makes
 # one, wider ones by its packed copy. Zen 3, one thread, interleaved whole steps of the embedded
 # model over 1,529 tokens, packed -> tiled: 2 branches 119 -> 82 ms, 8: 161 -> 115, 16: 249 -> 199,
-# 32: 461 -> 414; the products alone (`python -m mdcli.bench.step --linears`): 48 rows 245 -> 205 ms.
-TILED_MAX_ROWS = 48
+# 32: 461 -> 414; the products alone (`python -m mdcli.bench.step --linears`), oneDNN packed ->
+# tiled: 16 rows 132 -> 88 ms, 64 rows 339 -> 252 (wider not measured).
+TILED_MAX_ROWS = 64
 
 
 def setting() -> str:

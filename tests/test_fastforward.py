@@ -324,7 +324,7 @@ def torch_threads():
 
 def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token, on
-    one thread OpenBLAS, and a tiled copy for 2-48 tokens where mdcli's kernel builds), bmm attention
+    one thread OpenBLAS, and a tiled copy for 2-64 tokens where mdcli's kernel builds), bmm attention
     up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to
     32 queries, and on one thread a transposed copy that a lone token multiplies on OpenBLAS, its
     weighted sum for forwards of up to 3 tokens (measured on Zen 4), on more threads no transposed
