@@ -87,14 +87,13 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
 
 def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
-    the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)."""
+    the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)
+    and where forwards of a few tokens run on mdcli's tiled kernel (`tiled_step`)."""
     choice = _routing(device, dtype)
-    notes = [note for wanted, note in ((lone_blas_step, "a lone token on OpenBLAS"),
+    notes = [note for wanted, note in ((lone_blas_step, "one thread: a lone token on OpenBLAS"),
                                        (tiled_step, f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel"))
              if wanted(device, dtype)]
-    if notes:
-        return KernelChoice(choice.name, f"{choice.reason}; one thread: {', '.join(notes)}")
-    return choice
+    return KernelChoice(choice.name, "; ".join([choice.reason, *notes])) if notes else choice
 
 
 def tiled_step(device: torch.device, dtype: torch.dtype) -> bool:

@@ -97,6 +97,8 @@ def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
     import torch
 
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
+        raise ValueError(f"the tiled kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
     rows, inner = flat.shape
     out = torch.empty(rows, weight.out_features, dtype=flat.dtype)  # [rows, out]
     library().tiled_gemm(flat.data_ptr(), rows, inner, weight.tiles.data_ptr(), weight.out_features, out.data_ptr())

@@ -119,3 +119,10 @@ def test_the_kernel_is_compiled_once_into_the_cache_folder_and_reloaded(monkeypa
     finally:
         monkeypatch.undo()
         tiled_gemm.library.cache_clear()
+
+
+def test_the_kernel_refuses_anything_but_float32_cpu_tensors():
+    """It reads raw float32 memory: another dtype must fail loudly, never be multiplied wrongly."""
+    weight = torch.randn(16, 8)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        tiled_gemm.tiled_linear(torch.randn(2, 8, dtype=torch.float64), tiled_gemm.tile(weight))
