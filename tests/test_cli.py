@@ -178,9 +178,11 @@ def test_help_does_not_import_torch():
 
 def test_ctrl_c_keeps_the_partial_answers_and_exits_130(story):
     proc = subprocess.Popen(
-        # --speculate off: with guesses, retelling the story can finish before the signal arrives
-        [sys.executable, "-m", "mdcli", "ask-many", str(story), "-q", "Tell the story again.", "-q", "Who?",
-         "-n", "400", "--jsonl", "--speculate", "off"],
+        # An answer of hundreds of steps (the embedded model counts to 300 for 365+ tokens; a retold story
+        # ended after 30, which a loaded machine could finish before the signal arrived), without
+        # guesses, which would take the counting in few forwards.
+        [sys.executable, "-m", "mdcli", "ask-many", str(story), "-q", "Count from 1 to 300, one number per line.",
+         "-q", "Who?", "-n", "400", "--jsonl", "--speculate", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )
     lines = []
