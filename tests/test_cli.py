@@ -176,14 +176,21 @@ def test_help_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_keeps_the_partial_answers_and_exits_130(story):
     proc = subprocess.Popen(
         # An answer of hundreds of steps (the embedded model counts to 300 for 365+ tokens; a retold story
-        # ended after 30, which a loaded machine could finish before the signal arrived), without
-        # guesses, which would take the counting in few forwards.
+        # ends after 30), so the signal always arrives mid-run; without guesses, which would take the
+        # counting in few forwards.
         [sys.executable, "-m", "mdcli", "ask-many", str(story), "-q", "Count from 1 to 300, one number per line.",
          "-q", "Who?", "-n", "400", "--jsonl", "--speculate", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        # Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a script)
+        # hands its children SIGINT ignored, and mdcli rightly keeps running then.
+        preexec_fn=_sigint_default,
     )
     lines = []
     deadline = time.monotonic() + 120
