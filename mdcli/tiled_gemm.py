@@ -1,6 +1,6 @@
 """Products of a few rows by a weight read once: mdcli's own small kernel for AVX2 x86-64 CPUs.
 
-A decode forward of 2-32 tokens (several branches, or a branch and its guesses) multiplies a few
+A decode forward of 2-64 tokens (several branches, or a branch and its guesses) multiplies a few
 rows of activations by every weight. Memory-bound, it should cost about what one row costs: the
 weight is read once either way. On a Zen 3 core (AVX2, one thread) no kernel torch or numpy ships
 does that: the embedded model's 121 fused projections and its head (538 MB) take 43 ms for one row
@@ -16,10 +16,12 @@ The kernel is C with AVX2 intrinsics, compiled once per machine with the system'
 loaded with ctypes: nothing to build at install, nothing new to download. Without a compiler, or
 if the library fails its check against torch, mdcli keeps torch's and numpy's kernels (the step
 is slower, the tokens the same). `MDCLI_TILED_GEMM=0` turns it off, `=always` uses it on any
-x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.fastforward.
+x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.kernels.tiled_step
+(an AVX2-only x86-64 CPU, torch on one thread) and TILED_MAX_ROWS below.
 
-Each output is one multiply-add chain in input order, another summation order than other BLAS
-kernels: logits agree with them to float32 rounding (tested like every other kernel).
+Each output sums blocks of 128 inputs, each a multiply-add chain in input order: another summation
+order than other BLAS kernels, so logits agree with them to float32 rounding (tested like every
+other kernel).
 """
 
 from __future__ import annotations
