@@ -100,8 +100,9 @@ def tiled_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own decode forward multiplies forwards of a few tokens by a tiled weight
     copy on mdcli's own kernel (mdcli.tiled_gemm): a float32 CPU model on an AVX2-only x86-64 CPU
     (`avx2_step`, measured on Zen 3) with torch on one thread (the kernel runs one), or wherever
-    the kernel runs with MDCLI_TILED_GEMM=always; never with MDCLI_TILED_GEMM=0, and only where
-    the kernel built and agrees with torch."""
+    the kernel runs with MDCLI_TILED_GEMM=always; never with MDCLI_TILED_GEMM=0, by default not
+    with MDCLI_CPU_KERNELS forcing a side (as `avx2_step`), and only where the kernel built and
+    agrees with torch."""
     import torch
 
     setting = tiled_gemm.setting()

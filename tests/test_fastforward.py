@@ -359,7 +359,7 @@ def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
     stock = FastForward(model)
     assert (stock.packed, stock.transposed, stock.pair_padded, stock.attention) == (False, False, False, "transformers")
-    assert not stock.read_ahead
+    assert not stock.read_ahead and not stock.tiled  # forced stock kernels: no mdcli kernel either
     assert stock.bmm_max_queries is None
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
     monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
