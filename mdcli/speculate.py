@@ -70,6 +70,10 @@ class Speculate:
     def __str__(self) -> str:
         return str(self.most) if self.mode == "fixed" else self.mode
 
+    def recipe_value(self) -> str | int:
+        """The setting as a recipe's `speculate:` field writes it: "auto", "off" or N."""
+        return self.most if self.mode == "fixed" else self.mode
+
 
 # The command line's default (mdcli.api's functions default to "off"): auto guesses only where its
 # learnt costs say a guess saves time; measured on one CPU core across 1-32 branches and 16-256

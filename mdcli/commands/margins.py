@@ -176,7 +176,10 @@ def margins(
             from mdcli.commands.ask_many import write_recipe
             from mdcli.recipes import margins_recipe_text
 
-            write_recipe(save_recipe, margins_recipe_text(job, given_layout=context is not None))
+            write_recipe(save_recipe, margins_recipe_text(
+                job, given_layout=context is not None,
+                speculate=speculation.recipe_value(),
+            ))
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)

@@ -110,13 +110,15 @@ def ask_many_recipe(
     system: str | None = None,
     chat_template: bool | None = None,
     sampling: Sampling | None = None,
+    speculate: str | int | None = None,
     source: str = "ask-many flags",
 ) -> AskManyRecipe:
     """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
 
     None means "not given": the base's value stays. The document argument becomes
     `context: {input: true}`, so the recipe runs again with `mdcli run FILE --input DOC`.
-    `template` is in ask-many form ($document); questions are literal text (`$` is escaped)."""
+    `template` is in ask-many form ($document); questions are literal text (`$` is escaped);
+    `speculate` is the recipe's form of --speculate ("auto", "off" or N)."""
     data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True) if base else {}
     data.update(version=RECIPE_VERSION, strategy="ask-many", context={"input": True})
     data.setdefault("description", "Saved from mdcli ask-many.")
@@ -130,6 +132,8 @@ def ask_many_recipe(
         data["system"] = system
     if chat_template is not None:
         data["chat_template"] = chat_template
+    if speculate is not None:
+        data["speculate"] = speculate
     base_dir = base.base_dir if base else None
     recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
     return with_sampling(recipe, sampling) if sampling is not None else recipe
@@ -142,7 +146,11 @@ def _drop_vars_nothing_uses(data: dict[str, Any]) -> None:
     data["vars"] = {name: value for name, value in data.get("vars", {}).items() if name in used}
 
 
-def margins_recipe_text(job: Margins, *, given_layout: bool) -> str:
-    """The recipe's YAML, checked by the same validator `mdcli run` uses."""
-    recipe = validate_recipe_data(margins_recipe_data(job, given_layout=given_layout), source="margins flags")
+def margins_recipe_text(job: Margins, *, given_layout: bool, speculate: str | int | None = None) -> str:
+    """The recipe's YAML, checked by the same validator `mdcli run` uses; `speculate` as in
+    ask_many_recipe (None: not given, the recipe leaves it to `mdcli run`)."""
+    data = margins_recipe_data(job, given_layout=given_layout)
+    if speculate is not None:
+        data["speculate"] = speculate
+    recipe = validate_recipe_data(data, source="margins flags")
     return dump_recipe(recipe)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from mdcli.errors import RecipeError
 from mdcli.sampling import SamplingParams
@@ -127,6 +127,15 @@ class RecipeBase(Strict):
     sampling: Sampling = Field(default_factory=Sampling)
     # speculative decoding: "auto" | "off" | N draft tokens per branch per step (never changes tokens)
     speculate: Literal["auto", "off"] | Annotated[int, Field(ge=0)] | None = None
+
+    @field_validator("speculate", mode="before")
+    @classmethod
+    def _yaml_switch_words(cls, value: object) -> object:
+        """YAML 1.1 reads `speculate: off` (or no/false) as False and on/yes/true as True: they mean
+        "off" and "auto" (guess where it pays) here, not 0 and 1 draft tokens."""
+        if isinstance(value, bool):
+            return "auto" if value else "off"
+        return value
 
     # the fix for a number out of range in one of this strategy's own fields, by field name
     field_fixes: ClassVar[dict[str, str]] = {}
