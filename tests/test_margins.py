@@ -528,16 +528,19 @@ def test_cli_save_recipe_round_trips_several_questions_to_the_same_tokens(tiny_d
     model = str(tiny_dir("llama"))
     first = cli(str(document), "-q", QUERY, "-q", "Costs in $?", "-m", model, "--segment-tokens", "64",
                 "--context", "independent", "-n", "3", "--classify-tokens", "2", "--answer-tokens", "3",
-                "--save-recipe", str(saved), "--jsonl")
+                "--speculate", "2", "--save-recipe", str(saved), "--jsonl")
     assert first.exit_code == 0, first.output
     recipe = load_recipe(saved)
     assert recipe.questions == [QUERY, "Costs in $$?"] and recipe.layout == "independent"
+    assert recipe.speculate == 2  # every flag typed is in the recipe
     again = runner.invoke(app, ["run", str(saved), "--input", str(document), "-m", model, "--jsonl"],
                           env={"HF_HUB_OFFLINE": "1"})
     assert again.exit_code == 0, again.output
 
     def finishes(stdout):
-        return [(e["label"], e["token_ids"]) for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"]
+        """Each branch's label and tokens, by branch id (guesses can change which finishes first)."""
+        return {e["branch"]: (e["label"], e["token_ids"])
+                for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"}
 
     assert finishes(again.stdout) == finishes(first.stdout) and len(finishes(first.stdout)) == 2 * 3 * 2 + 2
     two = tmp_path / "two.txt"

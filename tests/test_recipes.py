@@ -547,8 +547,10 @@ def token_events(jsonl: str) -> list[dict]:
 
 def test_save_recipe_then_run_gives_identical_jsonl_token_events(tmp_path, story_file):
     saved = tmp_path / "saved.yaml"
+    # a fixed number of guesses, not auto: auto picks each forward's width from the steps it times,
+    # so two auto runs can sum in other orders and differ in a logprob's last bits
     flags = ["-q", "Who is Mara?", "-q", "What broke, and did it cost $5?", "-n", "8", "--system", "Be brief.",
-             "--stop", "\n\n", "--jsonl"]
+             "--stop", "\n\n", "--speculate", "2", "--jsonl"]
     plain = cli("ask-many", str(story_file), *flags)
     saving = cli("ask-many", str(story_file), *flags, "--save-recipe", str(saved))
     rerun = cli("run", str(saved), "--input", str(story_file), "--jsonl")
@@ -561,6 +563,8 @@ def test_save_recipe_then_run_gives_identical_jsonl_token_events(tmp_path, story
 
     recipe = load_recipe(saved)
     assert recipe.context.input and recipe.system == "Be brief." and recipe.sampling.max_new_tokens == 8
+    assert recipe.speculate == 2
+    assert json.loads(rerun.stdout.splitlines()[-1])["stats"]["draft_tokens"] > 0  # the saved setting ran
     assert recipe.questions[1] == "What broke, and did it cost $$5?"  # literal text, escaped
 
 
@@ -577,6 +581,19 @@ def test_ask_many_recipe_supplies_defaults_and_the_flags_you_type_win(tmp_path, 
     assert (merged.sampling.max_new_tokens, merged.sampling.top_k, merged.sampling.temperature) == (2, 7, None)
     finishes = [e for e in token_events(result.stdout) if e["type"] == "finish"]
     assert [(f["label"], len(f["token_ids"])) for f in finishes] == [("When?", 2)]
+
+
+def test_ask_many_with_a_recipe_speculates_as_the_recipe_says_unless_speculate_is_typed(tmp_path, story_file):
+    base = write(tmp_path, "off.yaml", "version: 1\nstrategy: ask-many\ncontext: {input: true}\n"
+                 "speculate: off\nquestions: [\"Who is Mara?\", \"What broke, and did it cost $$5?\"]\n")
+
+    def stats(*flags: str) -> dict:
+        result = cli("ask-many", str(story_file), "--recipe", str(base), "-n", "8", "--jsonl", *flags)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout.splitlines()[-1])["stats"]
+
+    assert stats()["draft_tokens"] == 0  # the recipe's `speculate: off`, not the flag's default
+    assert stats("--speculate", "3")["draft_tokens"] > 0  # a typed flag wins
 
 
 # -- beam, margins and think recipes -----------------------------------------------------------------
@@ -607,17 +624,24 @@ def test_a_beam_recipe_run_equals_beam_search_with_the_same_parameters(embedded,
     assert finishes == expected and len(finishes) == recipe.num_return
 
 
+def finished_by_branch(events) -> dict[int, tuple[str | None, list[int]]]:
+    """Each finished branch's label and tokens, by branch id. The order branches finish in is no
+    part of the comparison: a branch whose guesses are accepted (`speculate: auto`, a recipe's
+    default) finishes steps before the same branch run without guesses."""
+    return {e.branch: (e.label, e.token_ids) for e in events if isinstance(e, Finish)}
+
+
 def test_a_think_recipe_with_reencode_equals_think_with_the_same_parameters(embedded):
     from mdcli.api import think
     from mdcli.sampling import SamplingParams
 
     recipe = with_sampling(load_recipe("think"), Sampling(max_new_tokens=8))
     recipe = recipe.model_copy(update={"conclusion_tokens": 8})
-    got = [e.token_ids for e in recipe_events(recipe, embedded, input_text=STORY) if isinstance(e, Finish)]
-    expected = [e.token_ids for e in think(
+    got = finished_by_branch(recipe_events(recipe, embedded, input_text=STORY))
+    expected = finished_by_branch(think(
         embedded, recipe.question.replace("$context", STORY), paths=4, merge="reencode",
         path_instructions=recipe.path_instructions, sampling=SamplingParams(), max_new_tokens=8, conclusion_tokens=8,
-    ) if isinstance(e, Finish)]
+    ))
     assert got == expected and len(got) >= 5  # four paths and the conclusion
 
 
@@ -654,12 +678,13 @@ def test_a_margins_recipe_with_questions_runs_every_question_as_margins_does(tin
         "questions: [\"Who is $who?\", \"Where does $who live?\"]\nsegment_tokens: 24\n"
         "classify_tokens: 2\nanswer_tokens: 3\n"
     )
-    got = [(e.label, e.token_ids) for e in recipe_events(recipe, tiny, input_text=STORY) if isinstance(e, Finish)]
-    expected = [(e.label, e.token_ids) for e in margins(
+    got = finished_by_branch(recipe_events(recipe, tiny, input_text=STORY))
+    expected = finished_by_branch(margins(
         tiny, STORY, questions=["Who is Mara?", "Where does Mara live?"], segment_tokens=24, max_new_tokens=3,
         classify_tokens=2, answer_tokens=3,
-    ) if isinstance(e, Finish)]
-    assert got == expected and [label for label, _ in got[-2:]] == ["Who is Mara?", "Where does Mara live?"]
+    ))
+    answers = [label for _, (label, _) in sorted(got.items())[-2:]]
+    assert got == expected and answers == ["Who is Mara?", "Where does Mara live?"]
 
 
 def test_the_shipped_margins_recipe_asks_several_questions():

@@ -436,6 +436,10 @@ def test_a_recipe_can_set_speculate_and_a_bad_value_names_the_field():
     base = "version: 1\nstrategy: ask-many\nquestions: [Who]\ncontext: {text: hi}\n"
     assert load_recipe_text(base + "speculate: 4\n").speculate == 4
     assert load_recipe_text(base + "speculate: 'off'\n").speculate == "off"
+    for word, meaning in (("off", "off"), ("no", "off"), ("false", "off"), ("on", "auto"), ("yes", "auto")):
+        # YAML 1.1 reads these unquoted words as booleans; they still mean what they say
+        assert load_recipe_text(base + f"speculate: {word}\n").speculate == meaning, word
+    assert load_recipe_text(base + "speculate: 0\n").speculation(None).mode == "off"
     with pytest.raises(RecipeError, match="speculate"):
         load_recipe_text(base + "speculate: sometimes\n")
 
