@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import platform
 from functools import cache
-from pathlib import Path
 
+from mdcli.cpuinfo import cpuinfo_fields
 from mdcli.kernels import cpu_capability
-
-CPUINFO = Path("/proc/cpuinfo")
 
 
 @cache
 def cpu_model() -> str:
     """e.g. "AMD EPYC (family 26, model 2)": the marketing name alone does not tell Zen 3 from Zen 5."""
-    fields = _cpuinfo_fields()
+    fields = cpuinfo_fields()
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         return f"{name} (family {fields['cpu family']}, model {fields['model']})"
@@ -28,22 +26,9 @@ def has_avx512() -> bool:
     try:
         return "AVX512" in cpu_capability()
     except ImportError:  # torch missing: fall back to what the CPU reports
-        return "avx512f" in _cpuinfo_fields().get("flags", "").split()
+        return "avx512f" in cpuinfo_fields().get("flags", "").split()
 
 
 def cpu_line() -> str:
     """One line for a benchmark table: "AMD EPYC (family 26, model 2), AVX-512: yes"."""
     return f"{cpu_model()}, AVX-512: {'yes' if has_avx512() else 'no'}"
-
-
-def _cpuinfo_fields() -> dict[str, str]:
-    """The first processor's fields from /proc/cpuinfo (empty off Linux)."""
-    try:
-        text = CPUINFO.read_text()
-    except OSError:
-        return {}
-    fields: dict[str, str] = {}
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import tiled_gemm
 from mdcli.blas_gemv import openblas_works
+from mdcli.cpuinfo import cpu_vendor
 from mdcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -165,8 +166,11 @@ def read_ahead_step(device: torch.device, dtype: torch.dtype) -> bool:
     CPU model, x86-64 with AVX-512 (measured on Zen 4, see `read_ahead`) or AVX2 only (Zen 3: steps
     of several tokens 1-4% faster in each of eight paired comparisons of one run, e.g. a branch with
     3 guesses 137.8 -> 134.5 ms, 8 branches 185.4 -> 180.2 ms; 5 of 7 pairs in other runs, the two
-    losses 1-2%), the kernel choice left to auto."""
-    return _auto_float32_x86_cpu(device, dtype) and _measured_vector_isa()
+    losses 1-2%), the kernel choice left to auto; on AMD cores only. On an Intel Xeon with AVX-512
+    (family 6, model 207) it cost 5-8% in every pair of one run: 2 branches 68.8 / 68.1 against
+    63.8 / 64.8 ms, 8: 89.4 / 87.8 against 83.5 / 82.8, 16: 114.8 / 112.8 against 105.7 / 105.9, a
+    branch with 3 guesses 74.9 / 74.0 against 70.1 / 69.9 (BENCHMARKS.md, "Intel Xeon with AVX-512")."""
+    return _auto_float32_x86_cpu(device, dtype) and _measured_vector_isa() and cpu_vendor() == "AMD"
 
 
 def read_ahead(*views: torch.Tensor) -> None:

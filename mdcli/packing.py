@@ -30,6 +30,7 @@ import os
 from typing import TYPE_CHECKING
 
 from mdcli import tiled_gemm
+from mdcli.cpuinfo import cpu_vendor
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
 from mdcli.memory import available_memory_bytes
 
@@ -151,8 +152,11 @@ PAIR_PADDED_ROWS = 4
 
 
 def pair_padding_wanted(model) -> bool:
-    """Pad two-row products to PAIR_PADDED_ROWS where measured: packed weights on an AVX-512 host."""
-    return _onednn_host(model)
+    """Pad two-row products to PAIR_PADDED_ROWS where measured: packed weights on an AVX-512 AMD
+    host (Zen 4). On an Intel Xeon with AVX-512 (family 6, model 207) padding cost 9-11% in every
+    pair of one run: 2 branches 70.9 / 69.4 against 63.9 / 64.1 ms, a branch with one guess
+    72.4 / 70.5 against 65.0 / 64.9 (BENCHMARKS.md, "Intel Xeon with AVX-512")."""
+    return _onednn_host(model) and cpu_vendor() == "AMD"
 
 
 def pair_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
