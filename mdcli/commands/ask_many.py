@@ -126,7 +126,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     from mdcli.recipes import ask_many_recipe, dump_recipe, sampling_from_flags
 
     p = ctx.params
-    speculate_setting(p["speculate"])  # a bad --speculate fails before anything else
+    typed_speculation = speculate_setting(p["speculate"])  # a bad --speculate fails before anything else
     base = _base_recipe(recipe_name) if recipe_name is not None else None
 
     def flag(name: str):
@@ -145,7 +145,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         system=flag("system"),
         chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
-        speculate=None if flag("speculate") is None else speculate_setting(p["speculate"]).recipe_value(),
+        speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
