@@ -22,11 +22,15 @@ two plans (`_plan_several`): guesses that surely shorten the run this step (the 
 from done must all accept together, `_plan_levels`: what pays on one CPU core, where eight tied
 branches rarely all do, so auto mostly waits until one is left behind), and every branch guessing
 for the run as a whole (`_plan_broad`: what pays where a wider forward costs about what a plain one
-does, as on a GPU). The cost model, timed on the machine the run is on, decides between them.
+does, as on a GPU, or where every branch quotes its document; the branch that guesses worst sets
+the run's pace). The cost model, timed on the machine the run is on, decides between them. When
+neither pays, a few first guesses are verified now and then (a probe, at most 1% of the time), so
+that what the answers do later in the run (start quoting) is found out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,17 +45,25 @@ AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
 PAUSE_AFTER = 3  # auto: steps in a row with every guess rejected before a branch pauses guessing ...
 MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
-# auto, several branches: an accepted guess of a branch that guesses every step saves this share of
-# 1/B of a forward (B branches), since the run lasts as long as its slowest branch. On one CPU core
-# (Zen 3, 8 branches x 64 tokens, every branch guessing 1 or 3 deep) it saved 0.57-0.68 of that.
+# auto, several branches guessing all run long (`_plan_broad`): the share of the forwards the
+# slowest branch's expected acceptance would save that the run really saves. For B tied branches it
+# is the share of 1/B of a forward that one accepted guess saves: on one CPU core (Zen 3,
+# 8 branches x 64 tokens, every branch guessing 1 or 3 deep) 0.57-0.68.
 BROAD_SHARE = 0.6
-# auto, several branches: steps that verify guesses to time before trusting the cost model, each
-# with the likeliest first guesses of up to PROBE_GUESSES branches, while the run has at least
-# PROBE_RUN_LEFT steps to go (a shorter run has little to gain; on one CPU core the three probes
-# of an 8 x 64 run cost about 1% of it)
+# auto: when no plan verifies anything, a probe verifies the likeliest first guesses of up to
+# PROBE_GUESSES branches, while the run has at least PROBE_RUN_LEFT steps to go (a shorter run has
+# little to gain): first until PROBES verifying steps have been timed (the cost model cannot tell
+# a CPU from a GPU before), then again once probing would have cost at most PROBE_SHARE of the
+# steps since the last guess, and never more often than every PROBE_EVERY steps. The later probes
+# keep the acceptance estimates current: an answer that starts quoting its document after a first
+# stretch of paraphrase (where every early guess failed) is found again. (Without them, eight
+# questions x 256 tokens on the Intel Xeon guessed three times and were even with no guessing,
+# where guessing two deep all run long is 1.2x faster.)
 PROBES = 3
 PROBE_GUESSES = 8
 PROBE_RUN_LEFT = 32
+PROBE_SHARE = 0.01
+PROBE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,18 @@ def _keep(trees: list[DraftTree], picked: list[tuple[float, int, int]]) -> list[
     for _, b, node in picked:
         chosen[b].append(node)
     return [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+
+
+def _likeliest_first(tree: DraftTree) -> list[int]:
+    """The tree's nodes, likeliest first, each after its parent (a path's chances never rise)."""
+    order = sorted(range(len(tree)), key=lambda node: (-tree.probability[node], node))
+    placed: set[int] = set()
+    nodes = []
+    for node in order:
+        if tree.parents[node] < 0 or tree.parents[node] in placed:
+            placed.add(node)
+            nodes.append(node)
+    return nodes
 
 
 def _critical_share(remaining: list[int]) -> list[float]:
@@ -164,14 +188,19 @@ class ForwardCost:
         self.sums = [self.slope_decay * v + x for v, x in zip(self.sums, sample)]
 
     def extra_line(self) -> tuple[float, float]:
-        """(c, b): ridge least squares of e = c + b d, pulled towards the prior."""
+        """(c, b): ridge least squares of e = c + b d, pulled towards the prior, with c >= 0:
+        verifying never costs less than its guesses (steps that all verified about the same
+        number of guesses leave the line's tilt free, and a negative c would call a few guesses
+        free)."""
         n, sd, sdd, se, sde = self.sums
         a11, a12, a22 = n + self.c_weight, sd, sdd + self.b_weight
         r1, r2 = se + self.c_weight * self.prior_c, sde + self.b_weight * self.prior_b
         det = a11 * a22 - a12 * a12
         c = (r1 * a22 - a12 * r2) / det
-        b = max((a11 * r2 - a12 * r1) / det, 1e-3)
-        return c, b
+        b = (a11 * r2 - a12 * r1) / det
+        if c < 0:
+            c, b = 0.0, r2 / a22
+        return c, max(b, 1e-3)
 
     def plain(self, tokens: int) -> float:
         """Predicted cost of a plain step of `tokens` tokens, in prior units."""
@@ -210,6 +239,12 @@ class SpeculationPolicy:
     first: dict[int, float] = field(default_factory=lambda: {3: 0.5, 2: 0.3, 1: 0.1})
     follow: dict[int, float] = field(default_factory=lambda: {3: 0.8, 2: 0.7, 1: 0.5})
     step: int = 0
+    last_guess: int = 0  # the last step that verified guesses
+    # forward shapes timed once already: the first forward of a shape pays for its kernels' first
+    # call (oneDNN builds a primitive per shape; on the Intel Xeon a lone branch's first two-token
+    # forward took 214 ms, later ones 80-100), which would teach the cost model that guessing
+    # costs several steps, after which auto would never guess again to learn otherwise
+    warm: set[tuple[int, bool]] = field(default_factory=set)
     rate = 0.1  # EMA rate of the acceptance estimates
 
     # -- drafting ----------------------------------------------------------------------------
@@ -243,12 +278,42 @@ class SpeculationPolicy:
         self.step += 1
         fed = len(trees)
         remaining = remaining or [0] * fed
-        if self.setting.mode == "auto" and fed > 1:
-            return self._plan_several(trees, room, remaining)
-        picked = self._ranked(trees, _critical_share(remaining), room)
-        if self.setting.mode == "auto":
-            picked = picked[: self._best_count(picked, fed)[0]]
-        return _keep(trees, picked)
+        if self.setting.mode != "auto":
+            return _keep(trees, self._ranked(trees, _critical_share(remaining), room))
+        if fed > 1:
+            kept = self._plan_several(trees, room, remaining)
+        else:
+            picked = self._ranked(trees, _critical_share(remaining), room)
+            kept = _keep(trees, picked[: self._best_count(picked, fed)[0]])
+        if not any(len(tree) for tree in kept):
+            kept = self._probe(trees, room, remaining) or kept
+        if any(len(tree) for tree in kept):
+            self.last_guess = self.step
+        return kept
+
+    def _probe(self, trees: list[DraftTree], room: int, remaining: list[int]) -> list[DraftTree] | None:
+        """The likeliest first guesses of up to PROBE_GUESSES branches, if a probe is due (see
+        PROBES) and at least half of the branches (up to PROBE_GUESSES / 2) have one; else None."""
+        fed = len(trees)
+        if max(remaining) < PROBE_RUN_LEFT:
+            return None
+        firsts = []  # (chance, branch, node) of each branch's likeliest first guess
+        for b, tree in enumerate(trees):
+            if len(tree):
+                node = tree.likeliest_path()[0]
+                firsts.append((tree.probability[node], b, node))
+        firsts = sorted(firsts, reverse=True)[: min(PROBE_GUESSES, room)]
+        if not firsts or len(firsts) < min(fed // 2, PROBE_GUESSES // 2):
+            return None
+        if self.cost.verifying >= PROBES and self.step - self.last_guess < self._probe_interval(fed, len(firsts)):
+            return None
+        return _keep(trees, firsts)
+
+    def _probe_interval(self, fed: int, guesses: int) -> int:
+        """Steps between probes: what one costs, over PROBE_SHARE of a plain step."""
+        plain = self.cost.plain(fed)
+        extra = self.cost.verified(fed, guesses) - plain
+        return max(PROBE_EVERY, math.ceil(extra / (PROBE_SHARE * plain)))
 
     def _ranked(self, trees: list[DraftTree], weight: list[float], room: int) -> list[tuple[float, int, int]]:
         """(worth, branch, node) of the likeliest nodes, worth = chance x the branch's weight,
@@ -275,34 +340,42 @@ class SpeculationPolicy:
         `_plan_levels` counts only the forwards this step surely takes off the run (the branches
         furthest from done must all accept together), right where a wider forward costs much
         more (one CPU core). `_plan_broad` has every branch guess for the run's length as a whole,
-        which pays where a wider forward costs about what a plain one does (a GPU). Until the
-        cost model has timed steps that verify guesses, a few first guesses are tried now and then
-        (`PROBES`), so that it can find out which machine it is on."""
+        which pays where a wider forward costs about what a plain one does (a GPU). (When neither
+        saves time, `plan` may still probe.)"""
         levels_gain, levels = self._plan_levels(trees, room, remaining)
         broad_gain, broad = self._plan_broad(trees, room, remaining)
-        if broad_gain > levels_gain:
-            return broad
-        fed = len(trees)
-        if levels_gain <= 0 and self.cost.verifying < PROBES and max(remaining) >= PROBE_RUN_LEFT:
-            firsts = []  # (chance, branch, node) of each branch's likeliest first guess
-            for b, tree in enumerate(trees):
-                if len(tree):
-                    node = tree.likeliest_path()[0]
-                    firsts.append((tree.probability[node], b, node))
-            firsts = sorted(firsts, reverse=True)[:PROBE_GUESSES]
-            if len(firsts) >= min(fed // 2, PROBE_GUESSES // 2):
-                return _keep(trees, firsts)
-        return levels
+        return broad if broad_gain > levels_gain else levels
 
     def _plan_broad(self, trees: list[DraftTree], room: int, remaining: list[int]) -> tuple[float, list[DraftTree]]:
-        """Every branch guesses; an accepted guess counts as BROAD_SHARE / B of a saved step (B
-        branches share the run's length), less for a branch nearer done than the furthest."""
-        top = max(max(remaining), 1)
+        """Every branch that could set the run's length guesses its k likeliest nodes, for the k
+        that saves the most time over the run as a whole.
+
+        Guessing k nodes, branch b is expected to accept E_b of them a forward (the sum of their
+        chances), so it needs about r_b / (1 + E_b) more forwards, and the run, which lasts as
+        long as its slowest branch, L = max_b of that: the branch that guesses worst sets it
+        (eight questions that all quote the document gain; among 32, one that paraphrases holds
+        the run to its own pace, and guessing for the others saves nothing). A branch that ends
+        within L without guessing does not guess. Saved a forward: (max_b r_b - L) / L plain
+        steps, counted at BROAD_SHARE (the slowest branch's luck varies around its expectation)."""
+        top = max(remaining)
         fed = len(trees)
-        weight = [BROAD_SHARE * max(r, 0) / top / fed for r in remaining]
-        picked = self._ranked(trees, weight, room)
-        count, gain = self._best_count(picked, fed)
-        return gain, _keep(trees, picked[:count])
+        none = [DraftTree() for _ in trees]
+        if top <= 0:
+            return 0.0, none
+        step = self.cost.plain(fed)
+        ranked = [_likeliest_first(tree) for tree in trees]
+        best_gain, best = 0.0, none
+        for k in range(1, self.setting.most + 1):
+            expected = [sum(tree.probability[n] for n in nodes[:k]) for tree, nodes in zip(trees, ranked)]
+            length = max(r / (1 + e) for r, e in zip(remaining, expected))
+            chosen = [nodes[:k] if r > length else [] for r, nodes in zip(remaining, ranked)]
+            guesses = sum(len(nodes) for nodes in chosen)
+            if guesses > room or length >= top:
+                break
+            gain = BROAD_SHARE * (top - length) / length * step - (self.cost.verified(fed, guesses) - step)
+            if gain > best_gain:
+                best_gain, best = gain, [tree.keep(nodes) for tree, nodes in zip(trees, chosen)]
+        return best_gain, best
 
     def _plan_levels(self, trees: list[DraftTree], room: int, remaining: list[int]) -> tuple[float, list[DraftTree]]:
         """How far to try to shorten the run this step, counting only surely saved forwards.
@@ -354,10 +427,19 @@ class SpeculationPolicy:
     # -- learning ----------------------------------------------------------------------------
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
-        self.cost.observe_plain(tokens, seconds)
+        if self._warmed((tokens, False)):
+            self.cost.observe_plain(tokens, seconds)
 
     def observe_verified(self, tokens: int, guesses: int, seconds: float) -> None:
-        self.cost.observe_verified(tokens, guesses, seconds)
+        if self._warmed((tokens + guesses, True)):
+            self.cost.observe_verified(tokens, guesses, seconds)
+
+    def _warmed(self, shape: tuple[int, bool]) -> bool:
+        """True if a forward of this shape (width, verifying) was timed before in this run."""
+        if shape in self.warm:
+            return True
+        self.warm.add(shape)
+        return False
 
     def observe(self, state: BranchDrafts, tree: DraftTree, accepted: list[int]) -> None:
         """accepted: the draft nodes accepted, root first (a path of `tree`)."""

@@ -169,7 +169,10 @@ TIED_DRAFTS = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3]
 
 def _time_steps(policy, tokens: int, guesses, base: float, per_token: float, overhead: float = 0.0) -> None:
     """Time steps of `tokens` tokens plus each count of `guesses` (0: a plain step) at `base` s +
-    `per_token` s a token (+ `overhead` s for a verifying step)."""
+    `per_token` s a token (+ `overhead` s for a verifying step), after one warm-up step of each
+    shape (the policy learns nothing from a shape's first forward: `test_a_shape_first_forward_...`)."""
+    for g in dict.fromkeys(guesses):
+        policy.observe_verified(tokens, g, 1.0) if g else policy.observe_plain(tokens, 1.0)
     for g in guesses:
         seconds = base + per_token * (tokens + g)
         if g:
@@ -204,6 +207,19 @@ def test_where_wider_forwards_cost_almost_nothing_every_tied_branch_guesses_deep
     assert min(kept) >= 2 and sum(kept) > 16
 
 
+def test_tied_branches_do_not_guess_for_the_run_when_one_of_them_cannot_keep_up():
+    """A GPU-like machine, eight tied branches: seven could guess deep, but the eighth has nothing
+    to guess (no match in what it reads), so the run lasts its 50 steps whatever the others
+    accept, and guessing for them would cost without saving a forward."""
+    policy = SpeculationPolicy(Speculate("auto"), first={3: 0.9, 2: 0.9, 1: 0.9}, follow={3: 0.9, 2: 0.9, 1: 0.9})
+    _time_steps(policy, 8, (0, 8, 24) * 2, 0.08, 0.000001)
+    trees = [policy.draft(_state(policy, PromptLookup().drafter(TIED_DRAFTS)), [], 8) for _ in range(7)]
+    stuck = policy.draft(_state(policy, PromptLookup().drafter([11, 12, 13, 14])), [], 8)
+    assert len(stuck) == 0
+    assert [len(t) for t in policy.plan([*trees, stuck], room=200, remaining=[50] * 8)] == [0] * 8
+    assert min(len(t) for t in policy.plan([*trees, trees[0]], room=200, remaining=[50] * 8)) >= 2
+
+
 def test_what_verifying_costs_beyond_the_guesses_makes_auto_guess_deeper_or_not_at_all():
     """A GPU where the forward is free but the walk and the rollback add a fixed 10 ms to a
     30 ms step: a few guesses do not pay for it, many likely ones do."""
@@ -227,6 +243,48 @@ def test_auto_probes_wider_forwards_a_few_times_before_trusting_its_cost_prior()
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20 + (8,) * PROBES) == [0] * 8
     assert sum(_tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20, branches=32)) == PROBE_GUESSES  # a bounded probe
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20, left=PROBE_RUN_LEFT - 1) == [0] * 8  # too short to pay
+
+
+def test_auto_probes_again_after_a_stretch_without_guesses_and_guesses_on_once_they_land():
+    """Eight tied branches whose first guesses all failed early (acceptance estimated at 0.1):
+    nothing pays, so auto stops guessing, but probes again once a probe costs at most
+    PROBE_SHARE of the steps since, and when that probe's guesses are all right (the answers
+    have started quoting the document), every branch guesses from the next step on."""
+    from mdcli.speculate import PROBE_EVERY, PROBES
+
+    policy = SpeculationPolicy(Speculate("auto"), first={3: 0.1, 2: 0.1, 1: 0.1}, follow={3: 0.3, 2: 0.3, 1: 0.3})
+    _time_steps(policy, 8, (0,) * 10 + (8,) * PROBES, 0.08, 0.002)  # a guess adds 2% to a step
+    states = [_state(policy, PromptLookup().drafter(TIED_DRAFTS)) for _ in range(8)]
+
+    def step() -> list[DraftTree]:
+        trees = [policy.draft(state, [], 8) for state in states]
+        kept = policy.plan(trees, room=200, remaining=[200] * 8)
+        if guesses := sum(len(t) for t in kept):
+            policy.observe_verified(8, guesses, 0.08 + 0.002 * (8 + guesses))
+        else:
+            policy.observe_plain(8, 0.08 + 0.002 * 8)
+        return kept
+
+    quiet, kept = 0, step()
+    while not any(len(t) for t in kept) and quiet < 100:
+        quiet, kept = quiet + 1, step()
+    assert PROBE_EVERY - 1 <= quiet <= 40  # 8 guesses cost 17% of a step: a probe after ~17 steps
+    assert [len(t) for t in kept] == [1] * 8
+    for state, tree in zip(states, kept):
+        policy.observe(state, tree, [0])
+    assert all(len(t) >= 1 for t in step())
+
+
+def test_a_shape_first_forward_teaches_the_cost_model_nothing():
+    """A shape's first forward pays for its kernels' first call (oneDNN builds a primitive per
+    shape): a lone branch's first two-token forward, ten plain steps long, must not teach auto
+    that guessing never pays."""
+    policy = SpeculationPolicy(Speculate("auto"))
+    _time_steps(policy, 1, (0, 0, 0), 0.06, 0.0)
+    policy.observe_verified(1, 1, 0.60)  # cold
+    assert policy.cost.verifying == 0
+    policy.observe_verified(1, 1, 0.08)  # warm
+    assert policy.cost.verified(1, 1) / policy.cost.plain(1) < 1.5
 
 
 def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
