@@ -92,7 +92,7 @@ from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
 from mdcli.forest import pad_rows
 from mdcli.run import Run
 from mdcli.sampling import Sampler, SamplingParams, choose_tokens
-from mdcli.verify import feed_with_drafts
+from mdcli.verify import feed_with_drafts, time_step
 
 if TYPE_CHECKING:
     import torch
@@ -253,7 +253,7 @@ class StepLoop:
         started = time.perf_counter()
         self.live = list(tips)
         while self.live:
-            yield from self._step()
+            yield from self._step() if self.speculation is None else time_step(self, self._step())
             progress = self.policy.progress(self)
             if progress is not None:
                 yield progress

@@ -297,6 +297,19 @@ def test_auto_has_the_branch_left_behind_guess_as_much_deeper_as_it_lags():
     assert len(behind) >= 2 and len(behind) == len(ahead) + 2
 
 
+def test_one_slow_verifying_step_moves_the_cost_model_by_at_most_half_a_step():
+    """A pause in a rare verifying step (the collector, the VM) must not make auto expect every
+    later guess to cost it, but steps that keep showing a dear verification are believed."""
+    cost = ForwardCost()
+    cost.observe_plain(8, 0.1)
+    expected = cost.verified(8, 8) / cost.plain(8)
+    cost.observe_verified(8, 8, 1.5)  # paused: 14 steps long
+    assert cost.verified(8, 8) / cost.plain(8) <= expected + 0.5
+    for _ in range(40):
+        cost.observe_verified(8, 8, 0.3)
+    assert cost.verified(8, 8) / cost.plain(8) == pytest.approx(3.0, rel=0.1)
+
+
 def test_the_cost_model_learns_plain_steps_by_width_and_verifying_as_a_fixed_part_plus_a_part_per_guess():
     cost = ForwardCost()
     cost.observe_plain(1, 0.020)  # a lone branch's step can run a cheaper kernel than any longer forward
