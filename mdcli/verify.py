@@ -85,7 +85,7 @@ def time_step(loop: StepLoop, step: Generator[Event, None, None]) -> Generator[E
     policy = loop.speculation
     policy.timing = None
     started, consumers = time.perf_counter(), [0.0]
-    yield from without_consumers(step, consumers)
+    yield from _without_consumers(step, consumers)
     if policy.timing is not None:
         fed, guesses = policy.timing
         seconds = _synced(loop.engine, started) - consumers[0]
@@ -95,7 +95,7 @@ def time_step(loop: StepLoop, step: Generator[Event, None, None]) -> Generator[E
             policy.observe_plain(fed, seconds)
 
 
-def without_consumers(events: Generator[Event, None, list], consumers: list[float]):
+def _without_consumers(events: Generator[Event, None, list], consumers: list[float]):
     """Pass `events` on and return what they return, adding the time spent in the consumer
     (between handing an event on and being resumed) to consumers[0]. Closed early (the consumer
     stopped, e.g. on Ctrl-C), it closes `events` at once, as `yield from` would."""
