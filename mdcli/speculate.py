@@ -126,18 +126,6 @@ def _probe_breadth(fed: int) -> int:
     return min(max(fed // 2, 1), PROBE_GUESSES // 2)
 
 
-def _likeliest_first(tree: DraftTree) -> list[int]:
-    """The tree's nodes, likeliest first, each after its parent (a path's chances never rise)."""
-    order = sorted(range(len(tree)), key=lambda node: (-tree.probability[node], node))
-    placed: set[int] = set()
-    nodes = []
-    for node in order:
-        if tree.parents[node] < 0 or tree.parents[node] in placed:
-            placed.add(node)
-            nodes.append(node)
-    return nodes
-
-
 def _critical_share(remaining: list[int]) -> list[float]:
     """1 / c for each of the c branches with the most tokens left, 0 for the others."""
     most = max(remaining)
@@ -381,7 +369,7 @@ class SpeculationPolicy:
         if top <= 0:
             return 0.0, none
         step = self.cost.plain(fed)
-        ranked = [_likeliest_first(tree) for tree in trees]
+        ranked = [[node for _, _, node in self._ranked([tree], [1.0], len(tree))] for tree in trees]  # each likeliest first
         best_gain, best = 0.0, none
         for k in range(1, self.setting.most + 1):
             expected = [sum(tree.probability[n] for n in nodes[:k]) for tree, nodes in zip(trees, ranked)]
