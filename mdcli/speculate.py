@@ -25,7 +25,9 @@ for the run as a whole (`_plan_broad`: what pays where a wider forward costs abo
 does, as on a GPU, or where every branch quotes its document; the branch that guesses worst sets
 the run's pace). The cost model, timed on the machine the run is on, decides between them. When
 neither pays, a few first guesses are verified now and then (a probe, at most 1% of the time), so
-that what the answers do later in the run (start quoting) is found out.
+that what the answers do later in the run (start quoting) is found out. Whatever the estimates
+say, auto keeps an account of its guesses (forwards saved against what verifying cost) and stops
+verifying while they have lost more than LOSS_SHARE of the run so far.
 """
 
 from __future__ import annotations
@@ -59,12 +61,31 @@ BROAD_SHARE = 0.6
 # stretch of paraphrase (where every early guess failed) is found again. (Without them, eight
 # questions x 256 tokens on the Intel Xeon guessed three times and were even with no guessing,
 # where guessing two deep all run long is 1.2x faster.)
-PRIOR_GUESSES = 2  # what the acceptance estimates' starting values are worth, in guesses seen
+# what the acceptance estimates' starting values are worth, in guesses seen, by match strength: a
+# three-token match's 0.5 little (eight questions quoting their document are right 108 times in
+# 117, and should be trusted within a step or two), a one-token match's 0.1 more (one lucky guess
+# among many wrong ones must not make the next four look like a coin toss)
+PRIOR_GUESSES = {3: 2, 2: 4, 1: 8}
+# a branch's first guesses lean its estimates its way: the rate learnt over all branches counts as
+# BRANCH_PRIOR guesses of its own, and its own count BRANCH_MEMORY less with each later one (at
+# most 1 / (1 - BRANCH_MEMORY) = 3.3: about even with the prior once it has a record). A lone
+# branch's one lucky one-token guess moves that strength's 0.1 to 0.36 for it (0.2 over all
+# branches), where it once moved it to 0.7.
+BRANCH_PRIOR = 4
+BRANCH_MEMORY = 0.7
 PROBES = 3
 PROBE_GUESSES = 8
 PROBE_RUN_LEFT = 32
 PROBE_SHARE = 0.01
 PROBE_EVERY = 16
+# auto's loss limit: what its guesses have cost so far beyond the forwards they saved, in plain
+# steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
+# probes); below that, nothing is verified until the run's length has made room again. Whatever
+# the estimates say, a run is then never more than about that share slower than without guesses
+# (a few steps' noise aside). The estimates alone let a lone branch of 64 tokens on the Intel Xeon
+# verify 91 guesses, 9 of them right, in 19 steps that each cost 40% more than a plain one.
+LOSS_SHARE = 0.03
+LOSS_START = 16
 
 
 @dataclass(frozen=True)
@@ -160,7 +181,7 @@ class ForwardCost:
         self.sums = [0.0] * 5  # over verifying steps (d, e = t - plain(m)): sums of 1, d, d^2, e, d e
         self.verifying = 0  # verifying steps timed
 
-    def _units(self, tokens: int, seconds: float) -> float:
+    def in_units(self, tokens: int, seconds: float) -> float:
         if self.unit is None:  # the first step lands on the prior's line
             self.unit = seconds / (16 + tokens)
         return seconds / self.unit
@@ -168,7 +189,7 @@ class ForwardCost:
     def observe_plain(self, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        t = self._units(tokens, seconds)
+        t = self.in_units(tokens, seconds)
         mean = self.plain_steps.get(tokens)
         self.plain_steps[tokens] = t if mean is None else mean + (1 - self.decay) * (t - mean)
 
@@ -182,7 +203,7 @@ class ForwardCost:
         plain = self.plain(tokens)
         ceiling = self.verified(tokens, guesses) - plain + 0.5 * plain
         self.verifying += 1
-        extra = min(self._units(tokens + guesses, seconds) - plain, ceiling)
+        extra = min(self.in_units(tokens + guesses, seconds) - plain, ceiling)
         sample = (1.0, guesses, guesses * guesses, extra, guesses * extra)
         self.sums = [self.slope_decay * v + x for v, x in zip(self.sums, sample)]
 
@@ -226,7 +247,13 @@ class BranchDrafts:
     synced: int = 0  # generated tokens already given to the drafter
     failures: int = 0  # steps in a row whose drafts were all rejected
     paused_until: int = 0  # auto: no drafts before this step
-    first_rate: float | None = None  # this branch's share of accepted first guesses (EMA)
+    first_seen: float = 0.0  # this branch's first guesses seen, and right: recent ones weigh most
+    first_hits: float = 0.0
+
+    def leaning(self, rate: float) -> float:
+        """A first-guess rate learnt over all branches, leant towards how this one has been doing
+        (`BRANCH_PRIOR`)."""
+        return (BRANCH_PRIOR * rate + self.first_hits) / (BRANCH_PRIOR + self.first_seen)
 
 
 @dataclass
@@ -246,12 +273,18 @@ class SpeculationPolicy:
     warm: set[tuple[int, bool]] = field(default_factory=set)
     timing: tuple[int, int] | None = None  # what this step fed: (branch tokens, guesses); None: not timed
     # how many guesses each estimate has learnt from ((first?, strength) -> count): an estimate
-    # is the mean of its prior (worth PRIOR_GUESSES guesses) and what it saw until it has seen
+    # is the mean of its prior (worth PRIOR_GUESSES of its strength) and what it saw until it has seen
     # 1 / rate guesses, then a running mean at `rate` (answers change as they go: a paraphrase
     # can turn into a quote). On the Intel Xeon, eight questions' three-token matches were right
     # 108 times in 117, where a flat rate of 0.1 from a prior of 0.5 took a hundred steps to say so.
     seen: dict[tuple[bool, int], int] = field(default_factory=dict)
     rate = 0.1
+    # auto's account of its own guesses, in plain steps: forwards they saved minus what verifying
+    # them cost beyond a plain step (see LOSS_SHARE); `gaps` are this step's branches' distances
+    # behind the furthest from done, `charging` whether this step's cost goes on the account
+    balance: float = 0.0
+    gaps: list[int] = field(default_factory=list)
+    charging: bool = False
 
     # -- drafting ----------------------------------------------------------------------------
 
@@ -265,9 +298,7 @@ class SpeculationPolicy:
         if most < 1 or (self.setting.mode == "auto" and self.step < state.paused_until):
             return DraftTree()
         candidates = state.drafter.candidates(min(most, LOOKUP_DEPTH if self.setting.mode == "auto" else most))
-        first = self.first
-        if state.first_rate is not None:  # lean on how this branch has been doing
-            first = {n: (p + state.first_rate) / 2 for n, p in first.items()}
+        first = {n: state.leaning(p) for n, p in self.first.items()}
         return merge_candidates(candidates, first, self.follow)
 
     def plan(self, trees: list[DraftTree], room: int, remaining: list[int] | None = None) -> list[DraftTree]:
@@ -284,8 +315,11 @@ class SpeculationPolicy:
         self.step += 1
         fed = len(trees)
         remaining = remaining or [0] * fed
+        self.gaps = [max(remaining) - r for r in remaining]
         if self.setting.mode != "auto":
             return _keep(trees, self._ranked(trees, _critical_share(remaining), room))
+        if self.balance < -LOSS_SHARE * (self.step + LOSS_START):
+            return [DraftTree() for _ in trees]
         if fed > 1:
             kept = self._plan_several(trees, room, remaining)
         else:
@@ -295,6 +329,7 @@ class SpeculationPolicy:
             kept = self._probe(trees, room, remaining) or kept
         if sum(1 for tree in kept if len(tree)) >= _probe_breadth(fed):
             self.last_guess = self.step  # (a lagging branch's lone catch-up guess says little of the others)
+        self.charging = any(len(tree) for tree in kept)
         return kept
 
     def _probe(self, trees: list[DraftTree], room: int, remaining: list[int]) -> list[DraftTree] | None:
@@ -437,8 +472,22 @@ class SpeculationPolicy:
             self.cost.observe_plain(tokens, seconds)
 
     def observe_verified(self, tokens: int, guesses: int, seconds: float) -> None:
-        if self._warmed((tokens + guesses, True)):
+        warm = self._warmed((tokens + guesses, True))
+        if warm:
             self.cost.observe_verified(tokens, guesses, seconds)
+        if self.charging:  # a step this policy chose to verify: its cost beyond a plain step
+            self.charging = False
+            plain = self.cost.plain(tokens)
+            # a shape's first forward at its warm price: its kernels' first call is paid once a process
+            spent = self.cost.in_units(tokens + guesses, seconds) if warm else self.cost.verified(tokens, guesses)
+            self.balance -= (spent - plain) / plain
+
+    def settle(self, accepted: list[int]) -> None:
+        """Credit a verified step's guesses with the forwards they took off the run: the run
+        lasts as long as the branch furthest from done, so it is shortened by min over branches
+        of (how far behind that one it was + guesses it accepted). accepted: per branch fed, in
+        the order `plan` was given them."""
+        self.balance += min(gap + n for gap, n in zip(self.gaps, accepted))
 
     def _warmed(self, shape: tuple[int, bool]) -> bool:
         """True if a forward of this shape (width, verifying) was timed before in this run."""
@@ -448,7 +497,14 @@ class SpeculationPolicy:
         return False
 
     def observe(self, state: BranchDrafts, tree: DraftTree, accepted: list[int]) -> None:
-        """accepted: the draft nodes accepted, root first (a path of `tree`)."""
+        """accepted: the draft nodes accepted, root first (a path of `tree`).
+
+        The rates are what `merge_candidates` reads: the chance that a child is right given that
+        the siblings before it were not. So each verified child up to the right one is one
+        guess of its strength seen, right or wrong, and the ones after the right one say nothing.
+        (Counting one guess a level, as the first child's, left four one-token matches that were
+        right a quarter of the time together each valued at that quarter of what the earlier
+        ones left, 71% in all, and verified for it.)"""
         if not len(tree):
             return
         path = [-1, *accepted]
@@ -456,19 +512,24 @@ class SpeculationPolicy:
             offered = [i for i, p in enumerate(tree.parents) if p == parent]
             if not offered:
                 break
-            hit = depth < len(accepted)
-            node = accepted[depth] if hit else offered[0]
-            table = self.first if parent < 0 else self.follow
-            n = tree.strength[node]
-            key = (parent < 0, n)
-            self.seen[key] = self.seen.get(key, 0) + 1
-            table[n] += max(self.rate, 1 / (PRIOR_GUESSES + self.seen[key])) * (float(hit) - table[n])
-            if parent < 0:
-                rate = state.first_rate
-                state.first_rate = float(hit) if rate is None else rate + 0.3 * (float(hit) - rate)
-            if not hit:
+            right = accepted[depth] if depth < len(accepted) else None
+            for node in offered:
+                self._learn(parent < 0, tree.strength[node], node == right)
+                if node == right:
+                    break
+            if parent < 0:  # the branch's own record: was its likeliest first guess right?
+                state.first_seen = BRANCH_MEMORY * state.first_seen + 1
+                state.first_hits = BRANCH_MEMORY * state.first_hits + float(offered[0] == right)
+            if right is None:
                 break
         self._pace(state, bool(accepted))
+
+    def _learn(self, first: bool, strength: int, hit: bool) -> None:
+        table = self.first if first else self.follow
+        key = (first, strength)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        step = max(self.rate, 1 / (PRIOR_GUESSES[strength] + self.seen[key]))
+        table[strength] += step * (float(hit) - table[strength])
 
     def _pace(self, state: BranchDrafts, accepted_any: bool) -> None:
         """auto: a branch whose drafts keep failing drafts less often (2, 4, ... 16 steps off)."""

@@ -135,9 +135,10 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     loop.counters.draft_tokens += sum(len(t) for t in trees)
 
     watch = loop.speculation.setting.watch
-    live, kept, finished, offset, seen = [], [], False, start, []
+    live, kept, finished, offset, seen, counts = [], [], False, start, [], []
     for (tip, chain), tree, fed, result, argmax in zip(to_feed, trees, tokens, results, greedy):
         path, accepted, going = yield from _walk(loop, tip, len(chain), tree, result, argmax)
+        counts.append(len(accepted))
         if watch is not None:
             seen.append(_seen(engine, tip, start, offset, len(chain), fed, result.rows, accepted, going))
         kept.extend(offset + i for i in path)
@@ -145,6 +146,7 @@ def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
         if going:
             live.append(tip)
         finished |= not going
+    loop.speculation.settle(counts)
     if watch is not None:
         watch(VerifiedStep(step=loop.counters.steps, cache_slots=start, branches=seen))
     keep = torch.tensor(kept, dtype=torch.long, device=engine.device) - start

@@ -346,6 +346,66 @@ def test_a_branch_whose_drafts_keep_failing_pauses_drafting():
     assert len(policy.draft(state, [], 4)) == 0
 
 
+def test_each_verified_sibling_up_to_the_right_one_is_a_guess_of_its_own_strength_seen():
+    """The rates are the chance a child is right when the siblings before it were not (what
+    merge_candidates reads), so four one-token matches all wrong are four misses, and when the
+    second is right the first was a miss, the second a hit, and the two after it say nothing."""
+    def learnt(accepted: list[int]) -> tuple[int, float]:
+        policy = SpeculationPolicy(Speculate("auto"))
+        tree = merge_candidates([Candidate((t,), 1) for t in (5, 6, 7, 8)], policy.first, policy.follow)
+        policy.observe(_state(policy, PromptLookup().drafter([1, 2])), tree, accepted)
+        return policy.seen[(True, 1)], policy.first[1]
+
+    seen, rate = learnt([])
+    assert seen == 4 and rate < 0.07  # four misses
+    # (the mean of its prior, 0.1 worth PRIOR_GUESSES[1] = 8 guesses, and a miss and a hit)
+    assert learnt([1]) == (2, pytest.approx((8 * 0.1 + 0 + 1) / (8 + 2)))
+
+
+def test_one_lucky_first_guess_leans_a_branch_estimate_only_part_of_the_way():
+    policy = SpeculationPolicy(Speculate("auto"))
+    state = _state(policy, PromptLookup().drafter([1, 2, 3, 9, 1]))  # "1" was followed by "2": a one-token match
+    tree = policy.draft(state, [], 4)
+    assert tree.strength[0] == 1 and tree.probability[0] == pytest.approx(0.1)
+    policy.observe(state, tree, [0])
+    assert policy.draft(state, [], 4).probability[0] < 0.4  # a prior of 0.1, one hit: not a coin toss
+
+
+def _steps_verifying(policy, seconds_verifying: float, saved: int, steps: int = 200) -> tuple[int, float]:
+    """Run `steps` steps of a lone branch 300 tokens from done whose plan always wants to guess:
+    a plain step takes 60 ms, a verifying one `seconds_verifying`, and saves `saved` forwards (its
+    estimates never learn otherwise). Returns (verifying steps, the loss in plain steps)."""
+    state = _state(policy, PromptLookup().drafter(TIED_DRAFTS))
+    verifying = 0
+    for _ in range(steps):
+        [kept] = policy.plan([policy.draft(state, [], 4)], room=100, remaining=[300])
+        if len(kept):
+            verifying += 1
+            policy.settle([saved])
+            policy.observe_verified(1, len(kept), seconds_verifying)
+        else:
+            policy.observe_plain(1, 0.06)
+    return verifying, -policy.balance
+
+
+def test_auto_guessing_wrong_loses_at_most_a_small_share_of_the_run_whatever_its_estimates_say():
+    """Estimates that stay at 90% while every guess fails (a verifying step costing 1.5 plain
+    steps): auto still verifies only while what guessing has lost stays within LOSS_SHARE of the
+    steps taken, so the run is at most about that much slower than without guesses."""
+    from mdcli.speculate import LOSS_SHARE, LOSS_START
+
+    def sure() -> SpeculationPolicy:
+        policy = SpeculationPolicy(Speculate("auto"), first={3: 0.9, 2: 0.9, 1: 0.9}, follow={3: 0.9, 2: 0.9, 1: 0.9})
+        _time_steps(policy, 1, (0, 1, 2, 3, 4) * 3, 0.06, 0.0, overhead=0.03)
+        return policy
+
+    verifying, lost = _steps_verifying(sure(), 0.09, saved=0)
+    assert 3 <= verifying <= 20
+    assert lost <= LOSS_SHARE * (200 + LOSS_START) + 0.5 + 1e-9  # one step's overshoot at most
+    verifying, lost = _steps_verifying(sure(), 0.09, saved=2)
+    assert verifying == 200 and lost < 0  # guesses that save forwards go on every step
+
+
 # -- trees in the engine ---------------------------------------------------------------------------
 
 
