@@ -27,7 +27,8 @@ from mdcli.events import Done, Finish, Start, Token
 from mdcli.forest import layout_trees
 from mdcli.loading import load_model
 from mdcli.sampling import SamplingParams
-from mdcli.speculate import ForwardCost, Speculate, SpeculationPolicy, parse_speculate
+from mdcli.forward_cost import ForwardCost
+from mdcli.speculate import Speculate, SpeculationPolicy, parse_speculate
 from tests.reference import generate_alone
 from tests.test_engine_exactness import ARCHS, engine_for, tiny_model
 
