@@ -82,8 +82,8 @@ PROBE_EVERY = 16
 # auto's loss limit: what its guesses have cost so far beyond the forwards they saved, in plain
 # steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
 # probes); below that, nothing is verified until the run's length has made room again. Whatever
-# the estimates say, a run is then never more than about that share slower than without guesses
-# (a few steps' noise aside). The estimates alone let a lone branch of 64 tokens on the Intel Xeon
+# the estimates say, what guessing loses is then about that share of the run, as the account sees
+# it (steps timed whole; the machine's own drift is not in it). The estimates alone let a lone branch of 64 tokens on the Intel Xeon
 # verify 91 guesses, 9 of them right, in 19 steps that each cost 40% more than a plain one.
 # (With 0.03, and a shape's first forward charged at the prior's price, 32 branches x 64 tokens
 # were still 7% slower there.)
@@ -422,9 +422,8 @@ class SpeculationPolicy:
         The rates are what `merge_candidates` reads: the chance that a child is right given that
         the siblings before it were not. So each verified child up to the right one is one
         guess of its strength seen, right or wrong, and the ones after the right one say nothing.
-        (Counting one guess a level, as the first child's, left four one-token matches that were
-        right a quarter of the time together each valued at that quarter of what the earlier
-        ones left, 71% in all, and verified for it.)"""
+        (Counting one guess a level, right if any sibling was, made four one-token siblings worth
+        71% together where about 7% were right, and auto verified them for it.)"""
         if not len(tree):
             return
         path = [-1, *accepted]
