@@ -47,15 +47,20 @@ class ForwardCost:
         """A step of `tokens` tokens of the branches' own plus `guesses` guessed ones."""
         if seconds <= 0 or guesses < 1:
             return
-        # one step's excess over the prediction counts for at most half a plain step: a pause
-        # (the collector, the VM) in a rare verifying step must not set what every later one is
-        # expected to cost, as auto may then not verify again for a hundred steps
-        plain = self.plain(tokens)
-        ceiling = self.verified(tokens, guesses) - plain + 0.5 * plain
         self.verifying += 1
-        extra = min(self.in_units(tokens + guesses, seconds) - plain, ceiling)
+        extra = self.excess(tokens, guesses, seconds)
         sample = (1.0, guesses, guesses * guesses, extra, guesses * extra)
         self.sums = [self.slope_decay * v + x for v, x in zip(self.sums, sample)]
+
+    def excess(self, tokens: int, guesses: int, seconds: float) -> float:
+        """What a step of `tokens` tokens plus `guesses` guesses that took `seconds` cost beyond
+        a plain step, in prior units, counting at most half a plain step over the prediction: a
+        pause (the collector, the VM) or a shape's first forward in a process (its kernels' first
+        call) in a rare verifying step must not set what every later one is expected to cost, as
+        auto may then not verify again for a hundred steps."""
+        plain = self.plain(tokens)
+        ceiling = self.verified(tokens, guesses) - plain + 0.5 * plain
+        return min(self.in_units(tokens + guesses, seconds) - plain, ceiling)
 
     def extra_line(self) -> tuple[float, float]:
         """(c, b): ridge least squares of e = c + b d, pulled towards the prior, with c >= 0:

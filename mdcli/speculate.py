@@ -83,8 +83,9 @@ PROBE_EVERY = 16
 # steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
 # probes); below that, nothing is verified until the run's length has made room again. Whatever
 # the estimates say, what guessing loses is then about that share of the run, as the account sees
-# it (steps timed whole; the machine's own drift is not in it). The estimates alone let a lone branch of 64 tokens on the Intel Xeon
-# verify 91 guesses, 9 of them right, in 19 steps that each cost 40% more than a plain one.
+# it (steps timed whole; the machine's own drift is not in it). The estimates alone let a lone
+# branch of 64 tokens on the Intel Xeon verify 91 guesses, 9 of them right, in 19 steps that each
+# cost 40% more than a plain one.
 # (With 0.03, and a shape's first forward charged at the prior's price, 32 branches x 64 tokens
 # were still 7% slower there.)
 LOSS_SHARE = 0.02
@@ -395,12 +396,7 @@ class SpeculationPolicy:
             self.cost.observe_verified(tokens, guesses, seconds)
         if self.charging:  # a step this policy chose to verify: its cost beyond a plain step
             self.charging = False
-            # as measured, but at most half a plain step over the prediction: a shape's first
-            # forward in a process (its kernels' first call) or a pause of the VM is not what
-            # guessing costs from then on, and would stop it for a long stretch
-            plain = self.cost.plain(tokens)
-            spent = min(self.cost.in_units(tokens + guesses, seconds), self.cost.verified(tokens, guesses) + 0.5 * plain)
-            self.balance -= (spent - plain) / plain
+            self.balance -= self.cost.excess(tokens, guesses, seconds) / self.cost.plain(tokens)
 
     def settle(self, accepted: list[int]) -> None:
         """Credit a verified step's guesses with the forwards they took off the run: the run
