@@ -202,3 +202,27 @@ def test_the_margins_questions_bench_speculates_on_both_sides_when_asked(capsys)
     assert compare_questions(lm, bench_document(lm.tokenizer, 200), 2, 64, limits, speculate="4")
     table = capsys.readouterr().out
     assert "--speculate 4 on both sides" in table and "identical tokens (every branch) | 2/2" in table
+
+
+def test_a_repeat_run_last_to_first_reports_its_approaches_in_the_order_asked():
+    lm = random_model("tiny")
+    asked = ("forest", "sequential", "prefix-copy")
+    results = run_case(lm, Case(2, 40, 4), asked, reverse=True)
+    assert [r.approach for r in results] == list(asked)
+    assert all(r.matches_forest for r in results)
+
+
+def test_ratios_over_repeats_are_taken_pair_by_pair_so_a_drifting_machine_cannot_tip_them():
+    from mdcli.bench.ask import Measurement
+    from mdcli.bench.report import combine_repeats, rows
+
+    case = Case(1, 40, 4)
+
+    def run(forest_seconds, other_seconds):
+        return [Measurement("forest", case, forest_seconds, 1, [[1]]), Measurement("sequential", case, other_seconds, 1, [[1]])]
+
+    # the other approach is 10% slower within every pair; the third pair ran on a machine 3x slower for the forest
+    table = rows(combine_repeats([run(10.0, 11.0), run(20.0, 22.0), run(30.0, 33.0)]))
+    assert table[1]["forest_speedup"] == 1.1
+    skewed = rows(combine_repeats([run(10.0, 11.0), run(20.0, 22.0), run(90.0, 9.0)]))
+    assert skewed[1]["forest_speedup"] == 1.1  # the ratio of the medians would say 11 / 20 = 0.55

@@ -79,6 +79,7 @@ class Measurement:
     seconds: float
     kv_bytes: int
     tokens: list[list[int]] = field(repr=False)
+    repeat_seconds: list[float] = field(default_factory=list, repr=False)  # every repeat's seconds, in run order
     step_seconds: float | None = None  # decode time per step (forest only)
     step_bytes: int | None = None  # weights + KV a decode step reads, at the mean cache length (forest only)
     reference_step_seconds: float | None = None  # transformers' own 1-sequence step, same context (forest only)
@@ -107,18 +108,22 @@ def prompts_for(model: LoadedModel, case: Case) -> list[list[int]]:
     ]
 
 
-def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_kernels: str = "stock") -> list[Measurement]:
+def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_kernels: str = "stock",
+             reverse: bool = False) -> list[Measurement]:
     """baseline_kernels: "stock" runs the alternatives as users run them (torch's own kernels);
-    "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'."""
+    "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'.
+    reverse runs the approaches last to first (repeats alternate, so a machine that drifts over
+    minutes favours no approach); the results come back in the order asked either way."""
     from contextlib import nullcontext
 
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
                "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup}
-    results = []
-    for name in approaches:
+    measured = {}
+    for name in reversed(approaches) if reverse else approaches:
         with nullcontext() if name.startswith("forest") else alternatives_context(model, baseline_kernels):
-            results.append(runners[name](model, prompts, case))
+            measured[name] = runners[name](model, prompts, case)
+    results = [measured[name] for name in approaches]
     reference = next((r for r in results if r.approach == "forest"), None)
     for result in results:
         if reference is not None:

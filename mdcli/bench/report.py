@@ -42,11 +42,13 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
 
 
 def combine_repeats(runs: list[list[Measurement]]) -> list[Measurement]:
-    """Median seconds (and step time) over repeats; tokens and memory from the first run."""
+    """Median seconds (and step time) over repeats; tokens and memory from the first run; every
+    repeat's seconds kept, so that ratios can be taken repeat by repeat (`rows`)."""
     combined = []
     for same in zip(*runs):
         first = same[0]
-        first.seconds = median(m.seconds for m in same)
+        first.repeat_seconds = [m.seconds for m in same]
+        first.seconds = median(first.repeat_seconds)
         steps = [m.step_seconds for m in same if m.step_seconds is not None]
         first.step_seconds = median(steps) if steps else None
         references = [m.reference_step_seconds for m in same if m.reference_step_seconds is not None]
@@ -63,15 +65,10 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
     once, and the whole KV cache at its mean length) over the step time, and that as a fraction of
     `peak_bandwidth_gbps` when the machine's peak is given: how far a step is from the
     memory-bandwidth limit."""
-    forest_time = {}
-    forest_kv = {}
-    for m in results:
-        if m.approach == "forest":
-            key = _key(m)
-            forest_time[key], forest_kv[key] = m.seconds, m.kv_bytes
+    forests = {_key(m): m for m in results if m.approach == "forest"}
     table = []
     for m in results:
-        key = _key(m)
+        forest = forests.get(_key(m))
         table.append(
             {
                 "branches": m.case.branches,
@@ -81,8 +78,8 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
                 "seconds": round(m.seconds, 3),
                 "tokens_per_second": round(m.tokens_per_second, 2),
                 "kv_mib": round(m.kv_bytes / 2**20, 2),
-                "forest_speedup": round(m.seconds / forest_time[key], 2) if key in forest_time else None,
-                "kv_vs_forest": round(m.kv_bytes / forest_kv[key], 2) if key in forest_time and forest_kv[key] else None,
+                "forest_speedup": None if forest is None else round(paired_ratio(m, forest), 2),
+                "kv_vs_forest": round(m.kv_bytes / forest.kv_bytes, 2) if forest is not None and forest.kv_bytes else None,
                 "step_ms": round(m.step_seconds * 1000, 2) if m.step_seconds is not None else None,
                 "reference_step_ms": _ms(m.reference_step_seconds),
                 "step_vs_reference": _ratio(m.step_seconds, m.reference_step_seconds),
@@ -94,6 +91,15 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
             }
         )
     return table
+
+
+def paired_ratio(m: Measurement, forest: Measurement) -> float:
+    """m's seconds over the forest's: the median of the ratios repeat by repeat when both kept their
+    repeats (each pair ran back to back, so a machine drifting over minutes, as shared and virtual
+    ones do by 10-20%, moves both sides of a pair alike), else the ratio of the two medians."""
+    if m.repeat_seconds and len(m.repeat_seconds) == len(forest.repeat_seconds):
+        return median(a / b for a, b in zip(m.repeat_seconds, forest.repeat_seconds))
+    return m.seconds / forest.seconds
 
 
 def markdown_table(table: list[dict]) -> str:

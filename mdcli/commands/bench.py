@@ -62,7 +62,7 @@ def bench(
                      "mdcli with the longest-answering question alone; --branches = questions (largest value), "
                      "--context = report tokens, --new-tokens, --repeats, --json, --markdown apply."),
     ] = False,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per measurement; the median is reported.")] = 1,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per measurement, in alternating order (first to last, then last to first); the median time is reported, and each ratio is the median of the ratios within a repeat.")] = 1,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One small untimed run first.")] = True,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot (needs matplotlib).")] = None,
@@ -148,9 +148,9 @@ def _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats):
         task = progress.add_task("benchmark", total=len(cases) * repeats)
         for case in cases:
             runs = []
-            for _ in range(repeats):
+            for repeat in range(repeats):
                 progress.update(task, description=f"{case.branches} branches, {case.context_tokens} ctx, {case.new_tokens} new")
-                runs.append(run_case(lm, case, chosen))
+                runs.append(run_case(lm, case, chosen, reverse=repeat % 2 == 1))  # ABBA: drift favours no approach
                 progress.advance(task)
             results.extend(combine_repeats(runs))
     return results
