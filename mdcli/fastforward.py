@@ -29,7 +29,9 @@ and the tests compare this one with it. What this forward changes, per layer:
   they see different prefixes of one long run of slots (margins' chain layout), over each prefix
   read in place plus the few other slots gathered (mdcli.prefix_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
-* no module calls, hooks, output records or keyword plumbing between the operations.
+* no module calls, hooks, output records or keyword plumbing between the operations;
+* with `--cpu-weights int8` (mdcli.int8_weights) every product multiplies by the int8 copies, fused
+  the same way, and no float32 copy is made.
 
 The arithmetic is the same operations on the same numbers; products over a fused or packed weight
 and the batched attention may sum in another order inside the BLAS, so logits agree with
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING
 from mdcli import packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.forward_support import unsupported_reason
+from mdcli.int8_weights import fused_int8, has_int8_weights, int8_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
 from mdcli.sparse_attention import host_gather_cost, plan_for
@@ -98,7 +101,7 @@ def transposing_wanted(model) -> bool:
 class _Layer:
     """One decoder layer's tensors, gathered once."""
 
-    qkv: torch.Tensor  # [(H + 2G) * D, hidden] fused q/k/v weight (q_proj etc. are views of it)
+    qkv: torch.Tensor  # [(H + 2G) * D, hidden] fused q/k/v weight (q_proj etc. are views of it), or an Int8Weight
     qkv_bias: torch.Tensor | None  # [(H + 2G) * D]
     o: torch.Tensor  # [hidden, H * D]
     o_bias: torch.Tensor | None
@@ -158,10 +161,11 @@ class FastForward:
         self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
         self.gather_cost = host_gather_cost(*packing.weight_kind(model))  # by host kind
         self.read_ahead = read_ahead_step(*packing.weight_kind(model)) if read_ahead is None else read_ahead
+        self.int8 = has_int8_weights(model)  # int8 projections (mdcli.int8_weights): no float32 copies
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
-        self.head = model.lm_head.weight  # [V, hidden]
+        self.head = _weight(model.lm_head)  # [V, hidden]
         self.tiled = packing.tiling_wanted(model) if tiled is None else tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
@@ -189,7 +193,9 @@ class FastForward:
         import torch.nn.functional as F
 
         m = tokens.shape[0]
-        if m == 1 and self.transposed:
+        if self.int8:
+            linear, layers, head = int8_linear, self.layers, self.head
+        elif m == 1 and self.transposed:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
         elif self.tiled and m <= TILED_MAX_ROWS:
             linear, layers, head = _tiled_linear, self.small, self.small_head
@@ -397,8 +403,8 @@ def _fuse_layer(layer, index: int, config) -> _Layer:
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     layer_types = getattr(config, "layer_types", None)
     return _Layer(
-        qkv=qkv, qkv_bias=qkv_bias, o=attention.o_proj.weight, o_bias=attention.o_proj.bias,
-        gate_up=gate_up, gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        qkv=qkv, qkv_bias=qkv_bias, o=_weight(attention.o_proj), o_bias=attention.o_proj.bias,
+        gate_up=gate_up, gate_up_bias=gate_up_bias, down=_weight(mlp.down_proj), down_bias=mlp.down_proj.bias,
         norm_in=layer.input_layernorm.weight, norm_in_eps=layer.input_layernorm.variance_epsilon,
         norm_post=layer.post_attention_layernorm.weight, norm_post_eps=layer.post_attention_layernorm.variance_epsilon,
         head_norms=_head_norms(attention),
@@ -413,12 +419,15 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     a model fused before is recognised by its weights already being consecutive slices."""
     import torch
 
-    weights = [m.weight for m in linears]
-    fused = _already_fused(weights)
-    if fused is None:
-        with torch.inference_mode(False), torch.no_grad():
-            fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
-            _repoint(linears, "weight", fused)
+    if hasattr(linears[0], "int8"):  # int8 weights (mdcli.int8_weights), fused when quantized
+        fused = fused_int8(linears)
+    else:
+        weights = [m.weight for m in linears]
+        fused = _already_fused(weights)
+        if fused is None:
+            with torch.inference_mode(False), torch.no_grad():
+                fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
+                _repoint(linears, "weight", fused)
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         return fused, None
@@ -426,7 +435,8 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.inference_mode(False), torch.no_grad():
             for m in linears:
                 if m.bias is None:
-                    m.bias = torch.nn.Parameter(m.weight.new_zeros(m.weight.shape[0]), requires_grad=False)
+                    given = next(b for b in biases if b is not None)
+                    m.bias = torch.nn.Parameter(given.new_zeros(m.out_features), requires_grad=False)
         biases = [m.bias for m in linears]
     fused_bias = _already_fused(biases)
     if fused_bias is None:
@@ -434,6 +444,11 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
             fused_bias = torch.cat([b.detach() for b in biases])
             _repoint(linears, "bias", fused_bias)
     return fused, fused_bias
+
+
+def _weight(linear):
+    """What a projection multiplies by: its float32 weight, or its `Int8Weight` (mdcli.int8_weights)."""
+    return linear.int8 if hasattr(linear, "int8") else linear.weight
 
 
 def _repoint(linears, name: str, fused) -> None:

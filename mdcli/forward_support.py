@@ -1,11 +1,13 @@
 """Which models mdcli's own decode forward (mdcli.fastforward) reproduces exactly.
 
 It rewrites the Llama family's decoder layer (Llama, Mistral, Qwen2, Qwen3) as fused products over
-the same weights; anything else in a model (another architecture, eager attention, quantized or
+the same weights (or over mdcli's own int8 copies of them: mdcli.int8_weights); anything else in a model (another architecture, eager attention, quantized or
 wrapped linears, another norm) keeps transformers' own forward, the reference.
 """
 
 from __future__ import annotations
+
+from mdcli.int8_weights import has_int8_weights, int8_linear_class
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -20,7 +22,9 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return "only the sdpa attention implementation is reproduced"
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+    int8 = has_int8_weights(model)  # every projection and the head Int8Linear (mdcli.int8_weights)
+    dense = int8_linear_class() if int8 else nn.Linear
+    if inner is None or not hasattr(inner, "layers") or type(getattr(model, "lm_head", None)) is not dense:
         return "unexpected module layout"
     if type(inner.embed_tokens) is not nn.Embedding:
         return "the embedding is not a plain nn.Embedding"
@@ -30,8 +34,8 @@ def unsupported_reason(model) -> str | None:
         attention, mlp = layer.self_attn, layer.mlp
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) is not nn.Linear or not _plain(m.weight) for m in linears):
-            return "a projection is not a plain dense nn.Linear (quantized or wrapped weights)"
+        if any(type(m) is not dense or not _plain(m.values if int8 else m.weight) for m in linears):
+            return "a projection is not a plain dense nn.Linear or mdcli's Int8Linear (quantized or wrapped weights)"
         head_norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
         if any(n is not None for n in head_norms) and not all(n is not None and _plain_rms_norm(n) for n in head_norms):
             return "query/key norms other than Qwen3's RMSNorm over each head are not reproduced"

@@ -26,6 +26,7 @@ from mdcli.architectures import (
 )
 from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir, gguf_progress_bar_follows_transformers
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
+from mdcli.int8_weights import CHOICES, quantize_model, setting_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ class LoadedModel:
     sliding_window: int | None
     mixed_layer_types: bool  # True: the engine passes {"full_attention": m, "sliding_attention": m_w}
     has_chat_template: bool
+    cpu_weights: str = "float32"  # "int8": projections and head quantized (mdcli.int8_weights)
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,15 @@ def load_model(
     device_map: str | None = None,
     quiet: bool = False,
     progress: Progress | None = None,
+    cpu_weights: str = "float32",
 ) -> LoadedModel:
-    """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id)."""
+    """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id).
+    cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.int8_weights)."""
     check_attn_implementation(attn)
     torch_device = resolve_device(device)
     bits = _quantization_bits(load_in_4bit, load_in_8bit, torch_device)
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
+    _check_cpu_weights(cpu_weights, torch_device, torch_dtype, bits)
     with quiet_loading(quiet):
         source = _resolve_source(model, progress)
         _refuse_from_config(source, attn, bits, trust_remote_code)
@@ -109,6 +114,8 @@ def load_model(
             **placement,
         )
         tokenizer = _load_tokenizer(source, trust_remote_code)
+    if cpu_weights == "int8":
+        dtype_reason += f"; int8 weights, {quantize_model(hf_model) / 2**20:.0f} MiB"
     window, mixed = sliding_window_layout(hf_model.config)
     return LoadedModel(
         model=hf_model,
@@ -123,6 +130,7 @@ def load_model(
         sliding_window=window,
         mixed_layer_types=mixed,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        cpu_weights=cpu_weights,
     )
 
 
@@ -249,6 +257,14 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool, device: torch.dev
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError(f"{bits}-bit loading needs bitsandbytes", fix="pip install 'mdcli[cuda]'")
     return bits
+
+
+def _check_cpu_weights(cpu_weights: str, device: torch.device, dtype: torch.dtype, bits: int | None) -> None:
+    if cpu_weights not in CHOICES:
+        raise UsageError(f"unknown --cpu-weights '{cpu_weights}'", fix=f"choose {' or '.join(CHOICES)}")
+    refused = setting_refusal(device, dtype, bits) if cpu_weights == "int8" else None
+    if refused:
+        raise UsageError(refused[0], fix=refused[1])
 
 
 def _cuda_device(name: str) -> torch.device:

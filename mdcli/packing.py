@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import tiled_gemm
 from mdcli.cpuinfo import cpu_vendor
+from mdcli.int8_weights import has_int8_weights
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
 from mdcli.memory import available_memory_bytes
 
@@ -69,6 +70,9 @@ def tiling_wanted(model) -> bool:
 
 
 def _copies_allowed(model) -> bool:
+    """Copies are float32 layouts of float32 weights: none for int8 ones, none when turned off."""
+    if has_int8_weights(model):
+        return False
     return os.environ.get(OPT_OUT, "").strip().lower() not in {"0", "off", "no", "false"}
 
 
@@ -81,8 +85,15 @@ def _avx2_host(model) -> bool:
 
 
 def weight_kind(model) -> tuple:
-    """(device, dtype) of the model's layer weights: what the kernel rules decide by."""
-    weight = model.model.layers[0].mlp.up_proj.weight
+    """(device, dtype) of the model's layer weights: what the kernel rules decide by. int8 weights
+    (mdcli.int8_weights) count as float32: their activations and attention are float32's, and they
+    get no copies (`_copies_allowed`)."""
+    import torch
+
+    up = model.model.layers[0].mlp.up_proj
+    weight = getattr(up, "weight", None)
+    if weight is None:
+        return up.values.device, torch.float32
     return weight.device, weight.dtype
 
 

@@ -172,8 +172,8 @@ def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every tensor once (tied embeddings are one matrix), but
     not an input embedding of its own, of which a step reads one row per token."""
     embedding = model.get_input_embeddings().weight.untyped_storage()
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight.untyped_storage().data_ptr() == embedding.data_ptr()
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: an int8 head (mdcli.int8_weights)
+    tied = head is not None and head.untyped_storage().data_ptr() == embedding.data_ptr()
     storages = {}
     for tensor in (*model.parameters(), *model.buffers()):
         storage = tensor.untyped_storage()

@@ -2,6 +2,7 @@
 
     python -m mdcli.bench.step                 # ratios: 1 and 8 branches over the bench's document
     python -m mdcli.bench.step --profile       # where a step's time goes, by part of the model
+    python -m mdcli.bench.step --cpu-weights int8   # also the engine over int8 weights
 
 The reference is what `generate` does per token, with the loop reduced to its core: the prompt
 prefilled into a stock `DynamicCache`, then one token per forward on torch's own kernels, greedy.
@@ -31,6 +32,7 @@ from mdcli.bench.ask import Case, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
 from mdcli.blas_gemv import one_blas_thread, openblas_linear
+from mdcli.int8_weights import dequantized_product, kernel_product, quantize
 from mdcli.kernels import cpu_kernels
 from mdcli.loading import load_model
 from mdcli.packing import pack, packed_linear, transpose, transposed_linear
@@ -194,12 +196,14 @@ def _modeling_modules(model) -> list:
 # -- linear kernels --------------------------------------------------------------------------------
 
 
-def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
+def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights: bool = False) -> str:
     """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
     output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
     plain weights, oneDNN on packed weights (mdcli.packing), torch (MKL) and OpenBLAS on transposed
     copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread), and mdcli's tiled
-    kernel (mdcli.tiled_gemm) where it builds. Median ms over `repeats`."""
+    kernel (mdcli.tiled_gemm) where it builds; with int8_weights also the int8 kernel and the
+    dequantized product `--cpu-weights int8` chooses between (mdcli.int8_weights; "best vs stock"
+    then counts them too). Median ms over `repeats`."""
     import torch
     import torch.nn.functional as F
 
@@ -218,6 +222,11 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
     if tiled_gemm.tiled_works():  # mdcli's own kernel, where it builds
         kernels.append((tiled_gemm.tiled_linear, [tiled_gemm.tile(w) for w in weights]))
         names.append("mdcli tiled")
+    if int8_weights:  # --cpu-weights int8's two products (mdcli.int8_weights), bf16 activations
+        quantized = [quantize(w) for w in weights]
+        kernels += [(lambda x, w: kernel_product(x.to(torch.bfloat16), w), quantized),
+                    (lambda x, w: dequantized_product(x.to(torch.bfloat16), w), quantized)]
+        names += ["int8 kernel", "int8 dequantized"]
     lines = ["| M tokens | " + " | ".join(f"{name}, ms" for name in names) + " | best vs stock |",
              "|---:|" + "---:|" * (len(names) + 1)]
     with torch.inference_mode(), one_blas_thread():
@@ -240,7 +249,6 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7) -> str:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--branches", default="1,8")
@@ -252,14 +260,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="engine forwards to compare: transformers, mdcli, "
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
+    parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",
+                        help="int8: also step the engine over int8 weights (mdcli.int8_weights; a second copy of "
+                             "the model, quantized), against the same float32 reference")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.linears:
-        print(linear_kernels_table([1, 2, 4, 8, 16, 64]))
+        int8 = args.cpu_weights == "int8"  # and where its two products cross over
+        print(linear_kernels_table([1, 2, 4, 8, 16, 32, 64, 512] if int8 else [1, 2, 4, 8, 16, 64], int8_weights=int8))
         return
     lm = random_model(args.random_model) if args.random_model else load_model(quiet=True)
+    int8 = load_model(quiet=True, cpu_weights="int8") if args.cpu_weights == "int8" else None
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
     print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {weight_bytes(lm.model) / 1e6:.0f} MB of "
@@ -268,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         steppers = {"reference": ReferenceStepper(lm, prompts[0])}
         steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f, args.guesses)
                      for f in args.forwards.split(",")}
+        if int8 is not None:
+            steppers |= {f"int8 weights, {f} forward": EngineStepper(int8, prompts[:width], f, args.guesses)
+                         for f in args.forwards.split(",")}
         medians = median_step_seconds(steppers, args.steps)
         reference = medians["reference"]
         for name, seconds in medians.items():

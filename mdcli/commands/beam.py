@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.commands.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
     load, read_document, read_questions_file, render,
 )
@@ -55,6 +55,7 @@ def beam(
     attn: AttnOpt = "sdpa",
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
+    cpu_weights: CpuWeightsOpt = "float32",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     no_chat_template: NoChatOpt = False,
@@ -91,7 +92,8 @@ def beam(
                 text = text.rstrip("\r\n")
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
+                  cpu_weights=cpu_weights)
         events = api.beam_search(
             lm,
             text,

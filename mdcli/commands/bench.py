@@ -13,6 +13,7 @@ import typer
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
 from mdcli.commands.common import (
     AttnOpt,
+    CpuWeightsOpt,
     DebugOpt,
     DeviceOpt,
     DtypeOpt,
@@ -39,6 +40,7 @@ def bench(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     attn: AttnOpt = "sdpa",
+    cpu_weights: CpuWeightsOpt = "float32",
     branches: Annotated[str, typer.Option("--branches", help="Comma list of branch counts.")] = "1,8",
     context: Annotated[str, typer.Option("--context", help="Comma list of document lengths in tokens.")] = "1500",
     new_tokens: Annotated[str, typer.Option("--new-tokens", help="Comma list of tokens generated per branch.")] = "64",
@@ -106,13 +108,17 @@ def bench(
         if plot_path is not None:
             _require_matplotlib()
         if random_model:
+            if cpu_weights != "float32":
+                raise UsageError(f"--cpu-weights {cpu_weights} applies to a loaded model, not --random-model",
+                                 fix="drop one of them")
             lm = make_random(random_model, device=device, dtype=dtype, attn=attn)
         else:
-            lm = load(model, device, dtype, attn, False, False, None, False, None, quiet)
+            lm = load(model, device, dtype, attn, False, False, None, False, None, quiet, cpu_weights=cpu_weights)
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
         facts = machine_facts(used_threads, lm.device, lm.dtype) | {
-            "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "baseline_kernels": baseline_kernels,
+            "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "cpu_weights": lm.cpu_weights,
+            "baseline_kernels": baseline_kernels,
             "peak_bandwidth_gbps": peak_bandwidth}
         measure = functools.partial(run_case, baseline_kernels=baseline_kernels)
         if warmup:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.commands.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
 )
@@ -57,6 +57,7 @@ def explore(
     attn: AttnOpt = "sdpa",
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
+    cpu_weights: CpuWeightsOpt = "float32",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     no_chat_template: NoChatOpt = False,
@@ -96,7 +97,8 @@ def explore(
         job.validate()  # bad input exits 2 before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
+                  cpu_weights=cpu_weights)
         events = run_explore(
             lm, job.prompt, k=job.k, keep=job.keep, chunk_tokens=job.chunk_tokens, score=job.score,
             system=job.system, chat_template=job.chat_template, sampling=job.sampling,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.commands.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
@@ -116,6 +116,7 @@ def margins(
     attn: AttnOpt = "sdpa",
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
+    cpu_weights: CpuWeightsOpt = "float32",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     temperature: TemperatureOpt = 0.0,
@@ -182,7 +183,8 @@ def margins(
             ))
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
+                  cpu_weights=cpu_weights)
         events = api.margins(
             lm, job.documents, job.query, questions=job.questions, names=job.names, context=job.layout,
             segment_tokens=job.segment_tokens, keep=job.keep, classify=job.classify, with_segments=job.with_segments,

@@ -14,7 +14,7 @@ from mdcli.commands.common import (
     DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
-    EightBitOpt,
+    CpuWeightsOpt, EightBitOpt,
     FourBitOpt,
     JsonlOpt,
     MaxNewOpt,
@@ -67,6 +67,7 @@ def run(
     attn: AttnOpt = "sdpa",
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
+    cpu_weights: CpuWeightsOpt = "float32",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     # None = not given: the recipe's value stands
@@ -111,7 +112,8 @@ def run(
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
+                  cpu_weights=cpu_weights)
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.commands.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load,
     read_document, render, sampling_params, speculate_setting, stderr_line,
@@ -85,6 +85,7 @@ def think(
     attn: AttnOpt = "sdpa",
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
+    cpu_weights: CpuWeightsOpt = "float32",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     max_new_tokens: MaxNewOpt = 256,
@@ -140,7 +141,8 @@ def think(
         job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet)
+        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
+                  cpu_weights=cpu_weights)
         events = api.think(
             lm, job.question, paths=job.paths, plan=job.plan, max_paths=job.max_paths, merge=job.merge, vote=job.vote,
             answer_pattern=job.answer_pattern, path_instructions=job.path_instructions, system=job.system,
