@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 CHOICES = ("float32", "int8")
 # Forwards of up to this many tokens take the int8 kernel, longer ones the dequantized float32
-# product (one thread, a 576 x 1536 matrix: int8 kernel / float32 0.44x at 1 row, 0.38x at 8, 1.7x at 64).
-KERNEL_MAX_ROWS = 16
+# product. The embedded model's 211 matrices, one thread, Intel Xeon with AVX-512 (`python -m
+# mdcli.bench.step --linears --cpu-weights int8`), kernel / dequantized ms: 1 row 22.0 / 96.9,
+# 16 rows 77.6 / 132.1, 32 rows 152.0 / 161.1, 64 rows 327.7 / 263.9, 512 rows 2227 / 1266.
+KERNEL_MAX_ROWS = 32
 # The kernel reads the inner dimension in blocks of 16 and does not check it: other widths gave
 # garbage or crashed (torch 2.13, AVX-512). Such a matrix always takes the dequantized product.
 KERNEL_INNER_MULTIPLE = 16

@@ -189,7 +189,9 @@ def header(lm) -> str:
 
     dtype = str(lm.dtype).removeprefix("torch.")
     line = f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
-    if lm.device.type == "cpu":
+    if lm.cpu_weights == "int8":  # the products run on torch's int8 kernel whatever the float32 routing
+        line += " · kernels torch int8 weight-only (bf16 activations)"
+    elif lm.device.type == "cpu":
         line += f" · kernels {api.kernel_choice(lm.device, lm.dtype)}"
     return line
 
