@@ -224,5 +224,6 @@ def test_ratios_over_repeats_are_taken_pair_by_pair_so_a_drifting_machine_cannot
     # the other approach is 10% slower within every pair; the third pair ran on a machine 3x slower for the forest
     table = rows(combine_repeats([run(10.0, 11.0), run(20.0, 22.0), run(30.0, 33.0)]))
     assert table[1]["forest_speedup"] == 1.1
+    assert table[1]["repeat_seconds"] == [11.0, 22.0, 33.0]  # kept in the JSON, so others can pair them too
     skewed = rows(combine_repeats([run(10.0, 11.0), run(20.0, 22.0), run(90.0, 9.0)]))
     assert skewed[1]["forest_speedup"] == 1.1  # the ratio of the medians would say 11 / 20 = 0.55

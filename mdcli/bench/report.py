@@ -76,6 +76,7 @@ def rows(results: list[Measurement], peak_bandwidth_gbps: float | None = None) -
                 "new_tokens": m.case.new_tokens,
                 "approach": m.approach,
                 "seconds": round(m.seconds, 3),
+                "repeat_seconds": [round(x, 3) for x in m.repeat_seconds],  # in run order; ratios pair them
                 "tokens_per_second": round(m.tokens_per_second, 2),
                 "kv_mib": round(m.kv_bytes / 2**20, 2),
                 "forest_speedup": None if forest is None else round(paired_ratio(m, forest), 2),
