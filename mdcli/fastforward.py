@@ -52,6 +52,7 @@ from mdcli.forward_support import unsupported_reason
 from mdcli.int8_weights import fused_int8, has_int8_weights, int8_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
+from mdcli.row_slices import joined_rows
 from mdcli.sparse_attention import host_gather_cost, plan_for
 from mdcli.tiled_gemm import TILED_MAX_ROWS, tiled_linear
 
@@ -423,7 +424,7 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
         fused = fused_int8(linears)
     else:
         weights = [m.weight for m in linears]
-        fused = _already_fused(weights)
+        fused = joined_rows(weights)
         if fused is None:
             with torch.inference_mode(False), torch.no_grad():
                 fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
@@ -438,7 +439,7 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
                     given = next(b for b in biases if b is not None)
                     m.bias = torch.nn.Parameter(given.new_zeros(m.out_features), requires_grad=False)
         biases = [m.bias for m in linears]
-    fused_bias = _already_fused(biases)
+    fused_bias = joined_rows(biases)
     if fused_bias is None:
         with torch.inference_mode(False), torch.no_grad():
             fused_bias = torch.cat([b.detach() for b in biases])
@@ -460,20 +461,3 @@ def _repoint(linears, name: str, fused) -> None:
         requires_grad = getattr(m, name).requires_grad
         setattr(m, name, torch.nn.Parameter(fused[start:start + rows], requires_grad=requires_grad))
         start += rows
-
-
-def _already_fused(tensors) -> torch.Tensor | None:
-    """The fused tensor if `tensors` are consecutive row slices of one contiguous buffer, else None."""
-    first = tensors[0]
-    if not all(t.is_contiguous() for t in tensors):
-        return None
-    storage = first.untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
-        return None
-    offset = first.storage_offset()
-    for t in tensors:
-        if t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))

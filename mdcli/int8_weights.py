@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mdcli.errors import UnsupportedModelError
+from mdcli.row_slices import joined_rows
 
 if TYPE_CHECKING:
     import torch
@@ -213,23 +214,10 @@ def fused_int8(modules) -> Int8Weight:
 
     values = [m.values for m in modules]
     scales = [m.scales for m in modules]
-    joined_values, joined_scales = _consecutive(values), _consecutive(scales)
+    joined_values, joined_scales = joined_rows(values), joined_rows(scales)
     if joined_values is None or joined_scales is None:
         return Int8Weight(torch.cat(values).contiguous(), torch.cat(scales).contiguous())
     return Int8Weight(joined_values, joined_scales)
-
-
-def _consecutive(tensors) -> torch.Tensor | None:
-    """The tensor that `tensors` are consecutive row slices of (one contiguous buffer), else None."""
-    first = tensors[0]
-    storage = first.untyped_storage()
-    offset = first.storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
 def _cat(weights) -> torch.Tensor:

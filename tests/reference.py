@@ -15,3 +15,36 @@ def generate_alone(model, prompt_ids: list[int], new_tokens: int, *, device=None
             max_new_tokens=new_tokens,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def branches_off_their_runs_alone(lm, document: str, questions: list[str], new_tokens: int, max_gap) -> list[str]:
+    """Ask every question of the document in one forest, then run each branch alone with
+    `generate`; describe every branch whose first differing token is no near-tie. max_gap(logits)
+    is how far below the reference's chosen token the forest's may score in the reference's own
+    logits at that token (logits: [V] float32). An empty list: every branch agrees up to ties."""
+    from mdcli.api import ask_many  # lazy: the reference helpers above need only torch
+    from mdcli.events import Finish, Start  # lazy: as above
+
+    starts, finishes = {}, {}
+    for event in ask_many(lm, document, questions, max_new_tokens=new_tokens):
+        if isinstance(event, Start):
+            starts = {b.id: b.prompt_token_ids for b in event.branches}
+        elif isinstance(event, Finish):
+            finishes[event.branch] = event.token_ids
+    assert len(finishes) == len(questions)
+    problems = []
+    for branch, ours in finishes.items():
+        prompt = starts[branch]
+        theirs = generate_alone(lm.model, prompt, new_tokens, device=lm.device)[: len(ours)]
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if first is None:
+            if len(ours) != len(theirs):
+                problems.append(f"branch {branch}: {len(ours)} tokens, alone {len(theirs)}")
+            continue
+        with torch.inference_mode():
+            sequence = torch.tensor([prompt + theirs[:first]], device=lm.device)
+            logits = lm.model(sequence).logits[0, -1].float()  # [V]
+        gap = float(logits[theirs[first]] - logits[ours[first]])
+        if gap > max_gap(logits):
+            problems.append(f"branch {branch}: token {first} differs with a logit gap of {gap:.3f}")
+    return problems

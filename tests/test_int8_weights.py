@@ -14,9 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mdcli.api import ask_many
 from mdcli.cli import app
-from mdcli.events import Finish, Start
 from mdcli.int8_weights import (
     KERNEL_MAX_ROWS,
     fused_int8,
@@ -28,7 +26,7 @@ from mdcli.int8_weights import (
     setting_refusal,
 )
 from mdcli.loading import load_model
-from tests.reference import generate_alone
+from tests.reference import branches_off_their_runs_alone
 from tests.tiny_models import TINY_ARCHS
 
 DOCUMENT = (
@@ -90,30 +88,10 @@ def test_quantizing_a_model_fuses_q_k_v_and_gate_up_and_mdclis_forward_reads_the
 
 
 def _disagreements(lm) -> list[str]:
-    """Run the forest, then each branch alone on the same model; describe every branch whose first
-    difference is no near-tie in the reference's own logits (4 bf16 steps at the largest logit's size)."""
-    starts, finishes = {}, {}
-    for event in ask_many(lm, DOCUMENT, QUESTIONS, max_new_tokens=NEW_TOKENS):
-        if isinstance(event, Start):
-            starts = {b.id: b.prompt_token_ids for b in event.branches}
-        elif isinstance(event, Finish):
-            finishes[event.branch] = event.token_ids
-    assert len(finishes) == len(QUESTIONS)
-    problems = []
-    for branch, ours in finishes.items():
-        prompt = starts[branch]
-        theirs = generate_alone(lm.model, prompt, NEW_TOKENS)[: len(ours)]
-        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if first is None:
-            if len(ours) != len(theirs):
-                problems.append(f"branch {branch}: {len(ours)} tokens, alone {len(theirs)}")
-            continue
-        with torch.inference_mode():
-            logits = lm.model(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
-        gap, size = float(logits[theirs[first]] - logits[ours[first]]), float(logits.abs().max())
-        if gap > 4 * BF16_STEP * size:
-            problems.append(f"branch {branch}: token {first} differs by a logit gap of {gap:.3f} (largest {size:.1f})")
-    return problems
+    """Branches whose first difference from the same int8 model alone is no near-tie: more than 4
+    bf16 steps at the size of the reference's largest logit."""
+    return branches_off_their_runs_alone(lm, DOCUMENT, QUESTIONS, NEW_TOKENS,
+                                         lambda logits: 4 * BF16_STEP * float(logits.abs().max()))
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +104,14 @@ def test_the_int8_forest_is_each_branch_of_the_int8_model_alone_up_to_near_ties(
 
     assert Engine(embedded_int8.model)._fast is not None  # mdcli's own forward takes int8 weights
     assert _disagreements(embedded_int8) == []
+
+
+def test_the_int8_tie_check_catches_a_forest_whose_branches_see_each_other(embedded_int8, monkeypatch):
+    from mdcli.engine import Engine
+
+    see_everything = lambda self, allowed: torch.zeros((1, 1, *allowed.shape), dtype=self.dtype)  # noqa: E731
+    monkeypatch.setattr(Engine, "_additive", see_everything)
+    assert _disagreements(embedded_int8) != []
 
 
 @pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a != "gpt2"])

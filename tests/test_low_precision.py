@@ -18,10 +18,8 @@ import importlib.util
 import pytest
 import torch
 
-from mdcli.api import ask_many
-from mdcli.events import Finish, Start
 from mdcli.loading import load_model
-from tests.reference import generate_alone
+from tests.reference import branches_off_their_runs_alone
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -42,35 +40,9 @@ QUESTIONS = [
 NEW_TOKENS = 24
 
 
-def tie_gap(model, sequence: list[int], ours: int, theirs: int) -> float:
-    """How far below the reference's chosen token the forest's token scored, alone, in logits."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([sequence], device=model.device)).logits[0, -1].float()
-    return float(logits[theirs] - logits[ours])
-
-
 def disagreements(lm, max_gap: float) -> list[str]:
     """Run the forest, then each branch alone; describe every branch whose first difference is no tie."""
-    starts, finishes = {}, {}
-    for event in ask_many(lm, DOCUMENT, QUESTIONS, max_new_tokens=NEW_TOKENS):
-        if isinstance(event, Start):
-            starts = {b.id: b.prompt_token_ids for b in event.branches}
-        elif isinstance(event, Finish):
-            finishes[event.branch] = event.token_ids
-    assert len(finishes) == len(QUESTIONS)
-    problems = []
-    for branch, ours in finishes.items():
-        prompt = starts[branch]
-        theirs = generate_alone(lm.model, prompt, NEW_TOKENS, device=lm.device)[: len(ours)]
-        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if first is None:
-            if len(ours) != len(theirs):
-                problems.append(f"branch {branch}: {len(ours)} tokens, alone {len(theirs)}")
-            continue
-        gap = tie_gap(lm.model, prompt + theirs[:first], ours[first], theirs[first])
-        if gap > max_gap:
-            problems.append(f"branch {branch}: token {first} differs with a logit gap of {gap:.3f}")
-    return problems
+    return branches_off_their_runs_alone(lm, DOCUMENT, QUESTIONS, NEW_TOKENS, lambda logits: max_gap)
 
 
 # A few bf16 steps at the size of the model's largest logits (about 32; bf16 keeps 8 significant bits)
