@@ -1,8 +1,9 @@
 """Which models mdcli's own decode forward (mdcli.fastforward) reproduces exactly.
 
 It rewrites the Llama family's decoder layer (Llama, Mistral, Qwen2, Qwen3) as fused products over
-the same weights (or over mdcli's own int8 copies of them: mdcli.int8_weights); anything else in a model (another architecture, eager attention, quantized or
-wrapped linears, another norm) keeps transformers' own forward, the reference.
+the same weights (or over mdcli's own int8 copies of them: mdcli.int8_weights); anything else in a
+model (another architecture, eager attention, other quantized or wrapped linears, another norm)
+keeps transformers' own forward, the reference.
 """
 
 from __future__ import annotations

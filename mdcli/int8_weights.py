@@ -20,9 +20,9 @@ alone until a token where the reference's own logits are a near-tie. Every produ
 the reference's, goes through `int8_linear`, so the reference is this same int8 model (transformers'
 forward over `Int8Linear` modules), not the float32 one.
 
-Refused with a one-line reason (`setting_refusal`, `model_refusal`): another device than the CPU, a dtype other than
-float32, bitsandbytes weights, projections that are not `nn.Linear` (GPT-2's Conv1D), or a torch
-without the kernel.
+Refused with a one-line reason (`setting_refusal`, `model_refusal`): another device than the CPU,
+a dtype other than float32, bitsandbytes weights, projections that are not `nn.Linear` (GPT-2's
+Conv1D), or a torch without the kernel.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ CHOICES = ("float32", "int8")
 # mdcli.bench.step --linears --cpu-weights int8`), kernel / dequantized ms: 1 row 22.0 / 96.9,
 # 16 rows 77.6 / 132.1, 32 rows 152.0 / 161.1, 64 rows 327.7 / 263.9, 512 rows 2227 / 1266.
 KERNEL_MAX_ROWS = 32
-# The kernel reads the inner dimension in blocks of 16 and does not check it: other widths gave
-# garbage or crashed (torch 2.13, AVX-512). Such a matrix always takes the dequantized product.
+# The kernel reads the inner dimension in blocks and does not check it: other widths gave garbage or
+# crashed the process (torch 2.13; blocks of 16 on AVX-512, of 8 under ATEN_CPU_CAPABILITY=avx2).
+# Such a matrix always takes the dequantized product.
 KERNEL_INNER_MULTIPLE = 16
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -179,8 +180,8 @@ def model_refusal(model) -> tuple[str, str] | None:
 def quantize_model(model) -> int:
     """Replace every decoder projection and the output head with `Int8Linear` modules, in place;
     returns the bytes the int8 weights take. A model `model_refusal` names is refused
-    (UnsupportedModelError) before anything changes. q/k/v and gate/up are quantized as one matrix each, the
-    modules holding row slices of it, so mdcli's own forward multiplies by them fused without a
+    (UnsupportedModelError) before anything changes. q/k/v and gate/up are quantized as one matrix
+    each, the modules holding row slices of it, so mdcli's own forward multiplies by them fused without a
     copy (quantization is per row: fusing changes no number). The float32 projection weights are
     released (a tied output head keeps the input embedding it shares)."""
     refused = model_refusal(model)
