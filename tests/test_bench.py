@@ -63,7 +63,7 @@ def test_bench_rejects_unknown_baseline_kernels_in_one_line():
 def test_bench_rejects_an_unknown_approach_in_one_line():
     result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup"
+    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup, forest-int8"
 
 
 def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():
@@ -227,3 +227,15 @@ def test_ratios_over_repeats_are_taken_pair_by_pair_so_a_drifting_machine_cannot
     assert table[1]["repeat_seconds"] == [11.0, 22.0, 33.0]  # kept in the JSON, so others can pair them too
     skewed = rows(combine_repeats([run(10.0, 11.0), run(20.0, 22.0), run(90.0, 9.0)]))
     assert skewed[1]["forest_speedup"] == 1.1  # the ratio of the medians would say 11 / 20 = 0.55
+
+
+def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_tokens(tmp_path):
+    from mdcli.bench.ask import int8_copy
+    from mdcli.int8_weights import has_int8_weights
+
+    lm = random_model("tiny")
+    results = {r.approach: r for r in run_case(lm, Case(2, 40, 4), ("forest", "forest-int8"), reverse=True)}
+    assert results["forest"].matches_forest and results["forest-int8"].matches_forest is None
+    assert all(len(t) == 4 for t in results["forest-int8"].tokens)
+    assert has_int8_weights(int8_copy(lm).model) and not has_int8_weights(lm.model)  # the float32 model untouched
+    assert int8_copy(lm) is int8_copy(lm)  # quantized once per model

@@ -15,6 +15,9 @@ On request (not by default):
 (e) forest+speculate  the forest with speculative decoding (`--speculate auto`, prompt lookup drafts)
 (f) hf-prompt-lookup  `model.generate(prompt_lookup_num_tokens=10)` once per question: Hugging
                       Face's prompt lookup decoding, the single-sequence version of (e)
+(g) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
+                      mdcli.int8_weights), made once per model: a different, lossier model, so its
+                      tokens are not compared with the forest's
 
 (a) is the forest without speculation, so every ratio is against plain forest steps.
 (b)-(d) and (f) run on torch's stock kernels, as users run them; `baseline_kernels="mdcli"` gives them
@@ -43,7 +46,8 @@ if TYPE_CHECKING:
 
 APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
 SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
-ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES
+OTHER_MODEL_APPROACHES = ("forest-int8",)  # another model's tokens: not compared with the forest's
+ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES + OTHER_MODEL_APPROACHES
 HF_PROMPT_LOOKUP_TOKENS = 10
 
 QUESTIONS = [
@@ -118,7 +122,8 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
 
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
-               "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup}
+               "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup,
+               "forest-int8": forest_int8}
     measured = {}
     for name in reversed(approaches) if reverse else approaches:
         with nullcontext() if name.startswith("forest") else alternatives_context(model, baseline_kernels):
@@ -126,7 +131,7 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     results = [measured[name] for name in approaches]
     reference = next((r for r in results if r.approach == "forest"), None)
     for result in results:
-        if reference is not None:
+        if reference is not None and result.approach not in OTHER_MODEL_APPROACHES:
             result.matches_forest = result.tokens == reference.tokens
     return results
 
@@ -134,7 +139,8 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
 # -- (a) the forest ------------------------------------------------------------------------------
 
 
-def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculate: str = "off") -> Measurement:
+def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculate: str = "off",
+           reference: bool = True) -> Measurement:
     specs = [BranchSpec(label=str(i), prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
              for i, p in enumerate(prompts)]
     started = time.perf_counter()
@@ -154,7 +160,8 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculat
                        [tokens[i] for i in range(len(prompts))],
                        step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
                        forwards=stats.steps, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens) if speculate == "off" else None)
+                       reference_step_seconds=reference_step(model, prompts[0], case.new_tokens)
+                       if speculate == "off" and reference else None)
 
 
 def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
@@ -166,6 +173,32 @@ def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
 
 def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     return forest(model, prompts, case, speculate="auto")
+
+
+def forest_int8(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    """The forest without speculation over an int8 copy of the model (no reference step: its
+    ratio is against the float32 forest's row)."""
+    measured = forest(int8_copy(model), prompts, case, reference=False)
+    measured.approach = "forest-int8"
+    return measured
+
+
+_INT8_COPIES: dict[int, LoadedModel] = {}  # by id of the float32 model: made once, reused by every case
+
+
+def int8_copy(model: LoadedModel) -> LoadedModel:
+    """A copy of `model` with its projections made int8 (mdcli.int8_weights), kept for the process."""
+    import copy
+    import dataclasses
+
+    from mdcli.int8_weights import quantize_model  # lazy: only this approach needs it
+
+    if id(model.model) not in _INT8_COPIES:
+        weights = copy.deepcopy(model.model)
+        mib = quantize_model(weights) / 2**20
+        _INT8_COPIES[id(model.model)] = dataclasses.replace(
+            model, model=weights, cpu_weights="int8", dtype_reason=f"{model.dtype_reason}; int8 weights, {mib:.0f} MiB")
+    return _INT8_COPIES[id(model.model)]
 
 
 def weight_bytes(model) -> int:

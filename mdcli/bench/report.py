@@ -53,7 +53,8 @@ def combine_repeats(runs: list[list[Measurement]]) -> list[Measurement]:
         first.step_seconds = median(steps) if steps else None
         references = [m.reference_step_seconds for m in same if m.reference_step_seconds is not None]
         first.reference_step_seconds = median(references) if references else None
-        first.matches_forest = all(m.matches_forest is not False for m in same)
+        compared = [m.matches_forest for m in same if m.matches_forest is not None]  # None: not compared
+        first.matches_forest = all(compared) if compared else None
         combined.append(first)
     return combined
 
