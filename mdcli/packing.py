@@ -26,7 +26,9 @@ is made before the transposed copy (it gains more) under the same memory rule.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli import tiled_gemm
@@ -138,6 +140,18 @@ def _copied(model, layers, key: str, convert) -> tuple[list[tuple], torch.Tensor
 _TRANSPOSED_CACHE = "_mdcli_transposed_projections"
 _TILED_CACHE = "_mdcli_tiled_projections"
 _CACHE = "_mdcli_packed_projections"
+
+
+@contextlib.contextmanager
+def copies_set_aside(model) -> Iterator[None]:
+    """The model without the weight copies kept on it, for the block (`copy.deepcopy` cannot copy
+    oneDNN's packed tensors, and a copy of the model wants none of them); put back after."""
+    keys = (_CACHE, _TRANSPOSED_CACHE, _TILED_CACHE)
+    aside = {key: model.__dict__.pop(key) for key in keys if key in model.__dict__}
+    try:
+        yield
+    finally:
+        model.__dict__.update(aside)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
