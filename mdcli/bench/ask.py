@@ -27,6 +27,7 @@ the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm a
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -183,24 +184,25 @@ def forest_int8(model: LoadedModel, prompts: list[list[int]], case: Case) -> Mea
     return measured
 
 
-_INT8_COPIES: dict[int, LoadedModel] = {}  # by id of the float32 model: made once, reused by every case
+_INT8_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float32 module -> its int8 copy, for every case
 
 
 def int8_copy(model: LoadedModel) -> LoadedModel:
-    """A copy of `model` with its projections made int8 (mdcli.int8_weights), kept for the process."""
+    """A copy of `model` with its projections made int8 (mdcli.int8_weights), made once and kept
+    while the float32 model lives."""
     import copy
     import dataclasses
 
     from mdcli.int8_weights import quantize_model  # lazy: only this approach needs it
     from mdcli.packing import copies_set_aside  # lazy: as above
 
-    if id(model.model) not in _INT8_COPIES:
+    if model.model not in _INT8_COPIES:
         with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
             weights = copy.deepcopy(model.model)
         mib = quantize_model(weights) / 2**20
-        _INT8_COPIES[id(model.model)] = dataclasses.replace(
+        _INT8_COPIES[model.model] = dataclasses.replace(
             model, model=weights, cpu_weights="int8", dtype_reason=f"{model.dtype_reason}; int8 weights, {mib:.0f} MiB")
-    return _INT8_COPIES[id(model.model)]
+    return _INT8_COPIES[model.model]
 
 
 def weight_bytes(model) -> int:
