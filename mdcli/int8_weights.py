@@ -101,7 +101,10 @@ def dequantized_product(rows: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return (torch.nn.functional.linear(rows.float(), weight.values.float()) * weight.scales.float()).to(torch.bfloat16)
 
 
-def _module_class():
+@functools.cache
+def int8_linear_class():
+    """The `Int8Linear` module class, made on first use (this module is imported without torch, as
+    `mdcli --help` must be fast)."""
     import torch.nn as nn
 
     class Int8Linear(nn.Module):
@@ -126,13 +129,6 @@ def _module_class():
             return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 scales"
 
     return Int8Linear
-
-
-@functools.cache
-def int8_linear_class():
-    """The `Int8Linear` module class, made on first use (this module is imported without torch, as
-    `mdcli --help` must be fast)."""
-    return _module_class()
 
 
 def has_int8_weights(model) -> bool:
@@ -206,6 +202,11 @@ def quantize_model(model) -> int:
     total += quantized.nbytes
     model.lm_head = Int8Linear(quantized, head.bias)
     return total
+
+
+def described(nbytes: int) -> str:
+    """How a run names its int8 weights (the header's dtype reason, the bench's): "int8 weights, 129 MiB"."""
+    return f"int8 weights, {nbytes / 2**20:.0f} MiB"
 
 
 def fused_int8(modules) -> Int8Weight:

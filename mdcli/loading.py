@@ -26,7 +26,7 @@ from mdcli.architectures import (
 )
 from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir, gguf_progress_bar_follows_transformers
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
-from mdcli.int8_weights import CHOICES, quantize_model, setting_refusal
+from mdcli.int8_weights import CHOICES, described, quantize_model, setting_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +115,7 @@ def load_model(
         )
         tokenizer = _load_tokenizer(source, trust_remote_code)
     if cpu_weights == "int8":
-        dtype_reason += f"; int8 weights, {quantize_model(hf_model) / 2**20:.0f} MiB"
+        dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
     return LoadedModel(
         model=hf_model,

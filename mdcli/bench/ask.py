@@ -193,15 +193,14 @@ def int8_copy(model: LoadedModel) -> LoadedModel:
     import copy
     import dataclasses
 
-    from mdcli.int8_weights import quantize_model  # lazy: only this approach needs it
+    from mdcli.int8_weights import described, quantize_model  # lazy: only this approach needs it
     from mdcli.packing import copies_set_aside  # lazy: as above
 
     if model.model not in _INT8_COPIES:
         with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
             weights = copy.deepcopy(model.model)
-        mib = quantize_model(weights) / 2**20
-        _INT8_COPIES[model.model] = dataclasses.replace(
-            model, model=weights, cpu_weights="int8", dtype_reason=f"{model.dtype_reason}; int8 weights, {mib:.0f} MiB")
+        reason = f"{model.dtype_reason}; {described(quantize_model(weights))}"
+        _INT8_COPIES[model.model] = dataclasses.replace(model, model=weights, cpu_weights="int8", dtype_reason=reason)
     return _INT8_COPIES[model.model]
 
 

@@ -28,7 +28,7 @@ from mdcli import cache as kv
 from mdcli import engine as engine_module
 from mdcli import fastforward, tiled_gemm
 from mdcli.bench import RANDOM_SHAPES, random_model
-from mdcli.bench.ask import Case, prompts_for, weight_bytes
+from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
 from mdcli.blas_gemv import one_blas_thread, openblas_linear
@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",
-                        help="int8: also step the engine over int8 weights (mdcli.int8_weights; a second copy of "
-                             "the model, quantized), against the same float32 reference")
+                        help="int8: also step the engine over int8 weights (mdcli.int8_weights; a copy of the "
+                             "model, quantized), against the same float32 reference")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
     args = parser.parse_args(argv)
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         print(linear_kernels_table([1, 2, 4, 8, 16, 32, 64, 512] if int8 else [1, 2, 4, 8, 16, 64], int8_weights=int8))
         return
     lm = random_model(args.random_model) if args.random_model else load_model(quiet=True)
-    int8 = load_model(quiet=True, cpu_weights="int8") if args.cpu_weights == "int8" else None
+    int8 = int8_copy(lm) if args.cpu_weights == "int8" else None
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
     print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {weight_bytes(lm.model) / 1e6:.0f} MB of "
