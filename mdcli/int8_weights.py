@@ -9,7 +9,8 @@ symmetric, per output row, round to nearest, the scale a bf16 number (`quantize`
 torch's int8 weight-only kernel (`torch._weight_int8pack_mm`): activations rounded to bf16, sums in
 float32, the result rounded to bf16, then back to float32; the rest of the model (embeddings, norms,
 rotary, attention, the cache) stays float32. The kernel reads the rows of a product independently, so
-a token's output does not depend on the other tokens in the forward (checked by the tests); forwards
+a token's output does not depend on the other tokens in the forward (bit-identical where measured;
+the tests hold it to one bf16 step, as they may run on another host); forwards
 of more than KERNEL_MAX_ROWS tokens (a prefill) multiply by the dequantized weight in float32
 instead, where torch's float32 kernels are faster, which differs from the kernel by float32
 rounding before the same bf16 rounding.
