@@ -233,6 +233,7 @@ def think(
 from mdcli.decoding import BranchSpec  # noqa: E402, F811
 from mdcli.explain import ForestLayout, plan_layout, render_explanation  # noqa: E402
 from mdcli.explain_step import describe_step, first_verified_step  # noqa: E402
+from mdcli.gguf_blocks import serving as gguf_blocks_serving  # noqa: E402
 from mdcli.kernels import kernel_choice  # noqa: E402, F811
 from mdcli.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from mdcli.sampling import SamplingParams  # noqa: E402, F811
@@ -261,7 +262,7 @@ __all__ = [
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",
     # describing a run without running it
-    "ForestLayout", "kernel_choice", "plan_layout", "render_explanation",
+    "ForestLayout", "gguf_blocks_serving", "kernel_choice", "plan_layout", "render_explanation",
     # one speculative step of a run, watched and drawn (mdcli explain --speculate)
     "describe_step", "first_verified_step",
 ]

@@ -42,13 +42,13 @@ turns it off.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli import packing
+from mdcli import gguf_blocks, packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
-from mdcli.forward_support import unsupported_reason
+from mdcli.forward_support import own_forward_off, unsupported_reason
+from mdcli.gguf_blocks import SOURCE_KEY, block_linear
 from mdcli.int8_weights import fused_int8, has_int8_weights, int8_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
@@ -59,7 +59,6 @@ from mdcli.tiled_gemm import TILED_MAX_ROWS, tiled_linear
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_FORWARD"
 # bmm attention materializes every score, so past a number of queries per forward sdpa's chunked
 # kernel wins; forwards of more queries than this attend with sdpa. AVX2 x86-64 (Zen 3, 2,000-2,500
 # keys: bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512): 64. With oneDNN
@@ -80,7 +79,7 @@ SMALL_BLAS_QUERIES_AVX2 = 1
 
 def fast_forward_for(model, **options) -> FastForward | None:
     """mdcli's forward for this model, or None where transformers' own forward must run."""
-    if os.environ.get(OPT_OUT, "").strip().lower() in {"transformers", "hf", "off", "0"}:
+    if own_forward_off():
         return None
     reason = unsupported_reason(model)
     return None if reason else FastForward(model, **options)
@@ -147,7 +146,7 @@ class FastForward:
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
                  pair_padded: bool | None = None, read_ahead: bool | None = None,
-                 tiled: bool | None = None) -> None:
+                 tiled: bool | None = None, blocks: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -171,12 +170,18 @@ class FastForward:
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
             self.small = _with_weights(self.layers, copies)
-        self.transposed = transposing_wanted(model) if transposed is None else transposed
+        self.blocks_reason = None  # why forwards of a few tokens do not read the .gguf's blocks, if they could
+        self.blocks = self._block_copies(model) if blocks is None or blocks else None
+        if self.blocks:  # what forwards of up to gguf_blocks.MAX_ROWS tokens multiply by
+            copies, self.block_head = self.blocks
+            self.block_layers = _with_weights(self.layers, copies)
+        # a lone token takes the blocks where they are made, so no transposed copy for it
+        self.transposed = not self.blocks and (transposing_wanted(model) if transposed is None else transposed)
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
         blas_host = lone_blas_step(*packing.weight_kind(model))
         self.lone_blas = self.transposed and (blas_host if lone_blas is None else lone_blas)
         self.blas_queries = (SMALL_BLAS_QUERIES_AVX2 if avx2_step(*packing.weight_kind(model))
-                             else SMALL_BLAS_QUERIES) if self.lone_blas or (self.tiled and blas_host) else 0
+                             else SMALL_BLAS_QUERIES) if self.lone_blas or ((self.tiled or self.blocks) and blas_host) else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = _with_weights(self.layers, copies)
@@ -187,6 +192,17 @@ class FastForward:
             for layer, weights in zip(self.layers, packed):
                 layer.qkv, layer.o, layer.gate_up, layer.down = weights
 
+    def _block_copies(self, model):
+        """The .gguf's blocks for every projection and the head (mdcli.gguf_blocks), where the
+        model's float32 weights are them and the kernel runs here; else None, the reason kept."""
+        if self.int8 or SOURCE_KEY not in model.__dict__ or not gguf_blocks.usable_here(*packing.weight_kind(model)):
+            return None
+        found = gguf_blocks.model_blocks(model)
+        if isinstance(found, str):
+            self.blocks_reason = found
+            return None
+        return found
+
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
         type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
@@ -196,6 +212,8 @@ class FastForward:
         m = tokens.shape[0]
         if self.int8:
             linear, layers, head = int8_linear, self.layers, self.head
+        elif self.blocks and m <= gguf_blocks.MAX_ROWS:
+            linear, layers, head = block_linear, self.block_layers, self.block_head
         elif m == 1 and self.transposed:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
         elif self.tiled and m <= TILED_MAX_ROWS:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
-from mdcli import tiled_gemm
+from mdcli import gguf_blocks, tiled_gemm
 from mdcli.blas_gemv import openblas_works
 from mdcli.cpuinfo import cpu_vendor
 from mdcli.errors import UsageError
@@ -86,14 +86,18 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     return _routing(device, dtype).name
 
 
-def kernel_choice(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+def kernel_choice(device: torch.device, dtype: torch.dtype, blocks: str | None = None) -> KernelChoice:
     """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
-    the routing (`_routing`), noting where a lone token's step runs on OpenBLAS (`lone_blas_step`)
-    and where forwards of a few tokens run on mdcli's tiled kernel (`tiled_step`)."""
+    the routing (`_routing`), noting where forwards of a few tokens read the model's .gguf blocks
+    (`blocks`: their kinds, from mdcli.gguf_blocks.serving), else where a lone token's step runs on
+    OpenBLAS (`lone_blas_step`), and where forwards of a few tokens run on mdcli's tiled kernel
+    (`tiled_step`)."""
     choice = _routing(device, dtype)
-    notes = [note for wanted, note in ((lone_blas_step, "one thread: a lone token on OpenBLAS"),
-                                       (tiled_step, f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel"))
-             if wanted(device, dtype)]
+    notes = [f"1-{gguf_blocks.MAX_ROWS} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
+        if blocks else []
+    notes += [note for wanted, note in ((lone_blas_step, "one thread: a lone token on OpenBLAS"),
+                                        (tiled_step, f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel"))
+              if wanted(device, dtype) and not (blocks and wanted is lone_blas_step)]
     return KernelChoice(choice.name, "; ".join([choice.reason, *notes])) if notes else choice
 
 

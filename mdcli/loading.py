@@ -24,7 +24,8 @@ from mdcli.architectures import (
     model_type,
     sliding_window_layout,
 )
-from mdcli.embedded import EMBEDDED_NAME, embedded_model_dir, gguf_progress_bar_follows_transformers
+from mdcli.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
+from mdcli.gguf_blocks import remember_source
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
 from mdcli.int8_weights import CHOICES, described, quantize_model, setting_refusal
 
@@ -76,6 +77,7 @@ class _Source:
     gguf_file: str | None
     name: str
     is_hub_id: bool
+    blocks_from: Path | None = None  # the .gguf whose blocks the float32 weights are (mdcli.gguf_blocks)
 
 
 def load_model(
@@ -114,6 +116,8 @@ def load_model(
             **placement,
         )
         tokenizer = _load_tokenizer(source, trust_remote_code)
+    if source.blocks_from is not None:
+        remember_source(hf_model, source.blocks_from)
     if cpu_weights == "int8":
         dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
@@ -292,14 +296,15 @@ def _check_requested_dtype(dtype: str, device: torch.device) -> None:
 
 def _resolve_source(model: str | None, progress: Progress | None) -> _Source:
     if model is None:
-        return _Source(str(embedded_model_dir(progress)), None, EMBEDDED_NAME, is_hub_id=False)
+        return _Source(str(embedded_model_dir(progress)), None, EMBEDDED_NAME, is_hub_id=False,
+                       blocks_from=embedded_gguf_path())
     if not model.strip():
         raise UsageError("the model name is empty", fix=_SOURCE_FIX)
     path = Path(model).expanduser()
     if path.is_dir():
         return _Source(str(path), None, model, is_hub_id=False)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _Source(str(path.parent), path.name, model, is_hub_id=False)
+        return _Source(str(path.parent), path.name, model, is_hub_id=False, blocks_from=path)
     if path.is_file():
         raise UsageError(f"'{model}' is a file but not a .gguf", fix=_SOURCE_FIX)
     if _looks_like_path(model):

@@ -21,6 +21,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from mdcli import gguf_blocks
 from mdcli.engine import ChainResult, Engine, run_to_end
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
@@ -83,7 +84,7 @@ def new_engine(model: LoadedModel, *, max_forward_tokens: int = 1024) -> Engine:
 
 def start_event(model: LoadedModel, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
     return Start(
-        kernels=str(kernel_choice(model.device, model.dtype)),
+        kernels=str(kernel_choice(model.device, model.dtype, gguf_blocks.serving(model.model))),
         model=model.name,
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),

@@ -27,18 +27,14 @@ other kernel).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mdcli.embedded import cache_root
+from mdcli import native
 
 if TYPE_CHECKING:
     import torch
@@ -46,8 +42,7 @@ if TYPE_CHECKING:
 OPT_OUT = "MDCLI_TILED_GEMM"
 TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
 SOURCE = Path(__file__).with_name("tiled_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
-COMPILE_SECONDS = 120
+FLAGS = ("-O3", "-mavx2", "-mfma")
 # mdcli.fastforward multiplies forwards of up to this many tokens by the tiled copy where it makes
 # one, wider ones by its packed copy. Zen 3, one thread, interleaved whole steps of the embedded
 # model over 1,529 tokens, packed -> tiled: 2 branches 119 -> 82 ms, 8: 161 -> 115, 16: 249 -> 199,
@@ -111,48 +106,14 @@ def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use and kept in the cache folder; None if it cannot be."""
-    path = _library_path()
-    if not path.exists() and not _compile(path):
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
+    """The compiled kernel, built on first use and kept in the cache folder (mdcli.native); None if it cannot be."""
+    lib = native.load(SOURCE, FLAGS)
+    if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.tiled_gemm.argtypes = [pointer, size, size, pointer, size, pointer]
     lib.tiled_gemm.restype = None
     return lib
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _library_path() -> Path:
-    """Named after the source, the flags and the compiler, so a change of any builds anew."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + str(_compiler()).encode())
-    return cache_root() / "kernels" / f"tiled_gemm-{digest.hexdigest()[:16]}.so"
-
-
-def _compile(path: Path) -> bool:
-    """cc into a temporary file beside `path`, then renamed: concurrent first runs never load half a file."""
-    compiler = _compiler()
-    if compiler is None:
-        return False
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
-        os.close(handle)
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
-                              timeout=COMPILE_SECONDS, check=False)
-        if done.returncode != 0:
-            os.unlink(partial)
-            return False
-        os.replace(partial, path)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 def _cpu_has_avx2_fma() -> bool:

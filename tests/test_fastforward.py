@@ -38,15 +38,16 @@ VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None, pair_padded=None, tiled=False):
+                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
-    so each test exercises the copies it names."""
+    so each test exercises the copies it names; the .gguf's blocks (mdcli.gguf_blocks) as chosen
+    unless `blocks` says."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
     attention, packed = variant
     own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
-                            pair_padded=pair_padded, tiled=tiled)
+                            pair_padded=pair_padded, tiled=tiled, blocks=blocks)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -148,7 +149,7 @@ def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(em
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     prompt = embedded.tokenizer(f"{document}\nQuestion: Who is Mara?\nAnswer:")["input_ids"]
     worst, generated = lockstep_logits(embedded.model, [prompt], steps=8, variant=("bmm", None), transposed=True,
-                                       lone_blas=True)
+                                       lone_blas=True, blocks=False)  # the float32 copies, not the .gguf's blocks
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     expected = generate_alone(embedded.model, prompt, len(generated[0]))
     assert len(expected) >= 4 and generated[0][: len(expected)] == expected

@@ -17,11 +17,14 @@ if TYPE_CHECKING:
     from mdcli.bench.ask import Measurement
 
 
-def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict:
+def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                  blocks: str | None = None) -> dict:
+    """The machine, versions and mdcli's kernels; blocks: the .gguf block kinds the model's forward
+    reads (mdcli.gguf_blocks.serving)."""
     import torch
     import transformers
 
-    kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32)
+    kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32, blocks)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {
         "cpu": cpu_model(),

@@ -103,6 +103,7 @@ class StepProfile:
         timed_transposed_linear = timed_linear_of(fastforward._transposed_linear, 1)
         timed_blas_linear = timed_linear_of(fastforward._blas_linear, 1)
         timed_tiled_linear = timed_linear_of(fastforward._tiled_linear, 0)  # TiledWeight.shape is (out, in)
+        timed_block_linear = timed_linear_of(fastforward.block_linear, 0)  # BlockWeight.shape is (out, in)
 
         patches = [
             (F, "linear", timed_linear),
@@ -116,6 +117,7 @@ class StepProfile:
             (fastforward, "_transposed_linear", timed_transposed_linear),
             (fastforward, "_blas_linear", timed_blas_linear),
             (fastforward, "_tiled_linear", timed_tiled_linear),
+            (fastforward, "block_linear", timed_block_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
         patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, "
-                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|packed+openblas ...")
+                             "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|tiled|blocks|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",
                         help="int8: also step the engine over int8 weights (mdcli.int8_weights; a copy of the "

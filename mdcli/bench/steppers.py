@@ -51,7 +51,9 @@ class EngineStepper:
     or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), "padded" for two-row
     products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear), and "ahead" to
     read the cache ahead (mdcli.kernels.read_ahead; without it, not), "tiled" for forwards of up to
-    fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.tiled_gemm; without it, not).
+    fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.tiled_gemm; without it, not), "blocks"
+    for forwards of up to gguf_blocks.MAX_ROWS tokens on the .gguf's own blocks (mdcli.gguf_blocks;
+    without it, not).
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
     (the tree a speculative step feeds, mdcli.speculate); the step then continues from the last."""
@@ -67,7 +69,8 @@ class EngineStepper:
             self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
                                             transposed=bool(copies & {"transposed", "openblas"}),
                                             lone_blas="openblas" in copies, pair_padded="padded" in copies,
-                                            read_ahead="ahead" in copies, tiled="tiled" in copies)
+                                            read_ahead="ahead" in copies, tiled="tiled" in copies,
+                                            blocks="blocks" in copies)
         self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]

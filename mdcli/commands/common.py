@@ -192,7 +192,7 @@ def header(lm) -> str:
     if lm.cpu_weights == "int8":  # the products run on torch's int8 kernel whatever the float32 routing
         line += " · kernels torch int8 weight-only (bf16 activations)"
     elif lm.device.type == "cpu":
-        line += f" · kernels {api.kernel_choice(lm.device, lm.dtype)}"
+        line += f" · kernels {api.kernel_choice(lm.device, lm.dtype, api.gguf_blocks_serving(lm.model))}"
     return line
 
 

@@ -1,0 +1,181 @@
+/* y = x @ W^T where W is stored as a GGUF file stores it: blocks of 32 weights, Q4_1 or Q8_0.
+ *
+ * The weights a GGUF-loaded model holds in float32 are these blocks dequantized (gguf-py's
+ * `dequantize`, which transformers runs): Q4_1 w = d * q + m (q a 4-bit code, d and m float16),
+ * Q8_0 w = d * q (q an int8 code), in float32. d * q is exact in float32 (an 11-bit significand
+ * times at most 8 bits), so gguf-py's multiply-then-add and one fused multiply-add round the sum
+ * once, the same way: the kernel multiplies by the model's own float32 weights bit for bit while
+ * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. `*_dequantize` writes those weights out with the same code:
+ * mdcli.gguf_blocks compares them with the model's before it uses a block copy.
+ *
+ * Each output of a row of x sums its inputs in float32 on multiply-add chains, two per output
+ * row, one vector lane per input position modulo the vector width, then across the lanes: another
+ * summation order than other BLAS kernels, so results agree with them to float32 rounding, not bit
+ * for bit.
+ *
+ * Built twice from this file (mdcli/gguf_blocks.py): with AVX-512 (16 lanes) and with AVX2 (8).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32
+#define Q4_1_BYTES 20 /* float16 d, float16 m, 16 bytes of codes: low nibbles are weights 0-15, high 16-31 */
+#define Q8_0_BYTES 34 /* float16 d, 32 int8 codes */
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define ROWS 8 /* rows of x per pass over a weight row: 2 x ROWS accumulators of the 32 registers */
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vfloat _mm512_cvtepi32_ps
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+
+static inline void q4_codes(const uint8_t *codes, vec w[2]) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)); /* [16] */
+    w[0] = vfloat(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    w[1] = vfloat(_mm512_srli_epi32(bytes, 4));
+}
+
+static inline void q8_codes(const int8_t *codes, vec w[2]) {
+    w[0] = vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    w[1] = vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+}
+#else
+#define LANES 8
+#define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfloat _mm256_cvtepi32_ps
+static inline float vsum(vec v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+static inline void q4_codes(const uint8_t *codes, vec w[4]) {
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));     /* bytes 0-7 */
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8))); /* bytes 8-15 */
+    const __m256i nibble = _mm256_set1_epi32(15);
+    w[0] = vfloat(_mm256_and_si256(low, nibble));
+    w[1] = vfloat(_mm256_and_si256(high, nibble));
+    w[2] = vfloat(_mm256_srli_epi32(low, 4));
+    w[3] = vfloat(_mm256_srli_epi32(high, 4));
+}
+
+static inline void q8_codes(const int8_t *codes, vec w[4]) {
+    for (int j = 0; j < 4; j++)
+        w[j] = vfloat(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * j))));
+}
+#endif
+
+#define PER (BLOCK / LANES) /* vectors per block */
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* One block's 32 weights, in input order, as PER vectors. kind: 0 = Q4_1, 1 = Q8_0. */
+static inline __attribute__((always_inline)) void weights_of(int kind, const uint8_t *block, vec w[PER]) {
+    const vec d = vset1(half_at(block));
+    if (kind == 0) {
+        const vec m = vset1(half_at(block + 2));
+        q4_codes(block + 4, w);
+        for (int j = 0; j < PER; j++)
+            w[j] = vfma(d, w[j], m); /* d * q exact, so rounded once as gguf-py's (d * q) + m */
+    } else {
+        q8_codes((const int8_t *)(block + 2), w);
+        for (int j = 0; j < PER; j++)
+            w[j] = vmul(d, w[j]);
+    }
+}
+
+/* Rows [0, R) of x (row stride ldx) times one weight row of `blocks` blocks -> y[r * ldy]. */
+static inline __attribute__((always_inline)) void pass(int kind, int R, const float *x, int64_t ldx,
+                                                       const uint8_t *row, int64_t blocks, float *y, int64_t ldy) {
+    const int64_t size = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES;
+    vec acc[ROWS][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = vzero();
+    for (int64_t b = 0; b < blocks; b++) {
+        vec w[PER];
+        weights_of(kind, row + b * size, w);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const float *in = x + r * ldx + b * BLOCK;
+#pragma GCC unroll 4
+            for (int j = 0; j < PER; j++)
+                acc[r][j & 1] = vfma(vload(in + j * LANES), w[j], acc[r][j & 1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        y[r * ldy] = vsum(vadd(acc[r][0], acc[r][1]));
+}
+
+#if ROWS == 8
+#define PASSES(kind) \
+    case 1: pass(kind, 1, xr, k, row, blocks, yr, n); break; \
+    case 2: pass(kind, 2, xr, k, row, blocks, yr, n); break; \
+    case 3: pass(kind, 3, xr, k, row, blocks, yr, n); break; \
+    case 4: pass(kind, 4, xr, k, row, blocks, yr, n); break; \
+    case 5: pass(kind, 5, xr, k, row, blocks, yr, n); break; \
+    case 6: pass(kind, 6, xr, k, row, blocks, yr, n); break; \
+    case 7: pass(kind, 7, xr, k, row, blocks, yr, n); break; \
+    default: pass(kind, 8, xr, k, row, blocks, yr, n); break;
+#else
+#define PASSES(kind) \
+    case 1: pass(kind, 1, xr, k, row, blocks, yr, n); break; \
+    case 2: pass(kind, 2, xr, k, row, blocks, yr, n); break; \
+    case 3: pass(kind, 3, xr, k, row, blocks, yr, n); break; \
+    default: pass(kind, 4, xr, k, row, blocks, yr, n); break;
+#endif
+
+/* y[m][n] = sum_c x[m][c] * W[n][c]; x: [m, k] and y: [m, n] contiguous float32, W: n rows of k / 32
+ * blocks. Each weight row is read from memory once; passes after the first over more rows of x
+ * find it in the core's caches. */
+#define PRODUCT(name, kind, bytes)                                                                 \
+    void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {      \
+        const int64_t blocks = k / BLOCK;                                                          \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            const uint8_t *row = w + j * blocks * (bytes);                                         \
+            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {                                             \
+                const float *xr = x + r0 * k;                                                      \
+                float *yr = y + r0 * n + j;                                                        \
+                switch (m - r0) { PASSES(kind) }                                                   \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+PRODUCT(q4_1_gemm, 0, Q4_1_BYTES)
+PRODUCT(q8_0_gemm, 1, Q8_0_BYTES)
+
+/* out[n][k] = the weights, float32, computed as the products above compute them. */
+#define DEQUANTIZE(name, kind, bytes)                                                              \
+    void name(const uint8_t *w, int64_t n, int64_t k, float *out) {                               \
+        const int64_t blocks = n * (k / BLOCK);                                                    \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            vec v[PER];                                                                            \
+            weights_of(kind, w + b * (bytes), v);                                                  \
+            for (int j = 0; j < PER; j++)                                                          \
+                vstore(out + b * BLOCK + j * LANES, v[j]);                                         \
+        }                                                                                          \
+    }
+
+DEQUANTIZE(q4_1_dequantize, 0, Q4_1_BYTES)
+DEQUANTIZE(q8_0_dequantize, 1, Q8_0_BYTES)

@@ -1,0 +1,282 @@
+"""A decode step that reads the GGUF file's own blocks: the same float32 weights in a sixth of the bytes.
+
+The embedded model ships as a Q4_1 GGUF (its output head Q8_0), and so does any `.gguf` a user
+passes: transformers dequantizes every block to float32 at load (gguf-py's `dequantize`), so the
+model mdcli runs has float32 weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) of the
+file's codes and float16 scales. A CPU decode step of a few tokens is bound by reading those
+weights: 538 MB of float32 for the embedded model, ~41 ms at one Intel core's 13 GB/s. The file's
+blocks hold the same numbers in 96 MB.
+
+`gguf_blocks.c` (next to this file) multiplies by the blocks directly: each block is turned back
+into its 32 float32 weights in registers, rounded as gguf-py rounds them (d * q is exact in float32,
+so its sum with m rounds once either way), then multiplied and summed in float32 like any other
+float32 kernel. So the
+products are float32 products of the model's own float32 weights, summed in another order than
+MKL's or oneDNN's: logits agree with theirs to float32 rounding, the same kind of difference as
+between those two, and nothing about the model changes (unlike `--cpu-weights int8`, which rounds
+weights and activations).
+
+Before a copy is used it is checked: every matrix the kernel would read is dequantized by the
+kernel's own code and compared bit for bit with the model's float32 weight (`read_blocks`); a file
+whose blocks are not the model's weights (another model, a transposition mdcli does not know, a
+block type the kernel does not read) gives no copy, with the reason, and the step keeps its float32
+kernels. Measured in BENCHMARKS.md ("The GGUF's own blocks").
+
+Built with mdcli.native: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
+`MDCLI_GGUF_BLOCKS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mdcli import native
+from mdcli.forward_support import own_forward_off, unsupported_reason
+from mdcli.gguf_tensors import read_tensors
+from mdcli.int8_weights import has_int8_weights
+
+if TYPE_CHECKING:
+    import torch
+
+OPT_OUT = "MDCLI_GGUF_BLOCKS"
+SOURCE = Path(__file__).with_name("gguf_blocks.c")
+_COMMON = ("-O3", "-mfma", "-mf16c")
+FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
+BLOCK = 32  # weights per block, both kinds
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+# mdcli.fastforward multiplies forwards of up to this many tokens by the blocks, wider ones (a
+# prefill) by its float32 kernels. The embedded model's 211 matrices, one thread, Intel Xeon with
+# AVX-512, blocks / best float32 kernel (`python -m mdcli.bench.step --linears`): 1 row 19.4 / 38.3
+# ms, 8 rows 36.7 / 54.9, 16 rows 76.0 / 67.2; AVX2 build on the same core: 8 rows 44.7.
+MAX_ROWS = 8
+SOURCE_KEY = "_mdcli_gguf_source"  # model.__dict__: the .gguf file its weights were dequantized from
+_CACHE = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWeight:
+    """An [out, in] weight as GGUF blocks: data [out, in / 32 * bytes] uint8, each row its blocks."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    data: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def enabled() -> bool:
+    return os.environ.get(OPT_OUT, "").strip().lower() not in {"0", "off", "no", "false"}
+
+
+def remember_source(model, path: Path | str) -> None:
+    """Note on the model the .gguf file its float32 weights were dequantized from (mdcli.loading)."""
+    model.__dict__[SOURCE_KEY] = str(path)
+
+
+def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for W in blocks. x: [..., in] float32 CPU -> [..., out]."""
+    import torch
+
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
+        raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
+    out_features, inner = weight.shape
+    if inner != flat.shape[1]:
+        raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
+    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
+    product = library().q4_1_gemm if weight.kind == "Q4_1" else library().q8_0_gemm
+    product(flat.data_ptr(), flat.shape[0], inner, weight.data.data_ptr(), out_features, out.data_ptr())
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+def dequantize(weight: BlockWeight) -> torch.Tensor:
+    """The float32 weights [out, in] the kernel multiplies by, written out by the kernel's own code."""
+    import torch
+
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    expand = library().q4_1_dequantize if weight.kind == "Q4_1" else library().q8_0_dequantize
+    expand(weight.data.data_ptr(), weight.shape[0], weight.in_features, out.data_ptr())
+    return out
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel for this CPU (built on first use, mdcli.native); None where it cannot be."""
+    flags = FLAGS.get(_capability())
+    lib = native.load(SOURCE, flags) if flags else None
+    if lib is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for name in ("q4_1_gemm", "q8_0_gemm"):
+        getattr(lib, name).argtypes = [pointer, size, size, pointer, size, pointer]
+        getattr(lib, name).restype = None
+    for name in ("q4_1_dequantize", "q8_0_dequantize"):
+        getattr(lib, name).argtypes = [pointer, size, size, pointer]
+        getattr(lib, name).restype = None
+    return lib
+
+
+@cache
+def blocks_work() -> bool:
+    """The kernel built here, writes gguf-py's weights bit for bit and multiplies as torch does."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    if library() is None:
+        return False
+    generator = np.random.default_rng(0)
+    values = generator.standard_normal((19, 96)).astype(np.float32)
+    for kind in BLOCK_BYTES:
+        kind_id = GGMLQuantizationType[kind]
+        codes = quants.quantize(values, kind_id)  # [19, 3 * bytes] uint8
+        weight = BlockWeight(kind, torch.from_numpy(codes), values.shape[1])
+        expected = torch.from_numpy(quants.dequantize(codes, kind_id))
+        if not torch.equal(dequantize(weight), expected):
+            return False
+        for rows in (1, 3, 8, 11):
+            x = torch.from_numpy(generator.standard_normal((rows, 96)).astype(np.float32))
+            if not torch.allclose(block_linear(x, weight), x @ expected.T, rtol=1e-5, atol=1e-5):
+                return False
+    return True
+
+
+def usable_here(device, dtype) -> bool:
+    """A float32 CPU model, not turned off, on a CPU the kernel is built for, where it works."""
+    import torch
+
+    return (enabled() and device.type == "cpu" and dtype == torch.float32 and _capability() in FLAGS
+            and blocks_work())
+
+
+def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+    """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.fastforward fuses
+    them, and the head; or why there are none. Read from the model's .gguf once and kept on the
+    model, like mdcli.packing's copies."""
+    cached = model.__dict__.get(_CACHE)
+    if cached is None:
+        source = model.__dict__.get(SOURCE_KEY)
+        cached = read_blocks(Path(source), model) if source else "the model was not loaded from a .gguf"
+        model.__dict__[_CACHE] = cached
+    return cached
+
+
+def serving(model) -> str | None:
+    """The block kinds mdcli's forward over this model multiplies forwards of a few tokens by
+    ("Q4_1/Q8_0"), or None where it does not: not its own forward, not a float32 CPU model whose
+    weights are a .gguf's blocks, or the kernel does not run here."""
+    import torch
+
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if SOURCE_KEY not in model.__dict__ or own_forward_off() or unsupported_reason(model) or has_int8_weights(model):
+        return None
+    if weight is None or not usable_here(weight.device, weight.dtype if weight.dtype == torch.float32 else None):
+        return None
+    found = model_blocks(model)
+    if isinstance(found, str):
+        return None
+    layers, head = found
+    return "/".join(sorted({w.kind for w in (*layers[0], head)}))
+
+
+def read_blocks(path: Path, model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+    """The blocks of `path` for every projection and the head, each checked bit for bit against the
+    model's float32 weight; or the first reason not."""
+    try:
+        tensors = read_tensors(path)
+    except (OSError, ValueError, struct.error) as exc:  # no copy, never a failed run
+        return f"{path.name} could not be read: {exc}"
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    copies = []
+    for index, layer in enumerate(model.model.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = []
+        for name, module, rows in (("attn_q", attention.q_proj, heads), ("attn_k", attention.k_proj, kv_heads),
+                                   ("attn_v", attention.v_proj, None), ("attn_output", attention.o_proj, None),
+                                   ("ffn_gate", mlp.gate_proj, None), ("ffn_up", mlp.up_proj, None),
+                                   ("ffn_down", mlp.down_proj, None)):
+            candidates = _tensor_blocks(tensors, f"blk.{index}.{name}.weight", rows)
+            if isinstance(candidates, str):
+                return candidates
+            chosen = _matching(candidates, module.weight)
+            if chosen is None:
+                return f"blk.{index}.{name}.weight is not the model's float32 weight"
+            parts.append(chosen)
+        q, k, v, o, gate, up, down = parts
+        fused = (_joined([q, k, v]), o, _joined([gate, up]), down)
+        if None in fused:
+            return f"layer {index} mixes block kinds in a matrix mdcli multiplies as one"
+        copies.append(fused)
+    head = _tensor_blocks(tensors, "output.weight" if "output.weight" in tensors else "token_embd.weight", None)
+    if isinstance(head, str):
+        return head
+    chosen_head = _matching(head, model.lm_head.weight)
+    if chosen_head is None:
+        return "the output head's blocks are not the model's float32 weights"
+    return copies, chosen_head
+
+
+def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWeight] | str:
+    """The tensor's blocks as BlockWeight candidates: as stored and, for q and k (`heads`), with the
+    rows in the order transformers' GGUF loader puts Llama's (it undoes llama.cpp's rotary
+    permutation); which one is the model's, `_matching` finds."""
+    import numpy as np
+    import torch
+
+    tensor = tensors.get(name)
+    if tensor is None:
+        return f"the .gguf has no tensor {name}"
+    kind = tensor.kind
+    if kind not in BLOCK_BYTES:
+        return f"{name} is {kind}; mdcli's kernel reads {' and '.join(BLOCK_BYTES)} blocks"
+    data = torch.from_numpy(np.array(tensor.data))  # [out, in / 32 * bytes] uint8, copied out of the mapped file
+    inner = data.shape[1] // BLOCK_BYTES[kind] * BLOCK
+    stored = BlockWeight(kind, data, inner)
+    if heads is None or data.shape[0] % (2 * heads):
+        return [stored]
+    rows = torch.arange(data.shape[0]).view(heads, -1, 2).transpose(1, 2).reshape(-1)  # [out]: stored row of each
+    return [stored, BlockWeight(kind, data[rows].contiguous(), inner)]
+
+
+def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
+    """One weight of the parts' rows in order (q/k/v, gate/up, as fastforward fuses), or None if
+    their kinds differ."""
+    import torch
+
+    if len({(w.kind, w.in_features) for w in parts}) != 1:
+        return None
+    return BlockWeight(parts[0].kind, torch.cat([w.data for w in parts]), parts[0].in_features)
+
+
+def _matching(candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeight | None:
+    """The candidate whose weights are `weight`, bit for bit, or None."""
+    import torch
+
+    for candidate in candidates:
+        if candidate.shape == tuple(weight.shape) and torch.equal(dequantize(candidate), weight.detach()):
+            return candidate
+    return None
+
+
+def _capability() -> str | None:
+    import torch
+
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return None
+    return torch.backends.cpu.get_cpu_capability()

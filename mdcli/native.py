@@ -1,0 +1,62 @@
+"""mdcli's own C kernels: compiled once per machine with the system's C compiler, loaded with ctypes.
+
+Nothing is built at install and nothing is downloaded: the first run that wants a kernel compiles
+its source (next to the module that uses it) with `$CC`, else `cc`, into mdcli's cache folder
+(`$MDCLI_CACHE_DIR/kernels`, see mdcli.embedded), named after the source, the flags and the compiler,
+so a change of any builds anew. Without a compiler, or if the build fails, `load` returns None and
+the caller keeps torch's kernels (slower, the same tokens).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mdcli.embedded import cache_root
+
+COMPILE_SECONDS = 120
+
+
+def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built from `source` with `flags` (built on first use); None if it cannot be."""
+    path = library_path(source, flags)
+    if not path.exists() and not _compile(source, flags, path):
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+def library_path(source: Path, flags: tuple[str, ...]) -> Path:
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + str(_compiler()).encode())
+    return cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _compile(source: Path, flags: tuple[str, ...], path: Path) -> bool:
+    """cc into a temporary file beside `path`, then renamed: concurrent first runs never load half a file."""
+    compiler = _compiler()
+    if compiler is None:
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
+        os.close(handle)
+        done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", partial, str(source)],
+                              capture_output=True, timeout=COMPILE_SECONDS, check=False)
+        if done.returncode != 0:
+            os.unlink(partial)
+            return False
+        os.replace(partial, path)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False

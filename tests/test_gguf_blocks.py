@@ -1,0 +1,233 @@
+"""A decode step on the .gguf's own blocks (mdcli.gguf_blocks) multiplies by the model's own float32
+weights: the kernel writes gguf-py's dequantized weights bit for bit, its products agree with
+float32's to rounding, and a forest over the blocks gives transformers' logits and `generate`'s
+tokens, on the embedded model and on tiny Llama, Qwen2, Qwen3 and Mistral models written to real
+.gguf files. A file whose blocks are not the model's weights is never used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+from mdcli import gguf_blocks
+from mdcli.commands.common import header
+from mdcli.embedded import embedded_gguf_path
+from mdcli.fastforward import FastForward
+from mdcli.gguf_blocks import BlockWeight, block_linear, dequantize, remember_source, serving
+from mdcli.gguf_tensors import read_tensors
+from tests.reference import generate_alone
+from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_fastforward import lockstep_logits
+
+# only whether the kernel builds decides the skip: a kernel that disagreed with gguf-py must fail these tests
+needs_kernel = pytest.mark.skipif(gguf_blocks.library() is None, reason="the block kernel does not build on this CPU")
+KINDS = ["Q4_1", "Q8_0"]
+# where llama.cpp's converter stores q and k rows permuted for its rotary layout (transformers'
+# GGUF loader undoes it), and where it stores them as they are
+PERMUTED = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False}
+
+
+def quantized(values: np.ndarray, kind: str) -> tuple[np.ndarray, torch.Tensor]:
+    """values [N, K] float32 -> (codes [N, K / 32 * bytes] uint8, gguf-py's dequantized weights [N, K])."""
+    kind_id = GGMLQuantizationType[kind]
+    codes = quants.quantize(values.astype(np.float32), kind_id)
+    return codes, torch.from_numpy(quants.dequantize(codes, kind_id))
+
+
+def llama_cpp_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """q or k rows in the order llama.cpp's converter writes them (convert_hf_to_gguf's `permute`)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def gguf_backed(model, path: Path, *, head_kind: str = "Q8_0", permute: bool = True) -> Path:
+    """Round every projection of `model` to Q4_1 and its head to `head_kind`, in place, as a GGUF
+    load would leave them, and write those blocks to a real .gguf at `path` (llama.cpp's names; q
+    and k rows permuted as its converter writes Llama's when `permute`); the model remembers it."""
+    config = model.config
+    writer = GGUFWriter(str(path), "llama")
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            for name, module, heads in (
+                    ("attn_q", attention.q_proj, config.num_attention_heads),
+                    ("attn_k", attention.k_proj, config.num_key_value_heads), ("attn_v", attention.v_proj, None),
+                    ("attn_output", attention.o_proj, None), ("ffn_gate", mlp.gate_proj, None),
+                    ("ffn_up", mlp.up_proj, None), ("ffn_down", mlp.down_proj, None)):
+                codes, weights = quantized(module.weight.numpy(), "Q4_1")
+                module.weight.copy_(weights)
+                if permute and heads:
+                    codes = llama_cpp_permuted(codes, heads)
+                writer.add_tensor(f"blk.{index}.{name}.weight", codes, raw_dtype=GGMLQuantizationType.Q4_1)
+        codes, weights = quantized(model.lm_head.weight.numpy(), head_kind)
+        model.lm_head.weight.copy_(weights)  # tied: the input embedding too
+        writer.add_tensor("token_embd.weight", codes, raw_dtype=GGMLQuantizationType[head_kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    remember_source(model, path)
+    return path
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_writes_gguf_pys_weights_bit_for_bit(kind):
+    """d * q + m in float32, as gguf-py computes it, over weights of many magnitudes (each block's
+    own scale and minimum): a code read from the wrong nibble or a scale from the wrong byte would
+    differ."""
+    generator = np.random.default_rng(1)
+    values = generator.standard_normal((64, 256)) * np.exp(generator.uniform(-12, 4, (64, 1)))
+    codes, expected = quantized(values, kind)
+    assert torch.equal(dequantize(BlockWeight(kind, torch.from_numpy(codes), 256)), expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17])
+def test_products_agree_with_float32_for_every_row_count(kind, rows):
+    """Every pass size (8 rows at a time on AVX-512, 4 on AVX2, and the rest): within float32
+    rounding of the float64 product, as close as torch's own float32 product is."""
+    generator = np.random.default_rng(rows)
+    codes, weights = quantized(generator.standard_normal((37, 576)), kind)
+    x = torch.from_numpy(generator.standard_normal((rows, 576)).astype(np.float32))
+    bias = torch.from_numpy(generator.standard_normal(37).astype(np.float32))
+    ours = block_linear(x, BlockWeight(kind, torch.from_numpy(codes), 576), bias)
+    exact = x.double() @ weights.double().T + bias.double()
+    torchs = float((torch.nn.functional.linear(x, weights, bias).double() - exact).abs().max())
+    assert float((ours.double() - exact).abs().max()) <= 4 * torchs + 1e-6
+
+
+@needs_kernel
+def test_the_kernel_refuses_anything_but_float32_cpu_rows_of_its_width():
+    codes, _ = quantized(np.ones((4, 64)), "Q4_1")
+    weight = BlockWeight("Q4_1", torch.from_numpy(codes), 64)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        block_linear(torch.ones(1, 64, dtype=torch.float64), weight)
+    with pytest.raises(ValueError, match="64 inputs"):
+        block_linear(torch.ones(1, 96), weight)
+
+
+def test_the_tensor_table_is_read_as_gguf_py_reads_it():
+    """mdcli's own reader of the embedded .gguf (no metadata values parsed): every tensor's name,
+    shape and bytes as gguf-py's full reader gives them."""
+    ours = read_tensors(embedded_gguf_path())
+    theirs = {t.name: t for t in GGUFReader(str(embedded_gguf_path())).tensors}
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].kind == tensor.tensor_type.name
+        assert ours[name].shape == tuple(int(d) for d in reversed(tensor.shape))
+        assert np.array_equal(ours[name].data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_the_reader(tmp_path):
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_tensors(path)
+
+
+@needs_kernel
+def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embedded):
+    """The embedded SmolLM2 loads with its .gguf remembered; every projection and the head are its
+    Q4_1 / Q8_0 blocks bit for bit (checked at load, and here for the head), the header says so, and
+    three branches on the blocks give transformers' logits and generate's tokens."""
+    assert serving(embedded.model) == "Q4_1/Q8_0"
+    forward = FastForward(embedded.model)
+    assert forward.blocks is not None and forward.blocks_reason is None
+    assert torch.equal(dequantize(forward.block_head), embedded.model.lm_head.weight)
+    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded)
+    document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
+    questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
+    prompts = [embedded.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
+    worst, generated = lockstep_logits(embedded.model, prompts, steps=8, drop_at=3, blocks=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    for i in (0, 2):
+        expected = generate_alone(embedded.model, prompts[i], len(generated[i]))
+        assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", list(PERMUTED))
+def test_tiny_gguf_models_decode_on_their_blocks_to_generates_tokens(arch, tmp_path):
+    """A tiny model of each family mdcli's forward takes, its weights rounded to Q4_1 blocks written
+    to a real .gguf (q and k rows as llama.cpp stores them for that family): the forward finds every
+    matrix in the file, a forest with forks and a compaction gives transformers' logits at every step,
+    and each branch decodes generate's tokens, on one branch and several."""
+    model = tiny_model(arch, "sdpa")
+    gguf_backed(model, tmp_path / f"{arch}.gguf", permute=PERMUTED[arch])
+    forward = FastForward(model)
+    assert forward.blocks is not None, forward.blocks_reason
+    prompts = random_prompts(30, [4, 7, 2, 9, 5], seed=3)
+    worst, _ = lockstep_logits(model, prompts, steps=6, drop_at=2, blocks=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    engine = engine_for(model)
+    assert engine._fast.blocks is not None
+    generated = greedy_forest(engine, prompts, steps=6)
+    for prompt, tokens in zip(prompts, generated):
+        assert tokens == generate_alone(model, prompt, len(tokens))
+    alone = random_prompts(40, [5], seed=8)
+    assert greedy_forest(engine_for(model), alone, steps=6)[0] == generate_alone(model, alone[0], 6)
+
+
+@needs_kernel
+def test_a_gguf_whose_blocks_are_not_the_models_weights_is_never_read(tmp_path):
+    """One weight one float32 step off its block's value (a different model than the file): the
+    check at load finds it, the forward keeps its float32 kernels, and the branches still decode
+    generate's tokens."""
+    model = tiny_model("llama", "sdpa")
+    gguf_backed(model, tmp_path / "llama.gguf")
+    with torch.no_grad():
+        weight = model.model.layers[1].mlp.down_proj.weight
+        weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(1.0))
+    forward = FastForward(model)
+    assert forward.blocks is None and forward.blocks_reason == "blk.1.ffn_down.weight is not the model's float32 weight"
+    assert serving(model) is None
+    prompts = random_prompts(30, [4, 7], seed=5)
+    for prompt, tokens in zip(prompts, greedy_forest(engine_for(model), prompts, steps=6)):
+        assert tokens == generate_alone(model, prompt, len(tokens))
+
+
+@needs_kernel
+def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    gguf_backed(model, tmp_path / "llama.gguf", head_kind="Q5_0")
+    forward = FastForward(model)
+    assert forward.blocks is None and forward.blocks_reason == (
+        "token_embd.weight is type 6; mdcli's kernel reads Q4_1 and Q8_0 blocks")
+
+
+@needs_kernel
+def test_the_opt_out_and_other_settings_keep_the_float32_kernels(embedded, monkeypatch):
+    """MDCLI_GGUF_BLOCKS=0, or transformers' own forward (MDCLI_FORWARD=transformers): no blocks read,
+    and the header does not claim them."""
+    monkeypatch.setenv("MDCLI_GGUF_BLOCKS", "0")
+    assert FastForward(embedded.model).blocks is None and serving(embedded.model) is None
+    assert "blocks" not in header(embedded)
+    monkeypatch.delenv("MDCLI_GGUF_BLOCKS")
+    monkeypatch.setenv("MDCLI_FORWARD", "transformers")
+    assert serving(embedded.model) is None
+
+
+def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monkeypatch, tmp_path):
+    """No C compiler and an empty cache folder: nothing to build, no blocks, generate's tokens."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("llama", "sdpa")
+    gguf_blocks.library.cache_clear()
+    gguf_blocks.blocks_work.cache_clear()
+    try:
+        assert gguf_blocks.library() is None and not gguf_blocks.blocks_work()
+        model.__dict__[gguf_blocks.SOURCE_KEY] = str(tmp_path / "unread.gguf")  # never opened: no kernel
+        assert FastForward(model).blocks is None
+        prompts = random_prompts(30, [5, 9], seed=4)
+        for prompt, tokens in zip(prompts, greedy_forest(engine_for(model), prompts, steps=6)):
+            assert tokens == generate_alone(model, prompt, len(tokens))
+    finally:
+        monkeypatch.undo()
+        gguf_blocks.library.cache_clear()
+        gguf_blocks.blocks_work.cache_clear()
