@@ -30,6 +30,9 @@ and the tests compare this one with it. What this forward changes, per layer:
   read in place plus the few other slots gathered (mdcli.prefix_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations;
+* where the model's float32 weights are a .gguf's Q4_1 / Q8_0 blocks (the embedded model, any
+  `.gguf` passed to --model) and mdcli's block kernel builds, forwards of a few tokens multiply by
+  those blocks (mdcli.gguf_blocks): the same weights bit for bit, a sixth of the bytes to read;
 * with `--cpu-weights int8` (mdcli.int8_weights) every product multiplies by the int8 copies, fused
   the same way, and no float32 copy is made.
 
@@ -141,7 +144,10 @@ class FastForward:
     weight copies in mdcli.tiled_gemm's tiles (its own kernel); None decides by
     `packing.tiling_wanted`; a lone token still takes the transposed copy where that is made (OpenBLAS
     on it measured 2-5% faster in whole steps on Zen 3), else the tiled one and OpenBLAS's weighted
-    sum of the values, as with lone_blas."""
+    sum of the values, as with lone_blas. blocks: forwards of up to `gguf_blocks.max_rows()` tokens
+    multiply by the blocks of the .gguf the model was loaded from, where its weights are them
+    (mdcli.gguf_blocks; then no transposed copy is made, a lone token takes the blocks); None or
+    True: where they are found and the kernel works here, False: never."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
@@ -172,7 +178,8 @@ class FastForward:
             self.small = _with_weights(self.layers, copies)
         self.blocks_reason = None  # why forwards of a few tokens do not read the .gguf's blocks, if they could
         self.blocks = self._block_copies(model) if blocks is None or blocks else None
-        if self.blocks:  # what forwards of up to gguf_blocks.MAX_ROWS tokens multiply by
+        self.block_rows = gguf_blocks.max_rows()
+        if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
             self.block_layers = _with_weights(self.layers, copies)
         # a lone token takes the blocks where they are made, so no transposed copy for it
@@ -212,7 +219,7 @@ class FastForward:
         m = tokens.shape[0]
         if self.int8:
             linear, layers, head = int8_linear, self.layers, self.head
-        elif self.blocks and m <= gguf_blocks.MAX_ROWS:
+        elif self.blocks and m <= self.block_rows:
             linear, layers, head = block_linear, self.block_layers, self.block_head
         elif m == 1 and self.transposed:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head

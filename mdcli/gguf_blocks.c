@@ -179,3 +179,23 @@ PRODUCT(q8_0_gemm, 1, Q8_0_BYTES)
 
 DEQUANTIZE(q4_1_dequantize, 0, Q4_1_BYTES)
 DEQUANTIZE(q8_0_dequantize, 1, Q8_0_BYTES)
+
+/* 1 if the weights are `expected` ([n][k] float32) bit for bit, else 0: the check before a copy is
+ * used, without writing the weights out. */
+#define MATCHES(name, kind, bytes)                                                                 \
+    int name(const uint8_t *w, int64_t n, int64_t k, const float *expected) {                     \
+        const int64_t blocks = n * (k / BLOCK);                                                    \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            vec v[PER];                                                                            \
+            float out[BLOCK];                                                                      \
+            weights_of(kind, w + b * (bytes), v);                                                  \
+            for (int j = 0; j < PER; j++)                                                          \
+                vstore(out + j * LANES, v[j]);                                                     \
+            if (memcmp(out, expected + b * BLOCK, sizeof out) != 0)                                \
+                return 0;                                                                          \
+        }                                                                                          \
+        return 1;                                                                                  \
+    }
+
+MATCHES(q4_1_matches, 0, Q4_1_BYTES)
+MATCHES(q8_0_matches, 1, Q8_0_BYTES)

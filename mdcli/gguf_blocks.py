@@ -52,10 +52,15 @@ FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, both kinds
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 # mdcli.fastforward multiplies forwards of up to this many tokens by the blocks, wider ones (a
-# prefill) by its float32 kernels. The embedded model's 211 matrices, one thread, Intel Xeon with
-# AVX-512, blocks / best float32 kernel (`python -m mdcli.bench.step --linears`): 1 row 19.4 / 38.3
-# ms, 8 rows 36.7 / 54.9, 16 rows 76.0 / 67.2; AVX2 build on the same core: 8 rows 44.7.
-MAX_ROWS = 8
+# prefill) by its float32 kernels. Intel Xeon with AVX-512, one thread, the embedded model's 211
+# matrices, blocks / float32 `F.linear` (`python -m mdcli.bench.step --linears`): 1 row 17.0 / 35.8 ms,
+# 8 rows 28.8 / 88.0, 16 rows 55.1 / 89.2, 32 rows 126.4 / 105.7; whole steps over 1,500 tokens,
+# blocks / oneDNN's packed copy, two of each interleaved: 8 branches 58.9 / 83.2 ms, 12: 88.2 /
+# 117.7, 16: 114.4 / 126.1, 24: 165.7 / 145.1, 32: 248.6 / 199.2. So 16 with AVX-512. The AVX2
+# build passes over 4 rows at a time, not 8 (its 16 registers), and costs 1.2-1.7x more from 8
+# rows on (measured on the same core: 8 rows 44.7 ms, 16 rows 91.5): 8 there, not measured on an
+# AVX2-only CPU.
+MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
 SOURCE_KEY = "_mdcli_gguf_source"  # model.__dict__: the .gguf file its weights were dequantized from
 _CACHE = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
 
@@ -75,6 +80,11 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def max_rows() -> int:
+    """Forwards of up to this many tokens multiply by the blocks (MAX_ROWS_BY_CAPABILITY)."""
+    return MAX_ROWS_BY_CAPABILITY.get(_capability(), 0)
 
 
 def enabled() -> bool:
@@ -104,6 +114,17 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     return out.view(*x.shape[:-1], out_features)
 
 
+def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
+    """Whether the weights the kernel multiplies by are `expected` ([out, in] float32), bit for bit."""
+    import torch
+
+    if tuple(expected.shape) != weight.shape or expected.dtype != torch.float32 or expected.device.type != "cpu":
+        return False
+    expected = expected.detach().contiguous()
+    compare = library().q4_1_matches if weight.kind == "Q4_1" else library().q8_0_matches
+    return bool(compare(weight.data.data_ptr(), weight.shape[0], weight.in_features, expected.data_ptr()))
+
+
 def dequantize(weight: BlockWeight) -> torch.Tensor:
     """The float32 weights [out, in] the kernel multiplies by, written out by the kernel's own code."""
     import torch
@@ -128,6 +149,9 @@ def library() -> ctypes.CDLL | None:
     for name in ("q4_1_dequantize", "q8_0_dequantize"):
         getattr(lib, name).argtypes = [pointer, size, size, pointer]
         getattr(lib, name).restype = None
+    for name in ("q4_1_matches", "q8_0_matches"):
+        getattr(lib, name).argtypes = [pointer, size, size, pointer]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -147,7 +171,9 @@ def blocks_work() -> bool:
         codes = quants.quantize(values, kind_id)  # [19, 3 * bytes] uint8
         weight = BlockWeight(kind, torch.from_numpy(codes), values.shape[1])
         expected = torch.from_numpy(quants.dequantize(codes, kind_id))
-        if not torch.equal(dequantize(weight), expected):
+        if not torch.equal(dequantize(weight), expected) or not matches(weight, expected):
+            return False
+        if matches(weight, torch.nextafter(expected, torch.tensor(np.inf))):  # one float32 step off
             return False
         for rows in (1, 3, 8, 11):
             x = torch.from_numpy(generator.standard_normal((rows, 96)).astype(np.float32))
@@ -266,12 +292,7 @@ def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
 
 def _matching(candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeight | None:
     """The candidate whose weights are `weight`, bit for bit, or None."""
-    import torch
-
-    for candidate in candidates:
-        if candidate.shape == tuple(weight.shape) and torch.equal(dequantize(candidate), weight.detach()):
-            return candidate
-    return None
+    return next((candidate for candidate in candidates if matches(candidate, weight)), None)
 
 
 def _capability() -> str | None:

@@ -93,7 +93,7 @@ def kernel_choice(device: torch.device, dtype: torch.dtype, blocks: str | None =
     OpenBLAS (`lone_blas_step`), and where forwards of a few tokens run on mdcli's tiled kernel
     (`tiled_step`)."""
     choice = _routing(device, dtype)
-    notes = [f"1-{gguf_blocks.MAX_ROWS} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
+    notes = [f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
         if blocks else []
     notes += [note for wanted, note in ((lone_blas_step, "one thread: a lone token on OpenBLAS"),
                                         (tiled_step, f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel"))

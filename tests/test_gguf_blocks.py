@@ -18,7 +18,7 @@ from mdcli import gguf_blocks
 from mdcli.commands.common import header
 from mdcli.embedded import embedded_gguf_path
 from mdcli.fastforward import FastForward
-from mdcli.gguf_blocks import BlockWeight, block_linear, dequantize, remember_source, serving
+from mdcli.gguf_blocks import BlockWeight, block_linear, dequantize, matches, remember_source, serving
 from mdcli.gguf_tensors import read_tensors
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
@@ -83,7 +83,12 @@ def test_the_kernel_writes_gguf_pys_weights_bit_for_bit(kind):
     generator = np.random.default_rng(1)
     values = generator.standard_normal((64, 256)) * np.exp(generator.uniform(-12, 4, (64, 1)))
     codes, expected = quantized(values, kind)
-    assert torch.equal(dequantize(BlockWeight(kind, torch.from_numpy(codes), 256)), expected)
+    weight = BlockWeight(kind, torch.from_numpy(codes), 256)
+    assert torch.equal(dequantize(weight), expected)
+    assert matches(weight, expected)  # the check at load, which writes nothing out
+    nudged = expected.clone()
+    nudged[63, 255] = torch.nextafter(nudged[63, 255], torch.tensor(np.inf))  # the very last weight
+    assert not matches(weight, nudged)
 
 
 @needs_kernel
@@ -162,7 +167,8 @@ def test_tiny_gguf_models_decode_on_their_blocks_to_generates_tokens(arch, tmp_p
     gguf_backed(model, tmp_path / f"{arch}.gguf", permute=PERMUTED[arch])
     forward = FastForward(model)
     assert forward.blocks is not None, forward.blocks_reason
-    prompts = random_prompts(30, [4, 7, 2, 9, 5], seed=3)
+    prompts = random_prompts(30, [4, 7, 2, 9, 5, 3, 6, 8, 2, 4, 7, 5], seed=3)  # 12 rows: more than one pass
+    assert len(prompts) <= forward.block_rows or forward.block_rows == 8  # the AVX2 build takes 8
     worst, _ = lockstep_logits(model, prompts, steps=6, drop_at=2, blocks=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     engine = engine_for(model)

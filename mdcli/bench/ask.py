@@ -15,7 +15,10 @@ On request (not by default):
 (e) forest+speculate  the forest with speculative decoding (`--speculate auto`, prompt lookup drafts)
 (f) hf-prompt-lookup  `model.generate(prompt_lookup_num_tokens=10)` once per question: Hugging
                       Face's prompt lookup decoding, the single-sequence version of (e)
-(g) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
+(g) forest-no-blocks  the forest with no forward on the .gguf's blocks (MDCLI_GGUF_BLOCKS=0,
+                      mdcli.gguf_blocks): the float32 kernels alone, the same weights, so the same
+                      tokens are required
+(h) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
                       mdcli.int8_weights), made once per model: a different, lossier model, so its
                       tokens are not compared with the forest's
 
@@ -26,11 +29,13 @@ the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm a
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mdcli import gguf_blocks
 from mdcli.api import run_specs
 from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
@@ -47,8 +52,9 @@ if TYPE_CHECKING:
 
 APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
 SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
+KERNEL_APPROACHES = ("forest-no-blocks",)  # the forest on other kernels of the same weights
 OTHER_MODEL_APPROACHES = ("forest-int8",)  # another model's tokens: not compared with the forest's
-ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES + OTHER_MODEL_APPROACHES
+ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES + KERNEL_APPROACHES + OTHER_MODEL_APPROACHES
 HF_PROMPT_LOOKUP_TOKENS = 10
 
 QUESTIONS = [
@@ -124,7 +130,7 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
                "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup,
-               "forest-int8": forest_int8}
+               "forest-no-blocks": forest_without_blocks, "forest-int8": forest_int8}
     measured = {}
     for name in reversed(approaches) if reverse else approaches:
         with nullcontext() if name.startswith("forest") else alternatives_context(model, baseline_kernels):
@@ -174,6 +180,23 @@ def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
 
 def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     return forest(model, prompts, case, speculate="auto")
+
+
+def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    """The forest with every forward on the float32 kernels, none on the .gguf's blocks
+    (MDCLI_GGUF_BLOCKS=0 while it runs; mdcli.gguf_blocks): what reading the blocks gains, same
+    weights, so its tokens are compared with the forest's."""
+    saved = os.environ.get(gguf_blocks.OPT_OUT)
+    os.environ[gguf_blocks.OPT_OUT] = "0"
+    try:
+        measured = forest(model, prompts, case, reference=False)
+    finally:
+        if saved is None:
+            del os.environ[gguf_blocks.OPT_OUT]
+        else:
+            os.environ[gguf_blocks.OPT_OUT] = saved
+    measured.approach = "forest-no-blocks"
+    return measured
 
 
 def forest_int8(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:

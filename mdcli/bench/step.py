@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from mdcli import cache as kv
 from mdcli import engine as engine_module
-from mdcli import fastforward, tiled_gemm
+from mdcli import fastforward, gguf_blocks, tiled_gemm
 from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
@@ -202,8 +202,9 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
     """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
     output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
     plain weights, oneDNN on packed weights (mdcli.packing), torch (MKL) and OpenBLAS on transposed
-    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread), and mdcli's tiled
-    kernel (mdcli.tiled_gemm) where it builds; with int8_weights also the int8 kernel and the
+    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread), mdcli's tiled
+    kernel (mdcli.tiled_gemm) and its block kernel (mdcli.gguf_blocks, over the weights rounded to
+    the embedded model's Q4_1 / Q8_0 blocks) where they build; with int8_weights also the int8 kernel and the
     dequantized product `--cpu-weights int8` chooses between (mdcli.int8_weights; "best vs stock"
     then counts them too). Median ms over `repeats`."""
     import torch
@@ -224,6 +225,10 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
     if tiled_gemm.tiled_works():  # mdcli's own kernel, where it builds
         kernels.append((tiled_gemm.tiled_linear, [tiled_gemm.tile(w) for w in weights]))
         names.append("mdcli tiled")
+    if gguf_blocks.blocks_work():  # the embedded model's .gguf layout: Q4_1 projections, a Q8_0 head
+        kernels.append((gguf_blocks.block_linear, [_as_blocks(w, "Q8_0" if w.shape[0] == 49152 else "Q4_1")
+                                                   for w in weights]))
+        names.append("gguf blocks")
     if int8_weights:  # --cpu-weights int8's two products (mdcli.int8_weights), bf16 activations
         quantized = [quantize(w) for w in weights]
         kernels += [(lambda x, w: kernel_product(x.to(torch.bfloat16), w), quantized),
@@ -243,6 +248,15 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
             cells = " | ".join(f"{ms:.1f}" for ms in timings)
             lines.append(f"| {m} | {cells} | {timings[0] / min(timings):.2f}x |")
     return "\n".join(lines)
+
+
+def _as_blocks(weight: torch.Tensor, kind: str) -> gguf_blocks.BlockWeight:
+    """A random weight as GGUF blocks (gguf-py's quantizer), for timing the block kernel."""
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    codes = quants.quantize(weight.numpy(), GGMLQuantizationType[kind])  # [out, in / 32 * bytes] uint8
+    return gguf_blocks.BlockWeight(kind, torch.from_numpy(codes), weight.shape[1])
 
 
 # -- command line ----------------------------------------------------------------------------------

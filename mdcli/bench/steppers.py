@@ -52,7 +52,7 @@ class EngineStepper:
     products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear), and "ahead" to
     read the cache ahead (mdcli.kernels.read_ahead; without it, not), "tiled" for forwards of up to
     fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.tiled_gemm; without it, not), "blocks"
-    for forwards of up to gguf_blocks.MAX_ROWS tokens on the .gguf's own blocks (mdcli.gguf_blocks;
+    for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.gguf_blocks;
     without it, not).
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
