@@ -53,8 +53,8 @@ BLOCK = 32  # weights per block, both kinds
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 # mdcli.fastforward multiplies forwards of up to this many tokens by the blocks, wider ones (a
 # prefill) by its float32 kernels. Intel Xeon with AVX-512, one thread, the embedded model's 211
-# matrices, blocks / float32 `F.linear` (`python -m mdcli.bench.step --linears`): 1 row 17.0 / 35.8 ms,
-# 8 rows 28.8 / 88.0, 16 rows 55.1 / 89.2, 32 rows 126.4 / 105.7; whole steps over 1,500 tokens,
+# matrices, blocks / oneDNN's packed copy (`python -m mdcli.bench.step --linears`): 1 row 18.0 / 48.8
+# ms, 8 rows 39.1 / 53.0, 16 rows 69.3 / 84.4, 64 rows 285.3 / 162.4; whole steps over 1,500 tokens,
 # blocks / oneDNN's packed copy, two of each interleaved: 8 branches 58.9 / 83.2 ms, 12: 88.2 /
 # 117.7, 16: 114.4 / 126.1, 24: 165.7 / 145.1, 32: 248.6 / 199.2. So 16 with AVX-512. The AVX2
 # build passes over 4 rows at a time, not 8 (its 16 registers), and costs 1.2-1.7x more from 8
