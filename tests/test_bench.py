@@ -63,7 +63,7 @@ def test_bench_rejects_unknown_baseline_kernels_in_one_line():
 def test_bench_rejects_an_unknown_approach_in_one_line():
     result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup, forest-int8"
+    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup, forest-no-blocks, forest-int8"
 
 
 def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():
@@ -240,3 +240,18 @@ def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_toke
     assert all(len(t) == 4 for t in results["forest-int8"].tokens)
     assert has_int8_weights(int8_copy(lm).model) and not has_int8_weights(lm.model)  # the float32 model untouched
     assert int8_copy(lm) is int8_copy(lm)  # quantized once per model
+
+
+def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_tokens(embedded, monkeypatch):
+    """forest-no-blocks: the embedded model's forest on the float32 kernels only (MDCLI_GGUF_BLOCKS=0
+    while it runs, the setting given back after), the same weights, so the same tokens are required."""
+    import os
+
+    from mdcli.gguf_blocks import OPT_OUT, library, serving
+
+    monkeypatch.delenv(OPT_OUT, raising=False)
+    results = {r.approach: r for r in run_case(embedded, Case(2, 40, 4), ("forest", "forest-no-blocks"))}
+    assert results["forest-no-blocks"].matches_forest is True
+    assert OPT_OUT not in os.environ
+    assert serving(embedded.model) == ("Q4_1/Q8_0" if library() is not None else None)  # read again after it
+

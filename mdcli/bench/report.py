@@ -8,6 +8,7 @@ from dataclasses import asdict
 from statistics import median
 from typing import TYPE_CHECKING
 
+from mdcli.gguf_blocks import serving
 from mdcli.hostinfo import cpu_model, has_avx512
 from mdcli.kernels import kernel_choice
 
@@ -18,12 +19,13 @@ if TYPE_CHECKING:
 
 
 def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                  blocks: str | None = None) -> dict:
-    """The machine, versions and mdcli's kernels; blocks: the .gguf block kinds the model's forward
-    reads (mdcli.gguf_blocks.serving)."""
+                  model=None) -> dict:
+    """The machine, versions and mdcli's kernels (for `model`: whether its forward reads a .gguf's
+    blocks, mdcli.gguf_blocks)."""
     import torch
     import transformers
 
+    blocks = serving(model) if model is not None else None
     kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32, blocks)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {

@@ -98,7 +98,6 @@ def bench(
             plot,
             rows,
         )
-        from mdcli.gguf_blocks import serving as gguf_blocks_serving
 
         chosen = [a.strip() for a in approaches.split(",") if a.strip()]
         unknown = [a for a in chosen if a not in ALL_APPROACHES]
@@ -119,7 +118,7 @@ def bench(
             lm = load(model, device, dtype, attn, False, False, None, False, None, quiet, cpu_weights=cpu_weights)
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
-        facts = machine_facts(used_threads, lm.device, lm.dtype, gguf_blocks_serving(lm.model)) | {
+        facts = machine_facts(used_threads, lm.device, lm.dtype, lm.model) | {
             "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "cpu_weights": lm.cpu_weights,
             "baseline_kernels": baseline_kernels,
             "peak_bandwidth_gbps": peak_bandwidth}
