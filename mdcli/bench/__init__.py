@@ -46,10 +46,11 @@ def baseline_kernels(lm: LoadedModel, choice: str):
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
     # lazy: see the module's imports
+    from mdcli.gguf_blocks import serving
     from mdcli.hostinfo import cpu_line
     from mdcli.kernels import kernel_choice
 
-    mine = kernel_choice(lm.device, lm.dtype)
+    mine = kernel_choice(lm.device, lm.dtype, serving(lm.model))
     theirs = mine.name if choice == "mdcli" else "torch"
     return f"CPU: {cpu_line()}; kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
 
