@@ -30,9 +30,10 @@ and the tests compare this one with it. What this forward changes, per layer:
   read in place plus the few other slots gathered (mdcli.prefix_attention);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations;
-* where the model's float32 weights are a .gguf's Q4_1 / Q8_0 blocks (the embedded model, any
-  `.gguf` passed to --model) and mdcli's block kernel builds, forwards of a few tokens multiply by
-  those blocks (mdcli.gguf_blocks): the same weights bit for bit, a sixth of the bytes to read;
+* where the model's float32 weights are a .gguf's Q4_1 / Q8_0 / Q4_0 blocks or F16 / BF16 numbers
+  (the embedded model, a `.gguf` passed to --model) and mdcli's block kernel builds, forwards of a
+  few tokens multiply by those (mdcli.gguf_blocks): the same weights bit for bit, a sixth (Q4_1) to
+  a half (F16) of the bytes to read;
 * with `--cpu-weights int8` (mdcli.int8_weights) every product multiplies by the int8 copies, fused
   the same way, and no float32 copy is made.
 

@@ -1,4 +1,5 @@
-/* y = x @ W^T where W is stored as a GGUF file stores it: blocks of 32 weights, Q4_1 or Q8_0.
+/* y = x @ W^T where W is stored as a GGUF file stores it: blocks of 32 weights, Q4_1, Q8_0 or Q4_0,
+ * or F16 / BF16 read 32 at a time.
  *
  * The weights a GGUF-loaded model holds in float32 are these blocks dequantized (gguf-py's
  * `dequantize`, which transformers runs): Q4_1 w = d * q + m (q a 4-bit code, d and m float16),
@@ -22,6 +23,8 @@
 #define BLOCK 32
 #define Q4_1_BYTES 20 /* float16 d, float16 m, 16 bytes of codes: low nibbles are weights 0-15, high 16-31 */
 #define Q8_0_BYTES 34 /* float16 d, 32 int8 codes */
+#define Q4_0_BYTES 18 /* float16 d, 16 bytes of codes as Q4_1's, each minus 8 */
+#define HALF_BYTES 64 /* F16 and BF16: 32 weights of two bytes, read as a block of 32 */
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -46,6 +49,17 @@ static inline void q4_codes(const uint8_t *codes, vec w[2]) {
 static inline void q8_codes(const int8_t *codes, vec w[2]) {
     w[0] = vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
     w[1] = vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+}
+
+static inline void halves(const uint8_t *p, vec w[2]) {
+    w[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    w[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+}
+
+static inline void brains(const uint8_t *p, vec w[2]) { /* bf16: the high half of a float32 */
+    for (int j = 0; j < 2; j++)
+        w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32 * j))), 16));
 }
 #else
 #define LANES 8
@@ -79,6 +93,17 @@ static inline void q8_codes(const int8_t *codes, vec w[4]) {
     for (int j = 0; j < 4; j++)
         w[j] = vfloat(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * j))));
 }
+
+static inline void halves(const uint8_t *p, vec w[4]) {
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * j)));
+}
+
+static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half of a float32 */
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j))), 16));
+}
 #endif
 
 #define PER (BLOCK / LANES) /* vectors per block */
@@ -89,10 +114,23 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* One block's 32 weights, in input order, as PER vectors. kind: 0 = Q4_1, 1 = Q8_0. */
+/* One block's 32 weights, in input order, as PER vectors. kind: 0 = Q4_1, 1 = Q8_0, 2 = Q4_0,
+ * 3 = F16, 4 = BF16 (gguf-py: Q4_0 w = d * (q - 8); F16 and BF16 widened to float32, exactly). */
 static inline __attribute__((always_inline)) void weights_of(int kind, const uint8_t *block, vec w[PER]) {
+    if (kind == 3) {
+        halves(block, w);
+        return;
+    }
+    if (kind == 4) {
+        brains(block, w);
+        return;
+    }
     const vec d = vset1(half_at(block));
-    if (kind == 0) {
+    if (kind == 2) {
+        q4_codes(block + 2, w);
+        for (int j = 0; j < PER; j++)
+            w[j] = vmul(d, vadd(w[j], vset1(-8.0f))); /* q - 8 exact, d * (q - 8) exact */
+    } else if (kind == 0) {
         const vec m = vset1(half_at(block + 2));
         q4_codes(block + 4, w);
         for (int j = 0; j < PER; j++)
@@ -107,7 +145,7 @@ static inline __attribute__((always_inline)) void weights_of(int kind, const uin
 /* Rows [0, R) of x (row stride ldx) times one weight row of `blocks` blocks -> y[r * ldy]. */
 static inline __attribute__((always_inline)) void pass(int kind, int R, const float *x, int64_t ldx,
                                                        const uint8_t *row, int64_t blocks, float *y, int64_t ldy) {
-    const int64_t size = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES;
+    const int64_t size = kind == 0 ? Q4_1_BYTES : kind == 1 ? Q8_0_BYTES : kind == 2 ? Q4_0_BYTES : HALF_BYTES;
     vec acc[ROWS][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -164,6 +202,9 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
 
 PRODUCT(q4_1_gemm, 0, Q4_1_BYTES)
 PRODUCT(q8_0_gemm, 1, Q8_0_BYTES)
+PRODUCT(q4_0_gemm, 2, Q4_0_BYTES)
+PRODUCT(f16_gemm, 3, HALF_BYTES)
+PRODUCT(bf16_gemm, 4, HALF_BYTES)
 
 /* out[n][k] = the weights, float32, computed as the products above compute them. */
 #define DEQUANTIZE(name, kind, bytes)                                                              \
@@ -179,6 +220,9 @@ PRODUCT(q8_0_gemm, 1, Q8_0_BYTES)
 
 DEQUANTIZE(q4_1_dequantize, 0, Q4_1_BYTES)
 DEQUANTIZE(q8_0_dequantize, 1, Q8_0_BYTES)
+DEQUANTIZE(q4_0_dequantize, 2, Q4_0_BYTES)
+DEQUANTIZE(f16_dequantize, 3, HALF_BYTES)
+DEQUANTIZE(bf16_dequantize, 4, HALF_BYTES)
 
 /* 1 if the weights are `expected` ([n][k] float32) bit for bit, else 0: the check before a copy is
  * used, without writing the weights out. */
@@ -199,3 +243,6 @@ DEQUANTIZE(q8_0_dequantize, 1, Q8_0_BYTES)
 
 MATCHES(q4_1_matches, 0, Q4_1_BYTES)
 MATCHES(q8_0_matches, 1, Q8_0_BYTES)
+MATCHES(q4_0_matches, 2, Q4_0_BYTES)
+MATCHES(f16_matches, 3, HALF_BYTES)
+MATCHES(bf16_matches, 4, HALF_BYTES)

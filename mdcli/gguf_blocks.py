@@ -16,6 +16,11 @@ MKL's or oneDNN's: logits agree with theirs to float32 rounding, the same kind o
 between those two, and nothing about the model changes (unlike `--cpu-weights int8`, which rounds
 weights and activations).
 
+Other .gguf files whose projections and head are Q8_0, Q4_0, F16 or BF16 (llama.cpp's common
+unmixed types) are read the same way: each kind's weights are rebuilt exactly (d * q, d * (q - 8),
+or the 16-bit number widened), so every one is the model's float32 weights bit for bit.
+K-quants (Q4_K, Q6_K: the mixed "Q4_K_M" files) and Q5 are not read: such a file gives no copy.
+
 Before a copy is used it is checked: every matrix the kernel would read is dequantized by the
 kernel's own code and compared bit for bit with the model's float32 weight (`read_blocks`); a file
 whose blocks are not the model's weights (another model, a transposition mdcli does not know, a
@@ -49,8 +54,8 @@ OPT_OUT = "MDCLI_GGUF_BLOCKS"
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 _COMMON = ("-O3", "-mfma", "-mf16c")
 FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
-BLOCK = 32  # weights per block, both kinds
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # mdcli.fastforward multiplies forwards of up to this many tokens by the blocks, wider ones (a
 # prefill) by its float32 kernels. Intel Xeon with AVX-512, one thread, the embedded model's 211
 # matrices, blocks / oneDNN's packed copy (`python -m mdcli.bench.step --linears`): 1 row 18.0 / 48.8
@@ -107,7 +112,7 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     if inner != flat.shape[1]:
         raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
-    product = library().q4_1_gemm if weight.kind == "Q4_1" else library().q8_0_gemm
+    product = getattr(library(), f"{weight.kind.lower()}_gemm")
     product(flat.data_ptr(), flat.shape[0], inner, weight.data.data_ptr(), out_features, out.data_ptr())
     if bias is not None:
         out += bias
@@ -121,7 +126,7 @@ def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
     if tuple(expected.shape) != weight.shape or expected.dtype != torch.float32 or expected.device.type != "cpu":
         return False
     expected = expected.detach().contiguous()
-    compare = library().q4_1_matches if weight.kind == "Q4_1" else library().q8_0_matches
+    compare = getattr(library(), f"{weight.kind.lower()}_matches")
     return bool(compare(weight.data.data_ptr(), weight.shape[0], weight.in_features, expected.data_ptr()))
 
 
@@ -130,7 +135,7 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
     import torch
 
     out = torch.empty(weight.shape, dtype=torch.float32)
-    expand = library().q4_1_dequantize if weight.kind == "Q4_1" else library().q8_0_dequantize
+    expand = getattr(library(), f"{weight.kind.lower()}_dequantize")
     expand(weight.data.data_ptr(), weight.shape[0], weight.in_features, out.data_ptr())
     return out
 
@@ -143,15 +148,11 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in ("q4_1_gemm", "q8_0_gemm"):
-        getattr(lib, name).argtypes = [pointer, size, size, pointer, size, pointer]
-        getattr(lib, name).restype = None
-    for name in ("q4_1_dequantize", "q8_0_dequantize"):
-        getattr(lib, name).argtypes = [pointer, size, size, pointer]
-        getattr(lib, name).restype = None
-    for name in ("q4_1_matches", "q8_0_matches"):
-        getattr(lib, name).argtypes = [pointer, size, size, pointer]
-        getattr(lib, name).restype = ctypes.c_int
+    for kind in BLOCK_BYTES:
+        product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
+        product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer], None
+        expand.argtypes, expand.restype = [pointer, size, size, pointer], None
+        compare.argtypes, compare.restype = [pointer, size, size, pointer], ctypes.c_int
     return lib
 
 
@@ -168,9 +169,9 @@ def blocks_work() -> bool:
     values = generator.standard_normal((19, 96)).astype(np.float32)
     for kind in BLOCK_BYTES:
         kind_id = GGMLQuantizationType[kind]
-        codes = quants.quantize(values, kind_id)  # [19, 3 * bytes] uint8
-        weight = BlockWeight(kind, torch.from_numpy(codes), values.shape[1])
-        expected = torch.from_numpy(quants.dequantize(codes, kind_id))
+        codes = np.ascontiguousarray(quants.quantize(values, kind_id))  # F16 / BF16 as 2-byte numbers
+        weight = BlockWeight(kind, torch.from_numpy(codes.view(np.uint8).reshape(19, -1)), values.shape[1])
+        expected = torch.from_numpy(quants.dequantize(codes, kind_id).astype(np.float32))  # [19, 96]
         if not torch.equal(dequantize(weight), expected) or not matches(weight, expected):
             return False
         if matches(weight, torch.nextafter(expected, torch.tensor(np.inf))):  # one float32 step off
@@ -204,7 +205,7 @@ def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | s
 
 def serving(model) -> str | None:
     """The block kinds mdcli's forward over this model multiplies forwards of a few tokens by
-    ("Q4_1/Q8_0"), or None where it does not: not its own forward, not a float32 CPU model whose
+    (e.g. "Q4_1/Q8_0"), or None where it does not: not its own forward, not a float32 CPU model whose
     weights are a .gguf's blocks, or the kernel does not run here."""
     import torch
 
@@ -270,7 +271,9 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
         return f"the .gguf has no tensor {name}"
     kind = tensor.kind
     if kind not in BLOCK_BYTES:
-        return f"{name} is {kind}; mdcli's kernel reads {' and '.join(BLOCK_BYTES)} blocks"
+        return f"{name} is {kind}; mdcli's kernel reads {', '.join(BLOCK_BYTES)}"
+    if tensor.data.shape[1] % BLOCK_BYTES[kind]:
+        return f"{name}'s rows are not whole blocks of {BLOCK} weights"
     data = torch.from_numpy(np.array(tensor.data))  # [out, in / 32 * bytes] uint8, copied out of the mapped file
     inner = data.shape[1] // BLOCK_BYTES[kind] * BLOCK
     stored = BlockWeight(kind, data, inner)

@@ -23,13 +23,14 @@ DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by value type
 # ggml's type ids and block shapes (weights per block, bytes per block) for the types mdcli reads
-TYPES = {0: ("F32", 1, 4), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+         30: ("BF16", 1, 2)}
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    kind: str  # "Q4_1", "Q8_0", "F32", or ggml's number for a type mdcli does not read ("type 12")
+    kind: str  # a name of TYPES ("Q4_1", "F16", ...), or ggml's number for a type mdcli does not read ("type 12")
     shape: tuple[int, ...]  # torch's order: [rows, ..., inner]
     data: np.ndarray | None  # [rows, bytes per row] uint8, a view of the mapped file; None for another type
 

@@ -26,7 +26,7 @@ from tests.test_fastforward import lockstep_logits
 
 # only whether the kernel builds decides the skip: a kernel that disagreed with gguf-py must fail these tests
 needs_kernel = pytest.mark.skipif(gguf_blocks.library() is None, reason="the block kernel does not build on this CPU")
-KINDS = ["Q4_1", "Q8_0"]
+KINDS = ["Q4_1", "Q8_0", "Q4_0", "F16", "BF16"]
 # where llama.cpp's converter stores q and k rows permuted for its rotary layout (transformers'
 # GGUF loader undoes it), and where it stores them as they are
 PERMUTED = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False}
@@ -35,8 +35,9 @@ PERMUTED = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False}
 def quantized(values: np.ndarray, kind: str) -> tuple[np.ndarray, torch.Tensor]:
     """values [N, K] float32 -> (codes [N, K / 32 * bytes] uint8, gguf-py's dequantized weights [N, K])."""
     kind_id = GGMLQuantizationType[kind]
-    codes = quants.quantize(values.astype(np.float32), kind_id)
-    return codes, torch.from_numpy(quants.dequantize(codes, kind_id))
+    codes = np.ascontiguousarray(quants.quantize(values.astype(np.float32), kind_id))
+    weights = torch.from_numpy(quants.dequantize(codes, kind_id).astype(np.float32))
+    return codes.view(np.uint8).reshape(values.shape[0], -1), weights  # F16 / BF16 come as 2-byte numbers
 
 
 def llama_cpp_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -44,8 +45,8 @@ def llama_cpp_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def gguf_backed(model, path: Path, *, head_kind: str = "Q8_0", permute: bool = True) -> Path:
-    """Round every projection of `model` to Q4_1 and its head to `head_kind`, in place, as a GGUF
+def gguf_backed(model, path: Path, *, kind: str = "Q4_1", head_kind: str = "Q8_0", permute: bool = True) -> Path:
+    """Round every projection of `model` to `kind` and its head to `head_kind`, in place, as a GGUF
     load would leave them, and write those blocks to a real .gguf at `path` (llama.cpp's names; q
     and k rows permuted as its converter writes Llama's when `permute`); the model remembers it."""
     config = model.config
@@ -58,11 +59,11 @@ def gguf_backed(model, path: Path, *, head_kind: str = "Q8_0", permute: bool = T
                     ("attn_k", attention.k_proj, config.num_key_value_heads), ("attn_v", attention.v_proj, None),
                     ("attn_output", attention.o_proj, None), ("ffn_gate", mlp.gate_proj, None),
                     ("ffn_up", mlp.up_proj, None), ("ffn_down", mlp.down_proj, None)):
-                codes, weights = quantized(module.weight.numpy(), "Q4_1")
+                codes, weights = quantized(module.weight.numpy(), kind)
                 module.weight.copy_(weights)
                 if permute and heads:
                     codes = llama_cpp_permuted(codes, heads)
-                writer.add_tensor(f"blk.{index}.{name}.weight", codes, raw_dtype=GGMLQuantizationType.Q4_1)
+                writer.add_tensor(f"blk.{index}.{name}.weight", codes, raw_dtype=GGMLQuantizationType[kind])
         codes, weights = quantized(model.lm_head.weight.numpy(), head_kind)
         model.lm_head.weight.copy_(weights)  # tied: the input embedding too
         writer.add_tensor("token_embd.weight", codes, raw_dtype=GGMLQuantizationType[head_kind])
@@ -181,6 +182,24 @@ def test_tiny_gguf_models_decode_on_their_blocks_to_generates_tokens(arch, tmp_p
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_the_kernel_reads_decodes_to_generates_tokens(kind, tmp_path):
+    """A tiny Llama whose projections and head are all `kind` in a real .gguf (llama.cpp's Q8_0,
+    Q4_0, F16 and BF16 files are of this sort): the forward reads every matrix from the file, and
+    each branch of a forest decodes generate's tokens with transformers' logits."""
+    model = tiny_model("llama", "sdpa")
+    gguf_backed(model, tmp_path / f"{kind}.gguf", kind=kind, head_kind=kind)
+    forward = FastForward(model)
+    assert forward.blocks is not None, forward.blocks_reason
+    assert {w.kind for w in (*forward.blocks[0][0], forward.block_head)} == {kind}
+    prompts = random_prompts(30, [4, 7, 2, 9], seed=6)
+    worst, generated = lockstep_logits(model, prompts, steps=6, blocks=True)
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+    for prompt, tokens in zip(prompts, generated):
+        assert tokens == generate_alone(model, prompt, len(tokens))
+
+
+@needs_kernel
 def test_a_gguf_whose_blocks_are_not_the_models_weights_is_never_read(tmp_path):
     """One weight one float32 step off its block's value (a different model than the file): the
     check at load finds it, the forward keeps its float32 kernels, and the branches still decode
@@ -204,7 +223,7 @@ def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_pat
     gguf_backed(model, tmp_path / "llama.gguf", head_kind="Q5_0")
     forward = FastForward(model)
     assert forward.blocks is None and forward.blocks_reason == (
-        "token_embd.weight is type 6; mdcli's kernel reads Q4_1 and Q8_0 blocks")
+        "token_embd.weight is type 6; mdcli's kernel reads Q4_1, Q8_0, Q4_0, F16, BF16")
 
 
 @needs_kernel
