@@ -67,7 +67,7 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # AVX2-only CPU.
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
 SOURCE_KEY = "_mdcli_gguf_source"  # model.__dict__: the .gguf file its weights were dequantized from
-_CACHE = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
+CACHE_KEY = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,11 +195,11 @@ def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | s
     """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.fastforward fuses
     them, and the head; or why there are none. Read from the model's .gguf once and kept on the
     model, like mdcli.packing's copies."""
-    cached = model.__dict__.get(_CACHE)
+    cached = model.__dict__.get(CACHE_KEY)
     if cached is None:
         source = model.__dict__.get(SOURCE_KEY)
         cached = read_blocks(Path(source), model) if source else "the model was not loaded from a .gguf"
-        model.__dict__[_CACHE] = cached
+        model.__dict__[CACHE_KEY] = cached
     return cached
 
 
@@ -207,12 +207,10 @@ def serving(model) -> str | None:
     """The block kinds mdcli's forward over this model multiplies forwards of a few tokens by
     (e.g. "Q4_1/Q8_0"), or None where it does not: not its own forward, not a float32 CPU model whose
     weights are a .gguf's blocks, or the kernel does not run here."""
-    import torch
-
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     if SOURCE_KEY not in model.__dict__ or own_forward_off() or unsupported_reason(model) or has_int8_weights(model):
         return None
-    if weight is None or not usable_here(weight.device, weight.dtype if weight.dtype == torch.float32 else None):
+    if weight is None or not usable_here(weight.device, weight.dtype):
         return None
     found = model_blocks(model)
     if isinstance(found, str):

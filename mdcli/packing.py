@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from mdcli import tiled_gemm
+from mdcli import gguf_blocks, tiled_gemm
 from mdcli.cpuinfo import cpu_vendor
 from mdcli.int8_weights import has_int8_weights
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
@@ -145,8 +145,9 @@ _CACHE = "_mdcli_packed_projections"
 @contextlib.contextmanager
 def copies_set_aside(model) -> Iterator[None]:
     """The model without the weight copies kept on it, for the block (`copy.deepcopy` cannot copy
-    oneDNN's packed tensors, and a copy of the model wants none of them); put back after."""
-    keys = (_CACHE, _TRANSPOSED_CACHE, _TILED_CACHE)
+    oneDNN's packed tensors, and a copy of the model wants none of them: an int8 copy reads no .gguf
+    blocks either); put back after."""
+    keys = (_CACHE, _TRANSPOSED_CACHE, _TILED_CACHE, gguf_blocks.CACHE_KEY)
     aside = {key: model.__dict__.pop(key) for key in keys if key in model.__dict__}
     try:
         yield
