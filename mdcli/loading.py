@@ -25,8 +25,8 @@ from mdcli.architectures import (
     sliding_window_layout,
 )
 from mdcli.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
-from mdcli.gguf_blocks import remember_source
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
+from mdcli.gguf_blocks import remember_source
 from mdcli.int8_weights import CHOICES, described, quantize_model, setting_refusal
 
 if TYPE_CHECKING:
