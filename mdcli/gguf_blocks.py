@@ -24,7 +24,8 @@ K-quants (Q4_K, Q6_K: the mixed "Q4_K_M" files) and Q5 are not read: such a file
 Before a copy is used it is checked: every matrix the kernel would read is dequantized by the
 kernel's own code and compared bit for bit with the model's float32 weight (`read_blocks`); a file
 whose blocks are not the model's weights (another model, a transposition mdcli does not know, a
-block type the kernel does not read) gives no copy, with the reason, and the step keeps its float32
+block type the kernel does not read), or whose blocks would not fit in half the free memory (the
+rule of mdcli.packing's copies), gives no copy, with the reason, and the step keeps its float32
 kernels. Measured in BENCHMARKS.md ("The GGUF's own blocks").
 
 Built with mdcli.native: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
@@ -46,6 +47,7 @@ from mdcli import native
 from mdcli.forward_support import own_forward_off, unsupported_reason
 from mdcli.gguf_tensors import read_tensors
 from mdcli.int8_weights import has_int8_weights
+from mdcli.memory import available_memory_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -228,6 +230,11 @@ def read_blocks(path: Path, model) -> tuple[list[tuple[BlockWeight, ...]], Block
         return f"{path.name} could not be read: {exc}"
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    needed = sum(t.data.nbytes for name, t in tensors.items()
+                 if t.data is not None and name.startswith(("blk.", "output.", "token_embd.")))
+    free = available_memory_bytes(model.lm_head.weight.device)
+    if free is not None and needed > free // 2:  # the rule mdcli.packing's copies follow
+        return f"the .gguf's blocks ({needed / 2**20:.0f} MiB) do not fit in half the free memory"
     copies = []
     for index, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp

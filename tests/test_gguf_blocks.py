@@ -218,6 +218,17 @@ def test_a_gguf_whose_blocks_are_not_the_models_weights_is_never_read(tmp_path):
 
 
 @needs_kernel
+def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path, monkeypatch):
+    """The memory rule of the other weight copies (mdcli.packing): a machine with less free memory
+    than twice the blocks (simulated: this test machine has plenty) keeps the float32 kernels."""
+    model = tiny_model("llama", "sdpa")
+    gguf_backed(model, tmp_path / "llama.gguf")
+    monkeypatch.setattr(gguf_blocks, "available_memory_bytes", lambda device: 2**10)  # its blocks: ~0.1 MiB
+    forward = FastForward(model)
+    assert forward.blocks is None and "do not fit in half the free memory" in forward.blocks_reason
+
+
+@needs_kernel
 def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_path):
     model = tiny_model("llama", "sdpa")
     gguf_backed(model, tmp_path / "llama.gguf", head_kind="Q5_0")
