@@ -142,10 +142,23 @@ static inline __attribute__((always_inline)) void weights_of(int kind, const uin
     }
 }
 
+/* Bytes per block of 32 weights of each kind. */
+static inline int64_t bytes_of(int kind) {
+    return kind == 0 ? Q4_1_BYTES : kind == 1 ? Q8_0_BYTES : kind == 2 ? Q4_0_BYTES : HALF_BYTES;
+}
+
+/* One block's 32 weights written out as float32, by the code the products use. */
+static inline __attribute__((always_inline)) void block_out(int kind, const uint8_t *block, float *out) {
+    vec v[PER];
+    weights_of(kind, block, v);
+    for (int j = 0; j < PER; j++)
+        vstore(out + j * LANES, v[j]);
+}
+
 /* Rows [0, R) of x (row stride ldx) times one weight row of `blocks` blocks -> y[r * ldy]. */
 static inline __attribute__((always_inline)) void pass(int kind, int R, const float *x, int64_t ldx,
                                                        const uint8_t *row, int64_t blocks, float *y, int64_t ldy) {
-    const int64_t size = kind == 0 ? Q4_1_BYTES : kind == 1 ? Q8_0_BYTES : kind == 2 ? Q4_0_BYTES : HALF_BYTES;
+    const int64_t size = bytes_of(kind);
     vec acc[ROWS][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -187,11 +200,11 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
 /* y[m][n] = sum_c x[m][c] * W[n][c]; x: [m, k] and y: [m, n] contiguous float32, W: n rows of k / 32
  * blocks. Each weight row is read from memory once; passes after the first over more rows of x
  * find it in the core's caches. */
-#define PRODUCT(name, kind, bytes)                                                                 \
+#define PRODUCT(name, kind)                                                                        \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {      \
         const int64_t blocks = k / BLOCK;                                                          \
         for (int64_t j = 0; j < n; j++) {                                                          \
-            const uint8_t *row = w + j * blocks * (bytes);                                         \
+            const uint8_t *row = w + j * blocks * bytes_of(kind);                                  \
             for (int64_t r0 = 0; r0 < m; r0 += ROWS) {                                             \
                 const float *xr = x + r0 * k;                                                      \
                 float *yr = y + r0 * n + j;                                                        \
@@ -200,49 +213,31 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
         }                                                                                          \
     }
 
-PRODUCT(q4_1_gemm, 0, Q4_1_BYTES)
-PRODUCT(q8_0_gemm, 1, Q8_0_BYTES)
-PRODUCT(q4_0_gemm, 2, Q4_0_BYTES)
-PRODUCT(f16_gemm, 3, HALF_BYTES)
-PRODUCT(bf16_gemm, 4, HALF_BYTES)
-
 /* out[n][k] = the weights, float32, computed as the products above compute them. */
-#define DEQUANTIZE(name, kind, bytes)                                                              \
+#define DEQUANTIZE(name, kind)                                                                     \
     void name(const uint8_t *w, int64_t n, int64_t k, float *out) {                               \
-        const int64_t blocks = n * (k / BLOCK);                                                    \
-        for (int64_t b = 0; b < blocks; b++) {                                                     \
-            vec v[PER];                                                                            \
-            weights_of(kind, w + b * (bytes), v);                                                  \
-            for (int j = 0; j < PER; j++)                                                          \
-                vstore(out + b * BLOCK + j * LANES, v[j]);                                         \
-        }                                                                                          \
+        for (int64_t b = 0; b < n * (k / BLOCK); b++)                                              \
+            block_out(kind, w + b * bytes_of(kind), out + b * BLOCK);                              \
     }
-
-DEQUANTIZE(q4_1_dequantize, 0, Q4_1_BYTES)
-DEQUANTIZE(q8_0_dequantize, 1, Q8_0_BYTES)
-DEQUANTIZE(q4_0_dequantize, 2, Q4_0_BYTES)
-DEQUANTIZE(f16_dequantize, 3, HALF_BYTES)
-DEQUANTIZE(bf16_dequantize, 4, HALF_BYTES)
 
 /* 1 if the weights are `expected` ([n][k] float32) bit for bit, else 0: the check before a copy is
  * used, without writing the weights out. */
-#define MATCHES(name, kind, bytes)                                                                 \
+#define MATCHES(name, kind)                                                                        \
     int name(const uint8_t *w, int64_t n, int64_t k, const float *expected) {                     \
-        const int64_t blocks = n * (k / BLOCK);                                                    \
-        for (int64_t b = 0; b < blocks; b++) {                                                     \
-            vec v[PER];                                                                            \
-            float out[BLOCK];                                                                      \
-            weights_of(kind, w + b * (bytes), v);                                                  \
-            for (int j = 0; j < PER; j++)                                                          \
-                vstore(out + j * LANES, v[j]);                                                     \
+        float out[BLOCK];                                                                          \
+        for (int64_t b = 0; b < n * (k / BLOCK); b++) {                                            \
+            block_out(kind, w + b * bytes_of(kind), out);                                          \
             if (memcmp(out, expected + b * BLOCK, sizeof out) != 0)                                \
                 return 0;                                                                          \
         }                                                                                          \
         return 1;                                                                                  \
     }
 
-MATCHES(q4_1_matches, 0, Q4_1_BYTES)
-MATCHES(q8_0_matches, 1, Q8_0_BYTES)
-MATCHES(q4_0_matches, 2, Q4_0_BYTES)
-MATCHES(f16_matches, 3, HALF_BYTES)
-MATCHES(bf16_matches, 4, HALF_BYTES)
+/* Each kind's three entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches. */
+#define KIND(prefix, kind) PRODUCT(prefix##_gemm, kind) DEQUANTIZE(prefix##_dequantize, kind) MATCHES(prefix##_matches, kind)
+
+KIND(q4_1, 0)
+KIND(q8_0, 1)
+KIND(q4_0, 2)
+KIND(f16, 3)
+KIND(bf16, 4)
