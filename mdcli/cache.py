@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from mdcli.environment import temporarily_set
 
 if TYPE_CHECKING:
     import torch
@@ -56,15 +57,8 @@ def native_gqa_attention() -> Iterator[None]:
     plain single-sequence `generate`) it already uses sdpa's native GQA. The switch it reads on
     every call is an environment variable, so it is set only around mdcli's own forwards.
     """
-    previous = os.environ.get(_FORCE_GQA)
-    os.environ[_FORCE_GQA] = "1"
-    try:
+    with temporarily_set(_FORCE_GQA, "1"):
         yield
-    finally:
-        if previous is None:
-            del os.environ[_FORCE_GQA]
-        else:
-            os.environ[_FORCE_GQA] = previous
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"

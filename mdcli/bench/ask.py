@@ -29,7 +29,6 @@ the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm a
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
 from mdcli.cache import cache_argument, new_cache
 from mdcli.decoding import BranchSpec, common_prefix_length
+from mdcli.environment import temporarily_set
 from mdcli.events import Done, Finish
 from mdcli.memory import kv_bytes_per_token
 from mdcli.prompts import fill_template, prompt_token_ids
@@ -186,15 +186,8 @@ def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Ca
     """The forest with every forward on the float32 kernels, none on the .gguf's blocks
     (MDCLI_GGUF_BLOCKS=0 while it runs; mdcli.gguf_blocks): what reading the blocks gains, same
     weights, so its tokens are compared with the forest's."""
-    saved = os.environ.get(gguf_blocks.OPT_OUT)
-    os.environ[gguf_blocks.OPT_OUT] = "0"
-    try:
+    with temporarily_set(gguf_blocks.OPT_OUT, "0"):
         measured = forest(model, prompts, case, reference=False)
-    finally:
-        if saved is None:
-            del os.environ[gguf_blocks.OPT_OUT]
-        else:
-            os.environ[gguf_blocks.OPT_OUT] = saved
     measured.approach = "forest-no-blocks"
     return measured
 
