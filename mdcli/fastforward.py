@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 from mdcli import gguf_blocks, packing
 from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.forward_support import own_forward_off, unsupported_reason
-from mdcli.gguf_blocks import SOURCE_KEY, block_linear
+from mdcli.gguf_blocks import block_linear
 from mdcli.int8_weights import fused_int8, has_int8_weights, int8_linear
 from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
 from mdcli.prefix_attention import PrefixPlan
@@ -203,9 +203,7 @@ class FastForward:
     def _block_copies(self, model):
         """The .gguf's blocks for every projection and the head (mdcli.gguf_blocks), where the
         model's float32 weights are them and the kernel runs here; else None, the reason kept."""
-        if self.int8 or SOURCE_KEY not in model.__dict__ or not gguf_blocks.usable_here(*packing.weight_kind(model)):
-            return None
-        found = gguf_blocks.model_blocks(model)
+        found = gguf_blocks.blocks_for(model)
         if isinstance(found, str):
             self.blocks_reason = found
             return None

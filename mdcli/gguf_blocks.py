@@ -205,17 +205,23 @@ def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | s
     return cached
 
 
+def blocks_for(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str | None:
+    """The model's blocks (`model_blocks`) where they can serve: a float32 CPU model loaded from a
+    .gguf, not made int8, on a CPU where the kernel works; the reason (str) where they were looked
+    for and not found; None where they do not apply."""
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if SOURCE_KEY not in model.__dict__ or has_int8_weights(model) or weight is None:
+        return None
+    return model_blocks(model) if usable_here(weight.device, weight.dtype) else None
+
+
 def serving(model) -> str | None:
     """The block kinds mdcli's forward over this model multiplies forwards of a few tokens by
-    (e.g. "Q4_1/Q8_0"), or None where it does not: not its own forward, not a float32 CPU model whose
-    weights are a .gguf's blocks, or the kernel does not run here."""
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    if SOURCE_KEY not in model.__dict__ or own_forward_off() or unsupported_reason(model) or has_int8_weights(model):
+    (e.g. "Q4_1/Q8_0"), or None where it does not: not its own forward, or no blocks (`blocks_for`)."""
+    if own_forward_off() or unsupported_reason(model):
         return None
-    if weight is None or not usable_here(weight.device, weight.dtype):
-        return None
-    found = model_blocks(model)
-    if isinstance(found, str):
+    found = blocks_for(model)
+    if not isinstance(found, tuple):
         return None
     layers, head = found
     return "/".join(sorted({w.kind for w in (*layers[0], head)}))
