@@ -158,6 +158,16 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def rounded_to(values, kind: str) -> BlockWeight:
+    """values [out, in] float32 (numpy) as `kind`, by gguf-py's quantizer, as a .gguf would hold them."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    codes = np.ascontiguousarray(quants.quantize(values, GGMLQuantizationType[kind]))  # F16 / BF16: 2-byte numbers
+    return BlockWeight(kind, torch.from_numpy(codes.view(np.uint8).reshape(values.shape[0], -1)), values.shape[1])
+
+
 @cache
 def blocks_work() -> bool:
     """The kernel built here, writes gguf-py's weights bit for bit and multiplies as torch does."""
@@ -170,10 +180,9 @@ def blocks_work() -> bool:
     generator = np.random.default_rng(0)
     values = generator.standard_normal((19, 96)).astype(np.float32)
     for kind in BLOCK_BYTES:
-        kind_id = GGMLQuantizationType[kind]
-        codes = np.ascontiguousarray(quants.quantize(values, kind_id))  # F16 / BF16 as 2-byte numbers
-        weight = BlockWeight(kind, torch.from_numpy(codes.view(np.uint8).reshape(19, -1)), values.shape[1])
-        expected = torch.from_numpy(quants.dequantize(codes, kind_id).astype(np.float32))  # [19, 96]
+        weight = rounded_to(values, kind)
+        codes = weight.data.numpy().view(np.uint8)
+        expected = torch.from_numpy(quants.dequantize(codes, GGMLQuantizationType[kind]).astype(np.float32))  # [19, 96]
         if not torch.equal(dequantize(weight), expected) or not matches(weight, expected):
             return False
         if matches(weight, torch.nextafter(expected, torch.tensor(np.inf))):  # one float32 step off

@@ -226,8 +226,8 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
         kernels.append((tiled_gemm.tiled_linear, [tiled_gemm.tile(w) for w in weights]))
         names.append("mdcli tiled")
     if gguf_blocks.blocks_work():  # the embedded model's .gguf layout: Q4_1 projections, a Q8_0 head
-        kernels.append((gguf_blocks.block_linear, [_as_blocks(w, "Q8_0" if w.shape[0] == 49152 else "Q4_1")
-                                                   for w in weights]))
+        kernels.append((gguf_blocks.block_linear, [gguf_blocks.rounded_to(w.numpy(), "Q8_0" if w.shape[0] == 49152
+                                                                          else "Q4_1") for w in weights]))
         names.append("gguf blocks")
     if int8_weights:  # --cpu-weights int8's two products (mdcli.int8_weights), bf16 activations
         quantized = [quantize(w) for w in weights]
@@ -248,15 +248,6 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
             cells = " | ".join(f"{ms:.1f}" for ms in timings)
             lines.append(f"| {m} | {cells} | {timings[0] / min(timings):.2f}x |")
     return "\n".join(lines)
-
-
-def _as_blocks(weight: torch.Tensor, kind: str) -> gguf_blocks.BlockWeight:
-    """A random weight as GGUF blocks (gguf-py's quantizer), for timing the block kernel."""
-    import torch
-    from gguf import GGMLQuantizationType, quants
-
-    codes = quants.quantize(weight.numpy(), GGMLQuantizationType[kind])  # [out, in / 32 * bytes] uint8
-    return gguf_blocks.BlockWeight(kind, torch.from_numpy(codes), weight.shape[1])
 
 
 # -- command line ----------------------------------------------------------------------------------
