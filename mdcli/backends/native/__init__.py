@@ -1,0 +1,1 @@
+"""C kernels compiled once with the system compiler, and their build."""

@@ -1,0 +1,1 @@
+"""Pictures of a forest: its layout and mask (mdcli explain) and a speculative step."""
