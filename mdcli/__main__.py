@@ -1,3 +1,3 @@
-from mdcli.cli import main
+from mdcli.cli.app import main
 
 main()

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, Decoder
+from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Event
-from mdcli.run import Run, start_event
-from mdcli.sampling import SamplingParams
-from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS
+from mdcli.core.run import Run, start_event
+from mdcli.core.sampling import SamplingParams
+from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, explore
@@ -31,7 +31,7 @@ from mdcli.strategies.margins import (
 from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 
 def run_specs(
@@ -46,7 +46,7 @@ def run_specs(
 ) -> Iterator[Event]:
     """Decode independent branches (with optional follow-up children) in one shared cache.
     `speculate`: "off" (default here; the command line's is "auto") | "auto" | N draft tokens per
-    branch per step (mdcli/speculate.py);
+    branch per step (mdcli/speculative/planner.py);
     the tokens are the same either way."""
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
     decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
@@ -230,15 +230,15 @@ def think(
 # -- functions above, to check its arguments before loading a model, to load one, and to draw a
 # -- recipe's forest without one. Re-exported here so that callers depend on this module only.
 
-from mdcli.decoding import BranchSpec  # noqa: E402, F811
-from mdcli.explain import ForestLayout, plan_layout, render_explanation  # noqa: E402
-from mdcli.explain_step import describe_step, first_verified_step  # noqa: E402
-from mdcli.gguf_blocks import serving as gguf_blocks_serving  # noqa: E402
-from mdcli.kernels import kernel_choice  # noqa: E402, F811
-from mdcli.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
-from mdcli.sampling import SamplingParams  # noqa: E402, F811
-from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
-from mdcli.speculate import Speculate, parse_speculate  # noqa: E402
+from mdcli.core.decoding import BranchSpec  # noqa: E402, F811
+from mdcli.explain.forest import ForestLayout, plan_layout, render_explanation  # noqa: E402
+from mdcli.explain.step import describe_step, first_verified_step  # noqa: E402
+from mdcli.backends.weights.gguf_blocks import serving as gguf_blocks_serving  # noqa: E402
+from mdcli.backends.kernels import kernel_choice  # noqa: E402, F811
+from mdcli.models.load import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from mdcli.core.sampling import SamplingParams  # noqa: E402, F811
+from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
+from mdcli.speculative.planner import Speculate, parse_speculate  # noqa: E402
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_TEMPLATE  # noqa: E402
 from mdcli.strategies.ask_many import AskMany  # noqa: E402
 from mdcli.strategies.beam import BeamParams, parse_early_stopping  # noqa: E402

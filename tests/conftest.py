@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def embedded():
     """The real default model (SmolLM2-135M-Instruct, fp32, CPU), loaded once."""
-    from mdcli.loading import load_model
+    from mdcli.models.load import load_model
 
     return load_model(quiet=True)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mdcli.api import ask_many, run_specs
-from mdcli.decoding import BranchSpec
+from mdcli.core.decoding import BranchSpec
 from mdcli.events import Done, Finish, Start
-from mdcli.loading import load_model
+from mdcli.models.load import load_model
 from tests.reference import generate_alone
 
 STORY = (
@@ -87,7 +87,7 @@ def test_branches_finishing_at_different_times_stay_exact_after_compaction(tiny_
 
 
 def test_sampled_branches_do_not_depend_on_which_other_branches_exist(embedded):
-    from mdcli.sampling import SamplingParams
+    from mdcli.core.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
 

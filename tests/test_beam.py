@@ -17,10 +17,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mdcli.cli import app
+from mdcli.cli.app import app
 from mdcli.events import Done, Finish, Fork, Progress, Prune, Start, Token
 from mdcli.render.base import BranchBook
-from mdcli.memory import kv_bytes_per_token
+from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from mdcli.bench import random_model
 from mdcli.bench.ask import APPROACHES, Case, run_case
-from mdcli.cli import app
+from mdcli.cli.app import app
 
 
 def test_every_approach_generates_the_forests_tokens_on_a_random_model():
@@ -231,7 +231,7 @@ def test_ratios_over_repeats_are_taken_pair_by_pair_so_a_drifting_machine_cannot
 
 def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_tokens(tmp_path):
     from mdcli.bench.ask import int8_copy
-    from mdcli.int8_weights import has_int8_weights
+    from mdcli.backends.weights.int8 import has_int8_weights
 
     lm = random_model("tiny")
     run_case(lm, Case(2, 40, 2), ("forest",))  # a forest first: it may leave weight copies on the model
@@ -247,7 +247,7 @@ def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_toke
     while it runs, the setting given back after), the same weights, so the same tokens are required."""
     import os
 
-    from mdcli.gguf_blocks import OPT_OUT, library, serving
+    from mdcli.backends.weights.gguf_blocks import OPT_OUT, library, serving
 
     monkeypatch.delenv(OPT_OUT, raising=False)
     results = {r.approach: r for r in run_case(embedded, Case(2, 40, 4), ("forest", "forest-no-blocks"))}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mdcli.cli import app
+from mdcli.cli.app import app
 
 runner = CliRunner()
 STORY = (
@@ -172,7 +172,7 @@ def test_questions_file_adds_questions_skipping_blank_lines(story, tmp_path):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from mdcli.cli import app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; from mdcli.cli.app import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
 
 

@@ -1,5 +1,5 @@
 """The CPU's vendor, read from /proc/cpuinfo (or the platform string where there is none): kernel
-choices measured on one vendor's cores (mdcli.kernels.read_ahead_step, mdcli.packing's pair
+choices measured on one vendor's cores (mdcli.backends.kernels.read_ahead_step, mdcli.backends.weights.packed's pair
 padding) follow it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import platform
 
 import pytest
 
-from mdcli import cpuinfo
-from mdcli.hostinfo import cpu_model
+from mdcli.backends import host as cpuinfo
+from mdcli.backends.host import cpu_model
 
 CPUINFO_TEXT = """processor\t: 0
 vendor_id\t: {vendor}
@@ -25,7 +25,7 @@ vendor_id\t: SomeoneElse
 
 @pytest.fixture
 def fresh_cpuinfo(monkeypatch, tmp_path):
-    """fresh_cpuinfo(text or None) -> points mdcli.cpuinfo at a file holding `text` (None: no file);
+    """fresh_cpuinfo(text or None) -> points mdcli.backends.host at a file holding `text` (None: no file);
     the cached readings are cleared before and after, so other tests see the real CPU again."""
 
     def use(text: str | None) -> None:

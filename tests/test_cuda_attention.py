@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.cuda_attention import cuda_attention
+from mdcli.backends.attention.cuda import cuda_attention
 
 
 def test_cuda_forwards_run_without_cudnn_attention_and_restore_it_after():

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.architectures import sliding_window_layout
-from mdcli.decoding import prefill_prompts
-from mdcli.engine import Engine
-from mdcli.forest import pad_rows
+from mdcli.models.architectures import sliding_window_layout
+from mdcli.core.decoding import prefill_prompts
+from mdcli.core.engine import Engine
+from mdcli.core.forest import pad_rows
 from tests.reference import generate_alone
 
 VOCAB = 512
@@ -227,7 +227,7 @@ def test_the_engine_hands_the_cache_over_by_the_keyword_the_model_declares(arch)
 def test_a_model_without_the_cache_keyword_gets_past_key_values():
     """transformers before 5.24 names it `past_key_values` only; an unknown `cache` would vanish
     into **kwargs and the model would run without its cache."""
-    from mdcli.cache import cache_argument
+    from mdcli.core.cache import cache_argument
 
     class OlderForward(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):

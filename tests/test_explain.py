@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mdcli.cli import app
-from mdcli.decoding import prefill_prompts
-from mdcli.engine import Engine
-from mdcli.explain import EMPTY, FILLED, TRIANGLE, edge_cell, edge_grid, plan_layout, token_grid
+from mdcli.cli.app import app
+from mdcli.core.decoding import prefill_prompts
+from mdcli.core.engine import Engine
+from mdcli.explain.forest import EMPTY, FILLED, TRIANGLE, edge_cell, edge_grid, plan_layout, token_grid
 
 runner = CliRunner()
 
@@ -190,7 +190,7 @@ REPORT = (
 
 
 def test_explain_a_margins_recipe_with_two_questions_shows_one_copy_of_each_segment(tmp_path):
-    from mdcli.commands.explain import load_tokenizer
+    from mdcli.cli.explain import load_tokenizer
     from mdcli.recipes import load_recipe, margins_job
 
     recipe, report = tmp_path / "margins.yaml", tmp_path / "report.txt"

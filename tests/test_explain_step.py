@@ -8,13 +8,13 @@ import re
 from typer.testing import CliRunner
 
 from mdcli.api import run_specs
-from mdcli.cli import app
+from mdcli.cli.app import app
 from mdcli.events import Finish
-from mdcli.explain import EMPTY, FILLED
-from mdcli.explain_step import ACCEPTED, NEXT, REJECTED, describe_step, first_verified_step
-from mdcli.loading import load_model
-from mdcli.speculate import Speculate
-from mdcli.verify import VerifiedBranch, VerifiedStep
+from mdcli.explain.forest import EMPTY, FILLED
+from mdcli.explain.step import ACCEPTED, NEXT, REJECTED, describe_step, first_verified_step
+from mdcli.models.load import load_model
+from mdcli.speculative.planner import Speculate
+from mdcli.core.verify import VerifiedBranch, VerifiedStep
 from tests.test_speculate import STORY, tiny_specs
 
 runner = CliRunner()

@@ -18,12 +18,12 @@ import torch
 from typer.testing import CliRunner
 
 from mdcli.api import explore, run_specs
-from mdcli.cache import cache_argument, output_cache
-from mdcli.cli import app
-from mdcli.decoding import BranchSpec
+from mdcli.core.cache import cache_argument, output_cache
+from mdcli.cli.app import app
+from mdcli.core.decoding import BranchSpec
 from mdcli.events import Done, Finish, Fork, Prune, Start, Token
-from mdcli.loading import load_model
-from mdcli.sampling import Sampler, SamplingParams
+from mdcli.models.load import load_model
+from mdcli.core.sampling import Sampler, SamplingParams
 from mdcli.strategies.explore import RATING_QUESTION, ends_step
 from tests.reference import generate_alone
 

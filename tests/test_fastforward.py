@@ -1,4 +1,4 @@
-"""mdcli's own forward (mdcli.fastforward) computes what transformers' forward computes.
+"""mdcli's own forward (mdcli.backends.llama) computes what transformers' forward computes.
 
 The engine takes it for the Llama family (Llama, Qwen2, Mistral) under sdpa; every other model
 keeps transformers' forward. Evidence: the same forest decoded by two engines, one on each forward,
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.blas_gemv import one_blas_thread, openblas_library, openblas_works
-from mdcli.cpuinfo import cpu_vendor
-from mdcli.decoding import prefill_prompts
-from mdcli.fastforward import (
+from mdcli.backends.weights.blas import one_blas_thread, openblas_library, openblas_works
+from mdcli.backends.host import cpu_vendor
+from mdcli.core.decoding import prefill_prompts
+from mdcli.backends.llama import (
     BMM_MAX_QUERIES,
     BMM_MAX_QUERIES_AVX512,
     SMALL_BLAS_QUERIES,
@@ -24,10 +24,10 @@ from mdcli.fastforward import (
     fast_forward_for,
     unsupported_reason,
 )
-from mdcli.forest import pad_rows
-from mdcli.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
-from mdcli.packing import pack, packed_linear, pair_padded_linear
-from mdcli.tiled_gemm import tiled_works
+from mdcli.core.forest import pad_rows
+from mdcli.backends.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
+from mdcli.backends.weights.packed import pack, packed_linear, pair_padded_linear
+from mdcli.backends.weights.tiled import tiled_works
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 
@@ -41,7 +41,7 @@ def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None
                     transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
-    so each test exercises the copies it names; the .gguf's blocks (mdcli.gguf_blocks) as chosen
+    so each test exercises the copies it names; the .gguf's blocks (mdcli.backends.weights.gguf_blocks) as chosen
     unless `blocks` says."""
     hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, max_forward_tokens=max_forward_tokens)
@@ -277,7 +277,7 @@ def test_the_embedded_model_on_one_thread_speculates_to_the_same_answers(embedde
 def test_without_numpys_openblas_a_lone_token_keeps_torchs_kernels(monkeypatch, torch_threads):
     """numpy built on another BLAS (or threadpoolctl missing): no OpenBLAS path and, on an AVX-512
     host, no transposed copy for it; the step is what it was before."""
-    from mdcli import blas_gemv
+    from mdcli.backends.weights import blas as blas_gemv
 
     monkeypatch.setattr(blas_gemv, "openblas_library", lambda: None)
     torch_threads(1)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdcli.forest import Forest, layout_chains, pad_rows
+from mdcli.core.forest import Forest, layout_chains, pad_rows
 
 
 def grow(forest: Forest, plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:

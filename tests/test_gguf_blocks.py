@@ -1,4 +1,4 @@
-"""A decode step on the .gguf's own blocks (mdcli.gguf_blocks) multiplies by the model's own float32
+"""A decode step on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks) multiplies by the model's own float32
 weights: the kernel writes gguf-py's dequantized weights bit for bit, its products agree with
 float32's to rounding, and a forest over the blocks gives transformers' logits and `generate`'s
 tokens, on the embedded model and on tiny Llama, Qwen2, Qwen3 and Mistral models written to real
@@ -14,12 +14,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from mdcli import gguf_blocks
-from mdcli.commands.common import header
-from mdcli.embedded import embedded_gguf_path
-from mdcli.fastforward import FastForward
-from mdcli.gguf_blocks import BlockWeight, block_linear, dequantize, matches, remember_source, serving
-from mdcli.gguf_tensors import read_tensors
+from mdcli.backends.weights import gguf_blocks
+from mdcli.cli.common import header
+from mdcli.models.embedded import embedded_gguf_path
+from mdcli.backends.llama import FastForward
+from mdcli.backends.weights.gguf_blocks import BlockWeight, block_linear, dequantize, matches, remember_source, serving
+from mdcli.models.gguf_file import read_tensors
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 from tests.test_fastforward import lockstep_logits
@@ -219,7 +219,7 @@ def test_a_gguf_whose_blocks_are_not_the_models_weights_is_never_read(tmp_path):
 
 @needs_kernel
 def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path, monkeypatch):
-    """The memory rule of the other weight copies (mdcli.packing): a machine with less free memory
+    """The memory rule of the other weight copies (mdcli.backends.weights.packed): a machine with less free memory
     than twice the blocks (simulated: this test machine has plenty) keeps the float32 kernels."""
     model = tiny_model("llama", "sdpa")
     gguf_backed(model, tmp_path / "llama.gguf")

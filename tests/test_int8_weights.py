@@ -14,8 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mdcli.cli import app
-from mdcli.int8_weights import (
+from mdcli.cli.app import app
+from mdcli.backends.weights.int8 import (
     KERNEL_MAX_ROWS,
     fused_int8,
     has_int8_weights,
@@ -25,7 +25,7 @@ from mdcli.int8_weights import (
     quantize_model,
     setting_refusal,
 )
-from mdcli.loading import load_model
+from mdcli.models.load import load_model
 from tests.reference import branches_off_their_runs_alone
 from tests.tiny_models import TINY_ARCHS
 
@@ -102,14 +102,14 @@ def embedded_int8():
 
 
 def test_the_int8_forest_is_each_branch_of_the_int8_model_alone_up_to_near_ties(embedded_int8):
-    from mdcli.engine import Engine
+    from mdcli.core.engine import Engine
 
     assert Engine(embedded_int8.model)._fast is not None  # mdcli's own forward takes int8 weights
     assert _disagreements(embedded_int8) == []
 
 
 def test_the_int8_tie_check_catches_a_forest_whose_branches_see_each_other(embedded_int8, monkeypatch):
-    from mdcli.engine import Engine
+    from mdcli.core.engine import Engine
 
     see_everything = lambda self, allowed: torch.zeros((1, 1, *allowed.shape), dtype=self.dtype)  # noqa: E731
     monkeypatch.setattr(Engine, "_additive", see_everything)

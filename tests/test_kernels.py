@@ -13,9 +13,9 @@ from torch.profiler import profile
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mdcli.bench.kernels import random_forest_mask
-from mdcli import kernels
+from mdcli.backends import kernels
 from mdcli.errors import UsageError
-from mdcli.kernels import OPT_OUT, cpu_kernels, kernel_choice, kernel_name, onednn_attention, onednn_linear, onednn_works
+from mdcli.backends.kernels import OPT_OUT, cpu_kernels, kernel_choice, kernel_name, onednn_attention, onednn_linear, onednn_works
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 
 ONEDNN_OP = "mkldnn::_linear_pointwise"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mdcli.architectures import check_exact_support, context_length, sliding_window_layout
-from mdcli.embedded import EMBEDDED_NAME, cache_root, embedded_gguf_path, embedded_model_dir, gguf_sha256
+from mdcli.models.architectures import check_exact_support, context_length, sliding_window_layout
+from mdcli.models.embedded import EMBEDDED_NAME, cache_root, embedded_gguf_path, embedded_model_dir, gguf_sha256
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError
-from mdcli.loading import eos_token_ids, load_model, resolve_device, resolve_dtype
+from mdcli.models.load import eos_token_ids, load_model, resolve_device, resolve_dtype
 from tests.tiny_models import TINY_ARCHS, TINY_SLIDING_WINDOW, make_refused_model, make_tiny_model
 
 HAS_CUDA = torch.cuda.is_available()
@@ -286,7 +286,7 @@ def test_tiny_models_share_the_embedded_tokenizer(tiny):
 
 def test_unknown_hub_id_offline_is_a_one_line_load_error(tmp_path):
     code = (
-        "from mdcli.loading import load_model\n"
+        "from mdcli.models.load import load_model\n"
         "from mdcli.errors import ModelLoadError\n"
         "try:\n    load_model('mdcli-tests/no-such-model', quiet=True)\n"
         "except ModelLoadError as e:\n    print('ERROR:' + str(e))\n"
@@ -310,7 +310,7 @@ def test_quiet_loading_prints_nothing_and_reports_progress(tiny, capfd):
 
 
 def test_importing_loading_does_not_import_torch():
-    code = "import mdcli.loading, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import mdcli.models.load, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 import torch
 
-from mdcli.loading import load_model
+from mdcli.models.load import load_model
 from tests.reference import branches_off_their_runs_alone
 
 HAS_CUDA = torch.cuda.is_available()
@@ -61,7 +61,7 @@ def test_bf16_forest_agrees_with_generate_up_to_ties_on_cpu(cpu_bf16):
 def test_the_tie_check_catches_a_forest_whose_branches_see_each_other(cpu_bf16, monkeypatch):
     """The check can fail: with the ancestor mask broken (every token sees every token), branches
     read each other's questions and their answers differ from `generate` by more than ties."""
-    from mdcli.engine import Engine
+    from mdcli.core.engine import Engine
 
     see_everything = lambda self, allowed: torch.zeros((1, 1, *allowed.shape), dtype=self.dtype)  # noqa: E731
     monkeypatch.setattr(Engine, "_additive", see_everything)

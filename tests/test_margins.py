@@ -12,15 +12,15 @@ import torch
 from typer.testing import CliRunner
 
 from mdcli.api import margins
-from mdcli.cli import app
-from mdcli.decoding import common_prefix_length
+from mdcli.cli.app import app
+from mdcli.core.decoding import common_prefix_length
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
-from mdcli.loading import load_model
-from mdcli.memory import kv_bytes_per_token
+from mdcli.models.load import load_model
+from mdcli.models.memory import kv_bytes_per_token
 from mdcli.recipes import load_recipe
-from mdcli.sampling import SamplingParams
-from mdcli.segmenting import split_documents, token_counter
+from mdcli.core.sampling import SamplingParams
+from mdcli.strategies.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
     NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,

@@ -1,4 +1,4 @@
-"""Attention over each query's visible prefix read in place (mdcli.prefix_attention) is the dense attention.
+"""Attention over each query's visible prefix read in place (mdcli.backends.attention.prefix) is the dense attention.
 
 Margins' chain layout hangs branches off different depths of one long document. The radix prefill
 feeds such a document alone (its short side edges wait), so it lies in one run of slots and each
@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli import fastforward
+from mdcli.backends import llama as fastforward
 from mdcli.bench.attention import margins_step, separate_prompts, shared_document
-from mdcli.decoding import prefill_prompts
-from mdcli.prefix_attention import PrefixPlan, visible_prefix
-from mdcli.sparse_attention import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
+from mdcli.core.decoding import prefill_prompts
+from mdcli.backends.attention.prefix import PrefixPlan, visible_prefix
+from mdcli.backends.attention.sparse import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
 from tests.test_engine_exactness import VOCAB
 from tests.test_sparse_attention import (
     SUPPORTED, by_rule_equals_dense_and_generate, decode, model_for, own_engine, planned_equals_dense_and_alone,
@@ -101,7 +101,7 @@ def test_a_forest_with_more_distinct_prefixes_than_buckets_allowed_is_not_planne
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_reading_the_cache_ahead_changes_no_logit_and_reads_only_what_the_plan_attends_in_place(arch, mode,
                                                                                                  monkeypatch):
-    """mdcli.kernels.read_ahead only reads: the same forest decoded with and without it gives the
+    """mdcli.backends.kernels.read_ahead only reads: the same forest decoded with and without it gives the
     same logits bit for bit. Dense attention reads the whole cache ahead, the prefix plan its
     longest prefix (the 210-token document), and only forwards of several queries read ahead."""
     monkeypatch.setenv(OPT_OUT, mode)

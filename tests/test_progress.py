@@ -13,10 +13,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from mdcli.api import run_specs
-from mdcli.cli import app
-from mdcli.decoding import BranchSpec, common_prefix_length
+from mdcli.cli.app import app
+from mdcli.core.decoding import BranchSpec, common_prefix_length
 from mdcli.events import BranchInfo, Done, Finish, Progress, Start, Stats, Token
-from mdcli.loading import load_model
+from mdcli.models.load import load_model
 from mdcli.render import JsonlRenderer, LiveRenderer, PlainRenderer, choose_renderer
 from mdcli.render.progress import RunProgress, TerminalStatus, ThrottledLines
 from tests.reference import generate_alone

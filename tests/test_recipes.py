@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mdcli.api import run_specs
-from mdcli.cli import app
+from mdcli.cli.app import app
 from mdcli.errors import RecipeError
 from mdcli.events import Done, Finish, Fork, Start
-from mdcli.prompts import continuation_token_ids, prompt_token_ids
+from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.recipes import (
     AskManyRecipe,
     RecipeBase,
@@ -633,7 +633,7 @@ def finished_by_branch(events) -> dict[int, tuple[str | None, list[int]]]:
 
 def test_a_think_recipe_with_reencode_equals_think_with_the_same_parameters(embedded):
     from mdcli.api import think
-    from mdcli.sampling import SamplingParams
+    from mdcli.core.sampling import SamplingParams
 
     recipe = with_sampling(load_recipe("think"), Sampling(max_new_tokens=8))
     recipe = recipe.model_copy(update={"conclusion_tokens": 8})
@@ -670,7 +670,7 @@ def test_a_bad_beam_width_makes_run_exit_2_with_one_line_naming_the_field(tmp_pa
 
 def test_a_margins_recipe_with_questions_runs_every_question_as_margins_does(tiny_dir):
     from mdcli.api import margins
-    from mdcli.loading import load_model
+    from mdcli.models.load import load_model
 
     tiny = load_model(str(tiny_dir("llama")), quiet=True)
     recipe = load_recipe_text(
@@ -688,5 +688,5 @@ def test_a_margins_recipe_with_questions_runs_every_question_as_margins_does(tin
 
 
 def test_the_shipped_margins_recipe_asks_several_questions():
-    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "margins.yaml")
+    recipe = load_recipe(Path(__file__).parent.parent / "mdcli" / "recipes" / "builtin" / "margins.yaml")
     assert recipe.strategy == "margins" and recipe.query is None and len(recipe.questions) >= 2

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdcli.sampling import Sampler, SamplingParams, branch_seed, filtered_logits, outside_nucleus
+from mdcli.core.sampling import Sampler, SamplingParams, branch_seed, filtered_logits, outside_nucleus
 
 
 def nucleus_by_full_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mdcli.errors import UsageError
-from mdcli.segmenting import MIN_SEGMENT_TOKENS, split_documents, split_text, token_counter
+from mdcli.strategies.segmenting import MIN_SEGMENT_TOKENS, split_documents, split_text, token_counter
 from tests.tiny_models import tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Attention over each query's visible slots only (mdcli.sparse_attention) is the dense attention.
+"""Attention over each query's visible slots only (mdcli.backends.attention.sparse) is the dense attention.
 
 A wide forest of unrelated branches (several roots, several chains each, mixed lengths) is where
 mdcli's forward gathers each chain's slots instead of attending over the whole cache. On the tiny
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.decoding import prefill_prompts
-from mdcli.fastforward import FastForward
-from mdcli.forest import layout_chains, pad_rows
-from mdcli.sparse_attention import OPT_OUT, group_starts, plan_for, sparse_wanted
+from mdcli.core.decoding import prefill_prompts
+from mdcli.backends.llama import FastForward
+from mdcli.core.forest import layout_chains, pad_rows
+from mdcli.backends.attention.sparse import OPT_OUT, group_starts, plan_for, sparse_wanted
 from tests.reference import generate_alone
 from tests.test_engine_exactness import alone_logits, engine_for, random_prompts, tiny_model
 

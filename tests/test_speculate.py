@@ -19,16 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mdcli.api import ask_many, run_specs
-from mdcli.decoding import BranchSpec, Decoder
-from mdcli.drafting import Candidate, PromptLookup, merge_candidates
-from mdcli.engine import Engine
+from mdcli.core.decoding import BranchSpec, Decoder
+from mdcli.speculative.drafting import Candidate, PromptLookup, merge_candidates
+from mdcli.core.engine import Engine
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Start, Token
-from mdcli.forest import layout_trees
-from mdcli.loading import load_model
-from mdcli.sampling import SamplingParams
-from mdcli.forward_cost import ForwardCost
-from mdcli.speculate import Speculate, SpeculationPolicy, parse_speculate
+from mdcli.core.forest import layout_trees
+from mdcli.models.load import load_model
+from mdcli.core.sampling import SamplingParams
+from mdcli.speculative.cost import ForwardCost
+from mdcli.speculative.planner import Speculate, SpeculationPolicy, parse_speculate
 from tests.reference import generate_alone
 from tests.test_engine_exactness import ARCHS, engine_for, tiny_model
 
@@ -66,9 +66,9 @@ def test_speculate_setting_reads_auto_off_and_a_draft_count(text, mode, most):
 def test_the_generating_commands_speculate_auto_unless_told_off():
     import inspect
 
-    from mdcli.commands.ask_many import ask_many as ask_many_command
-    from mdcli.commands.margins import margins
-    from mdcli.commands.think import think
+    from mdcli.cli.ask_many import ask_many as ask_many_command
+    from mdcli.cli.margins import margins
+    from mdcli.cli.think import think
 
     for command in (ask_many_command, margins, think):
         assert inspect.signature(command).parameters["speculate"].default == "auto", command.__name__
@@ -141,7 +141,7 @@ def test_a_fixed_budget_keeps_at_most_n_nodes_per_branch_and_only_whole_paths():
 
 
 def _state(policy, drafter):
-    from mdcli.speculate import BranchDrafts
+    from mdcli.speculative.planner import BranchDrafts
 
     return BranchDrafts(drafter)
 
@@ -238,7 +238,7 @@ def test_what_verifying_costs_beyond_the_guesses_makes_auto_guess_deeper_or_not_
 def test_auto_probes_wider_forwards_a_few_times_before_trusting_its_cost_prior():
     """Only plain eight-token steps timed: auto cannot tell a CPU from a GPU yet, so it verifies
     one guess per branch (a probe), until PROBES verifying steps have been timed."""
-    from mdcli.speculate import PROBE_GUESSES, PROBE_RUN_LEFT, PROBES
+    from mdcli.speculative.planner import PROBE_GUESSES, PROBE_RUN_LEFT, PROBES
 
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20) == [1] * 8
     assert _tied_plan(0.01, 0.5, 0.8, guesses=(0,) * 20 + (8,) * PROBES) == [0] * 8
@@ -251,7 +251,7 @@ def test_auto_probes_again_after_a_stretch_without_guesses_and_guesses_on_once_t
     nothing pays, so auto stops guessing, but probes again once a probe costs at most
     PROBE_SHARE of the steps since, and when that probe's guesses are all right (the answers
     have started quoting the document), every branch guesses from the next step on."""
-    from mdcli.speculate import PROBE_EVERY, PROBES
+    from mdcli.speculative.planner import PROBE_EVERY, PROBES
 
     policy = SpeculationPolicy(Speculate("auto"), first={3: 0.1, 2: 0.1, 1: 0.1}, follow={3: 0.3, 2: 0.3, 1: 0.3})
     _time_steps(policy, 8, (0,) * 10 + (8,) * PROBES, 0.08, 0.002)  # a guess adds 2% to a step
@@ -393,7 +393,7 @@ def test_auto_guessing_wrong_loses_at_most_a_small_share_of_the_run_whatever_its
     """Estimates that stay at 90% while every guess fails (a verifying step costing 1.5 plain
     steps): auto still verifies only while what guessing has lost stays within LOSS_SHARE of the
     steps taken, so the run is at most about that much slower than without guesses."""
-    from mdcli.speculate import LOSS_SHARE, LOSS_START
+    from mdcli.speculative.planner import LOSS_SHARE, LOSS_START
 
     def sure() -> SpeculationPolicy:
         policy = SpeculationPolicy(Speculate("auto"), first={3: 0.9, 2: 0.9, 1: 0.9}, follow={3: 0.9, 2: 0.9, 1: 0.9})
@@ -588,7 +588,7 @@ def test_a_beam_recipe_that_asks_to_speculate_is_refused(embedded):
 def test_the_command_line_refuses_a_bad_speculate_before_loading_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from mdcli.cli import app
+    from mdcli.cli.app import app
 
     document = tmp_path / "doc.txt"
     document.write_text(STORY)

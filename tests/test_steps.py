@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.decoding import BranchSpec, Decoder
+from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Finish, Fork, Prune, Token
-from mdcli.run import Run
-from mdcli.sampling import SamplingParams
-from mdcli.steps import Policy, StepLoop, Tip
+from mdcli.core.run import Run
+from mdcli.core.sampling import SamplingParams
+from mdcli.core.steps import Policy, StepLoop, Tip
 from tests.reference import generate_alone
 from tests.test_engine_exactness import alone_logits, engine_for, random_prompts, tiny_model
 from tests.tiny_models import tiny_tokenizer

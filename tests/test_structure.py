@@ -28,7 +28,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "mdcli"
 MAX_LINES = 500
 
-# What mdcli/commands/ may import from mdcli: the public API and the layers a command line is
+# What mdcli/cli/ may import from mdcli: the public API and the layers a command line is
 # made of. A name ending in ".*" also allows everything under it.
 COMMANDS_MAY_IMPORT = (
     "mdcli",  # the package: its lazily exported API (load_model, ask_many, ...)
@@ -37,7 +37,7 @@ COMMANDS_MAY_IMPORT = (
     "mdcli.events",  # the event types the API yields
     "mdcli.recipes",  # the recipe API (load, check, compile); its package's __init__ only
     "mdcli.render.*",  # presentation: the renderers and their console helpers
-    "mdcli.commands.*",  # shared options and helpers between commands
+    "mdcli.cli.*",  # shared options and helpers between commands
     "mdcli.bench.*",  # the benchmark harness, which exists only for `mdcli bench`
 )
 
@@ -262,7 +262,7 @@ def test_no_module_is_over_500_lines():
 def test_commands_use_only_the_public_api():
     off_api: dict[str, list[str]] = {}
     for name, path in MODULES.items():
-        if not name.startswith("mdcli.commands."):
+        if not name.startswith("mdcli.cli."):
             continue
         outside = sorted({i.target for i in first_party_imports(path) if not may_import_from_commands(i.target)})
         if outside:
@@ -294,7 +294,7 @@ def test_the_command_line_starts_without_torch():
     # `mdcli --help` must answer at once: the CLI and the package import neither torch nor
     # transformers; they come with the first command that runs a model.
     code = (
-        "import sys, mdcli, mdcli.cli; "
+        "import sys, mdcli, mdcli.cli.app; "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -307,7 +307,7 @@ def test_the_literal_defaults_in_commands_are_the_apis():
     # commands/margins.py spells the API's defaults as literals (importing them would load the
     # decoding stack on `mdcli --help`): they must not drift apart.
     from mdcli import api
-    from mdcli.commands import margins
+    from mdcli.cli import margins
 
     assert (margins._SEGMENT_TOKENS, margins._MIN_SEGMENT_TOKENS) == (api.DEFAULT_SEGMENT_TOKENS, api.MIN_SEGMENT_TOKENS)
     assert (margins._MARGIN_TOKENS, margins._CLASSIFY_TOKENS, margins._ANSWER_TOKENS) == (

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mdcli.api import think
-from mdcli.cli import app
+from mdcli.cli.app import app
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Fork, Note, Start
-from mdcli.loading import load_model
-from mdcli.prompts import prompt_token_ids
-from mdcli.sampling import SamplingParams
+from mdcli.models.load import load_model
+from mdcli.strategies.prompts import prompt_token_ids
+from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.think import (
     ATTEND_INSTRUCTION,
     CONCLUSION_INTRO_PLAN,
@@ -41,7 +41,7 @@ from mdcli.strategies.think import (
     normalize_answer,
     parse_plan,
 )
-from mdcli.decoding import common_prefix_length
+from mdcli.core.decoding import common_prefix_length
 from tests.reference import generate_alone
 
 QUESTION = "A shop sells pens at 3 dollars each. Tom buys 4 pens and pays with a 20 dollar bill. How much change does he get?"

@@ -1,4 +1,4 @@
-"""mdcli's small-row kernel (mdcli.tiled_gemm) computes x @ W.T, and the forward on it is exact.
+"""mdcli's small-row kernel (mdcli.backends.weights.tiled) computes x @ W.T, and the forward on it is exact.
 
 Evidence: the kernel against torch's product on every row count it branches on, partial last
 tiles and biases (hypothesis); the same forest decoded on transformers' forward and on mdcli's with
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdcli import tiled_gemm
-from mdcli.fastforward import TILED_MAX_ROWS, FastForward
+from mdcli.backends.weights import tiled as tiled_gemm
+from mdcli.backends.llama import TILED_MAX_ROWS, FastForward
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
 from tests.test_fastforward import SUPPORTED, lockstep_logits

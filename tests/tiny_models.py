@@ -31,7 +31,7 @@ _KV_HEADS = 2
 
 def __getattr__(name: str) -> Any:
     if name == "TOKENIZER_SOURCE":
-        from mdcli.embedded import embedded_model_dir
+        from mdcli.models.embedded import embedded_model_dir
 
         return embedded_model_dir()
     raise AttributeError(name)
@@ -42,7 +42,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """The embedded SmolLM2 tokenizer, loaded once per test session."""
     from transformers import AutoTokenizer
 
-    from mdcli.embedded import embedded_model_dir
+    from mdcli.models.embedded import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(embedded_model_dir())
 
@@ -76,7 +76,7 @@ def _save_random_model(config: PretrainedConfig, folder: Path, seed: int) -> Pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mdcli.loading import quiet_loading
+    from mdcli.models.load import quiet_loading
 
     torch.manual_seed(seed)
     with quiet_loading(True):

@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from mdcli.bench import RANDOM_SHAPES
-from mdcli.engine import Engine
+from mdcli.core.engine import Engine
 
 family, hidden, layers, heads, kv_heads, inter, vocab, head_dim = RANDOM_SHAPES["llama-135m"]
 config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

@@ -5,10 +5,10 @@ import sys
 import time
 from collections import defaultdict
 
-import mdcli.speculate as speculate
+import mdcli.speculative.planner as speculate
 from mdcli.bench.ask import Case, forest, prompts_for
-from mdcli.engine import Engine
-from mdcli.loading import load_model
+from mdcli.core.engine import Engine
+from mdcli.models.load import load_model
 
 timed = []
 for name in ("forward", "forward_trees"):

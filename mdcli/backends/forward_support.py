@@ -1,7 +1,7 @@
-"""Which models mdcli's own decode forward (mdcli.fastforward) reproduces exactly.
+"""Which models mdcli's own decode forward (mdcli.backends.llama) reproduces exactly.
 
 It rewrites the Llama family's decoder layer (Llama, Mistral, Qwen2, Qwen3) as fused products over
-the same weights (or over mdcli's own int8 copies of them: mdcli.int8_weights); anything else in a
+the same weights (or over mdcli's own int8 copies of them: mdcli.backends.weights.int8); anything else in a
 model (another architecture, eager attention, other quantized or wrapped linears, another norm)
 keeps transformers' own forward, the reference.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from mdcli.int8_weights import has_int8_weights, int8_linear_class
+from mdcli.backends.weights.int8 import has_int8_weights, int8_linear_class
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 OPT_OUT = "MDCLI_FORWARD"
@@ -32,7 +32,7 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return "only the sdpa attention implementation is reproduced"
     inner = getattr(model, "model", None)
-    int8 = has_int8_weights(model)  # every projection and the head Int8Linear (mdcli.int8_weights)
+    int8 = has_int8_weights(model)  # every projection and the head Int8Linear (mdcli.backends.weights.int8)
     dense = int8_linear_class() if int8 else nn.Linear
     if inner is None or not hasattr(inner, "layers") or type(getattr(model, "lm_head", None)) is not dense:
         return "unexpected module layout"

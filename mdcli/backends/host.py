@@ -1,8 +1,6 @@
-"""What the CPU says about itself: /proc/cpuinfo's fields and the vendor.
-
-Its own module, below both mdcli.kernels (which picks kernels by vendor where a choice was measured
-on one vendor's cores only) and mdcli.hostinfo (which names the CPU in benchmark tables and itself
-imports mdcli.kernels)."""
+"""Host facts: what the CPU says about itself (/proc/cpuinfo, vendor, model) and the instruction
+set torch's CPU kernels dispatch to. The selector (mdcli.backends.select) turns these into a plan;
+benchmark tables name the CPU with `cpu_line`."""
 
 from __future__ import annotations
 
@@ -34,3 +32,34 @@ def cpu_vendor() -> str:
     platform string without the vendor's id, which Windows' has: "..., AuthenticAMD")."""
     reported = cpuinfo_fields().get("vendor_id") or platform.processor()
     return next((name for vendor_id, name in _VENDORS.items() if vendor_id in reported), "")
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
+    (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
+    import torch  # host facts are read before torch is needed elsewhere: `mdcli info` without a model
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+@cache
+def cpu_model() -> str:
+    """e.g. "AMD EPYC (family 26, model 2)": the marketing name alone does not tell Zen 3 from Zen 5."""
+    fields = cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def has_avx512() -> bool:
+    """AVX-512 as torch's CPU kernels see it (ATEN_CPU_CAPABILITY can lower it), else the CPU flags."""
+    try:
+        return "AVX512" in cpu_capability()
+    except ImportError:  # torch missing: fall back to what the CPU reports
+        return "avx512f" in cpuinfo_fields().get("flags", "").split()
+
+
+def cpu_line() -> str:
+    """One line for a benchmark table: "AMD EPYC (family 26, model 2), AVX-512: yes"."""
+    return f"{cpu_model()}, AVX-512: {'yes' if has_avx512() else 'no'}"

@@ -23,7 +23,7 @@ slower than torch's own kernels (prefill of a 1,819-token forest 9.18 s vs 8.40 
 of MKL at 1 token, 0.92x at 8, 0.75x at 512, its attention products 0.65-0.94x of sdpa. (mdcli's
 own decode forward does use oneDNN there, for weights packed once: see `avx2_step`.) On both host
 kinds, with torch on one thread, mdcli's own forward takes a lone token's products to OpenBLAS
-instead (`lone_blas_step`, mdcli.blas_gemv). `kernel_choice` says which ran and why; reports and
+instead (`lone_blas_step`, mdcli.backends.weights.blas). `kernel_choice` says which ran and why; reports and
 the `start` event carry it. `MDCLI_CPU_KERNELS=torch|onednn` forces either (`auto`, the default,
 decides by the CPU). They are process-wide switches (`F.linear` and transformers' "sdpa" entry),
 installed only while mdcli runs the model, so another thread's forwards during that time take them
@@ -45,9 +45,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
-from mdcli import gguf_blocks, tiled_gemm
-from mdcli.blas_gemv import openblas_works
-from mdcli.cpuinfo import cpu_vendor
+from mdcli.backends.weights import gguf_blocks
+
+from mdcli.backends.weights import tiled as tiled_gemm
+from mdcli.backends.weights.blas import openblas_works
+from mdcli.backends.host import cpu_capability, cpu_vendor
 from mdcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -89,7 +91,7 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
 def kernel_choice(device: torch.device, dtype: torch.dtype, blocks: str | None = None) -> KernelChoice:
     """Which kernels mdcli's forwards use and why, for the header, the `start` event and reports:
     the routing (`_routing`), noting where forwards of a few tokens read the model's .gguf blocks
-    (`blocks`: their kinds, from mdcli.gguf_blocks.serving), else where a lone token's step runs on
+    (`blocks`: their kinds, from mdcli.backends.weights.gguf_blocks.serving), else where a lone token's step runs on
     OpenBLAS (`lone_blas_step`), and where forwards of a few tokens run on mdcli's tiled kernel
     (`tiled_step`)."""
     choice = _routing(device, dtype)
@@ -103,7 +105,7 @@ def kernel_choice(device: torch.device, dtype: torch.dtype, blocks: str | None =
 
 def tiled_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own decode forward multiplies forwards of a few tokens by a tiled weight
-    copy on mdcli's own kernel (mdcli.tiled_gemm): a float32 CPU model on an AVX2-only x86-64 CPU
+    copy on mdcli's own kernel (mdcli.backends.weights.tiled): a float32 CPU model on an AVX2-only x86-64 CPU
     (`avx2_step`, measured on Zen 3) with torch on one thread (the kernel runs one), or wherever
     the kernel runs with MDCLI_TILED_GEMM=always; never with MDCLI_TILED_GEMM=0, by default not
     with MDCLI_CPU_KERNELS forcing a side (as `avx2_step`), and only where the kernel built and
@@ -142,7 +144,7 @@ def _routing(device: torch.device, dtype: torch.dtype) -> KernelChoice:
 
 def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True for a float32 CPU model on an x86-64 CPU with AVX2 but not AVX-512, where mdcli's own
-    decode forward (mdcli.fastforward) takes its AVX2 choices: linears stay on torch's kernels
+    decode forward (mdcli.backends.llama) takes its AVX2 choices: linears stay on torch's kernels
     (routed oneDNN was slower there), but the step multiplies by weight copies laid out for it
     (oneDNN-packed for several tokens, transposed for one) and attends with two batched products.
     Measured on a Zen 3 core (BENCHMARKS.md, "A faster decode step", AVX2). False wherever
@@ -152,7 +154,7 @@ def avx2_step(device: torch.device, dtype: torch.dtype) -> bool:
 
 def lone_blas_step(device: torch.device, dtype: torch.dtype) -> bool:
     """True where mdcli's own decode forward multiplies a lone token's step on OpenBLAS over
-    transposed weight copies (mdcli.blas_gemv): a float32 CPU model, x86-64 with AVX-512 (measured
+    transposed weight copies (mdcli.backends.weights.blas): a float32 CPU model, x86-64 with AVX-512 (measured
     on Zen 4: 0.78x -> 0.55x of transformers' step) or AVX2 only (measured on Zen 3: 0.66x ->
     0.63x), the kernel choice left to auto, torch on one thread (OpenBLAS's threads and torch's
     fight over the cores: 381 ms a step with two each), numpy's OpenBLAS present and agreeing with
@@ -220,14 +222,6 @@ def kernel_setting() -> str:
     if raw in _FORCE_ONEDNN:
         return "onednn"
     raise UsageError(f"{OPT_OUT}={raw!r} is not a kernel choice", fix=f"set {OPT_OUT} to auto, torch or onednn")
-
-
-def cpu_capability() -> str:
-    """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
-    (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
-    import torch
-
-    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def onednn_available() -> bool:

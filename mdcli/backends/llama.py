@@ -9,32 +9,32 @@ and the tests compare this one with it. What this forward changes, per layer:
   row slices of it (views: the same memory, the model's forward reads the same numbers);
 * rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
   per step by the model's own rotary module (every rope type transformers knows stays exact);
-* the mask made once per step by the engine; where linears run on oneDNN (mdcli.kernels) or on
+* the mask made once per step by the engine; where linears run on oneDNN (mdcli.backends.kernels) or on
   an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a
   key/value group stacked and the mask's rows repeated for them once per step, elsewhere
   transformers' sdpa entry;
 * the projections and the head multiply by weight copies laid out for the kernel that takes the
-  forward's size (mdcli.packing): where linears run on oneDNN and on AVX2-only x86-64, a copy packed
+  forward's size (mdcli.backends.weights.packed): where linears run on oneDNN and on AVX2-only x86-64, a copy packed
   in oneDNN's blocked layout; with torch on one thread, forwards of up to TILED_MAX_ROWS tokens on an
-  AVX2-only x86-64 CPU take mdcli's own kernel over a tiled copy (mdcli.tiled_gemm), and a lone token
-  OpenBLAS over a transposed copy (mdcli.blas_gemv; on AVX-512 torch's kernels read it at about half
+  AVX2-only x86-64 CPU take mdcli's own kernel over a tiled copy (mdcli.backends.weights.tiled), and a lone token
+  OpenBLAS over a transposed copy (mdcli.backends.weights.blas; on AVX-512 torch's kernels read it at about half
   the core's rate);
-* keys and values written through the cache's public `update` (mdcli.cache's growing buffer);
+* keys and values written through the cache's public `update` (mdcli.core.cache's growing buffer);
 * where measured to pay (AVX-512 and AVX2 x86-64), a forward of several tokens reads the cached
   keys and values it is about to multiply by once, as a plain sum, before the products: they
   arrive cold after the step's weights, and the small products read cold memory at a fraction of
   the rate a sum does;
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
-  over each chain's gathered visible slots only, with the same core (mdcli.sparse_attention); where
+  over each chain's gathered visible slots only, with the same core (mdcli.backends.attention.sparse); where
   they see different prefixes of one long run of slots (margins' chain layout), over each prefix
-  read in place plus the few other slots gathered (mdcli.prefix_attention);
+  read in place plus the few other slots gathered (mdcli.backends.attention.prefix);
 * the final norm and `lm_head` only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations;
 * where the model's float32 weights are a .gguf's Q4_1 / Q8_0 / Q4_0 blocks or F16 / BF16 numbers
   (the embedded model, a `.gguf` passed to --model) and mdcli's block kernel builds, forwards of a
-  few tokens multiply by those (mdcli.gguf_blocks): the same weights bit for bit, a sixth (Q4_1) to
+  few tokens multiply by those (mdcli.backends.weights.gguf_blocks): the same weights bit for bit, a sixth (Q4_1) to
   a half (F16) of the bytes to read;
-* with `--cpu-weights int8` (mdcli.int8_weights) every product multiplies by the int8 copies, fused
+* with `--cpu-weights int8` (mdcli.backends.weights.int8) every product multiplies by the int8 copies, fused
   the same way, and no float32 copy is made.
 
 The arithmetic is the same operations on the same numbers; products over a fused or packed weight
@@ -49,16 +49,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli import gguf_blocks, packing
-from mdcli.blas_gemv import one_blas_thread, openblas_bmm, openblas_linear
-from mdcli.forward_support import own_forward_off, unsupported_reason
-from mdcli.gguf_blocks import block_linear
-from mdcli.int8_weights import fused_int8, has_int8_weights, int8_linear
-from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
-from mdcli.prefix_attention import PrefixPlan
-from mdcli.row_slices import joined_rows
-from mdcli.sparse_attention import host_gather_cost, plan_for
-from mdcli.tiled_gemm import TILED_MAX_ROWS, tiled_linear
+from mdcli.backends.weights import gguf_blocks
+
+from mdcli.backends.weights import packed as packing
+from mdcli.backends.weights.blas import one_blas_thread, openblas_bmm, openblas_linear
+from mdcli.backends.forward_support import own_forward_off, unsupported_reason
+from mdcli.backends.weights.gguf_blocks import block_linear
+from mdcli.backends.weights.int8 import fused_int8, has_int8_weights, int8_linear
+from mdcli.backends.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
+from mdcli.backends.attention.prefix import PrefixPlan
+from mdcli.backends.weights.row_slices import joined_rows
+from mdcli.backends.attention.sparse import host_gather_cost, plan_for
+from mdcli.backends.weights.tiled import TILED_MAX_ROWS, tiled_linear
 
 if TYPE_CHECKING:
     import torch
@@ -90,14 +92,14 @@ def fast_forward_for(model, **options) -> FastForward | None:
 
 
 def packing_wanted(model) -> bool:
-    """Pack the projections where mdcli.kernels runs float32 CPU linears on oneDNN or on an AVX2
+    """Pack the projections where mdcli.backends.kernels runs float32 CPU linears on oneDNN or on an AVX2
     x86-64 CPU, unless turned off (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the
     free memory."""
     return packing.packing_wanted(model)
 
 
 def transposing_wanted(model) -> bool:
-    """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.packing)."""
+    """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.backends.weights.packed)."""
     return packing.transposing_wanted(model)
 
 
@@ -128,26 +130,26 @@ class FastForward:
 
     attention: "bmm" (two batched products per step and layer, the query heads of a key/value
     group stacked, the mask's rows repeated once per step) or "transformers" (the model's sdpa
-    entry, which mdcli.kernels may route); None: "bmm" where mdcli.kernels runs linears on oneDNN,
+    entry, which mdcli.backends.kernels may route); None: "bmm" where mdcli.backends.kernels runs linears on oneDNN,
     else "transformers" (measured: bmm 2-5% faster there, 4-7% slower on stock AVX2 kernels).
     packed: run the projections on weights copied once into oneDNN's blocked layout (see
     `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
     weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
-    products on the transposed copies run on OpenBLAS (mdcli.blas_gemv) instead of torch's kernels;
-    None decides by `mdcli.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
+    products on the transposed copies run on OpenBLAS (mdcli.backends.weights.blas) instead of torch's kernels;
+    None decides by `mdcli.backends.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
     forwards of up to `blas_queries` tokens (SMALL_BLAS_QUERIES, or SMALL_BLAS_QUERIES_AVX2 on an
     AVX2-only x86-64 CPU) also take OpenBLAS's weighted sum of the values.
     pair_padded: a two-token forward multiplies by the packed weights as four rows (see
     `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`. read_ahead: a
     forward of several tokens on the bmm core first streams the cached keys and values it attends
-    to through the CPU's caches (`mdcli.kernels.read_ahead`); None decides by
-    `mdcli.kernels.read_ahead_step`. tiled: forwards of up to TILED_MAX_ROWS tokens multiply by
-    weight copies in mdcli.tiled_gemm's tiles (its own kernel); None decides by
+    to through the CPU's caches (`mdcli.backends.kernels.read_ahead`); None decides by
+    `mdcli.backends.kernels.read_ahead_step`. tiled: forwards of up to TILED_MAX_ROWS tokens multiply by
+    weight copies in mdcli.backends.weights.tiled's tiles (its own kernel); None decides by
     `packing.tiling_wanted`; a lone token still takes the transposed copy where that is made (OpenBLAS
     on it measured 2-5% faster in whole steps on Zen 3), else the tiled one and OpenBLAS's weighted
     sum of the values, as with lone_blas. blocks: forwards of up to `gguf_blocks.max_rows()` tokens
     multiply by the blocks of the .gguf the model was loaded from, where its weights are them
-    (mdcli.gguf_blocks; then no transposed copy is made, a lone token takes the blocks); None or
+    (mdcli.backends.weights.gguf_blocks; then no transposed copy is made, a lone token takes the blocks); None or
     True: where they are found and the kernel works here, False: never."""
 
     def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
@@ -168,10 +170,10 @@ class FastForward:
         self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
         self.gather_cost = host_gather_cost(*packing.weight_kind(model))  # by host kind
         self.read_ahead = read_ahead_step(*packing.weight_kind(model)) if read_ahead is None else read_ahead
-        self.int8 = has_int8_weights(model)  # int8 projections (mdcli.int8_weights): no float32 copies
+        self.int8 = has_int8_weights(model)  # int8 projections (mdcli.backends.weights.int8): no float32 copies
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
-        self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.prefix_attention)
+        self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
         self.head = _weight(model.lm_head)  # [V, hidden]
         self.tiled = packing.tiling_wanted(model) if tiled is None else tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
@@ -201,7 +203,7 @@ class FastForward:
                 layer.qkv, layer.o, layer.gate_up, layer.down = weights
 
     def _block_copies(self, model):
-        """The .gguf's blocks for every projection and the head (mdcli.gguf_blocks), where the
+        """The .gguf's blocks for every projection and the head (mdcli.backends.weights.gguf_blocks), where the
         model's float32 weights are them and the kernel runs here; else None, the reason kept."""
         found = gguf_blocks.blocks_for(model)
         if isinstance(found, str):
@@ -224,7 +226,7 @@ class FastForward:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
         elif self.tiled and m <= TILED_MAX_ROWS:
             linear, layers, head = _tiled_linear, self.small, self.small_head
-        else:  # F.linear is looked up per call: mdcli.kernels may route it
+        else:  # F.linear is looked up per call: mdcli.backends.kernels may route it
             linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
             layers, head = self.layers, self.head
         if m <= self.blas_queries:
@@ -278,7 +280,7 @@ class FastForward:
 
     def _read_reach(self, plan, mask, m: int, attention: str) -> int:
         """How many leading cache slots each layer streams through the CPU's caches before attending
-        (mdcli.kernels.read_ahead; 0: none): where it was measured to pay, a forward of several
+        (mdcli.backends.kernels.read_ahead; 0: none): where it was measured to pay, a forward of several
         tokens on the bmm core, the whole cache for dense attention, the longest prefix a bucket
         reads in place for the prefix plan; none for gathered slots (the gather reads them)."""
         if not self.read_ahead or m == 1 or attention != "bmm":
@@ -338,7 +340,7 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
 
     query: [1, H, M, D]; keys, values: [1, G, N, D]; rows: [H/G * M, N] additive or None (a lone
     query seeing everything); weighted_sum: the batched product for probabilities x values (None:
-    torch.bmm; OpenBLAS's reads the values about 2.5x faster for a lone query, mdcli.blas_gemv).
+    torch.bmm; OpenBLAS's reads the values about 2.5x faster for a lone query, mdcli.backends.weights.blas).
     Returns [1, M, H * D]."""
     import torch
 
@@ -444,7 +446,7 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     a model fused before is recognised by its weights already being consecutive slices."""
     import torch
 
-    if hasattr(linears[0], "int8"):  # int8 weights (mdcli.int8_weights), fused when quantized
+    if hasattr(linears[0], "int8"):  # int8 weights (mdcli.backends.weights.int8), fused when quantized
         fused = fused_int8(linears)
     else:
         weights = [m.weight for m in linears]
@@ -472,7 +474,7 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _weight(linear):
-    """What a projection multiplies by: its float32 weight, or its `Int8Weight` (mdcli.int8_weights)."""
+    """What a projection multiplies by: its float32 weight, or its `Int8Weight` (mdcli.backends.weights.int8)."""
     return linear.int8 if hasattr(linear, "int8") else linear.weight
 
 

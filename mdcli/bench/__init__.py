@@ -15,7 +15,7 @@ from mdcli.errors import UsageError
 # host probe or the loader.
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 RANDOM_SHAPES = {
     # name: (family, hidden, layers, heads, kv_heads, intermediate, vocab, head_dim or None: hidden / heads)
@@ -30,7 +30,7 @@ RANDOM_SHAPES = {
 BASELINE_KERNELS = ("stock", "mdcli")
 BASELINE_KERNELS_HELP = (
     "stock: the alternatives run on torch's own kernels, as users run them; mdcli: they get mdcli's CPU "
-    "kernels too (mdcli.kernels), so the ratio shows the algorithm's gain alone"
+    "kernels too (mdcli.backends.kernels), so the ratio shows the algorithm's gain alone"
 )
 
 
@@ -38,7 +38,7 @@ def baseline_kernels(lm: LoadedModel, choice: str):
     """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
     from contextlib import nullcontext
 
-    from mdcli.kernels import cpu_kernels  # lazy: see the module's imports
+    from mdcli.backends.kernels import cpu_kernels  # lazy: see the module's imports
 
     return cpu_kernels(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
 
@@ -46,9 +46,9 @@ def baseline_kernels(lm: LoadedModel, choice: str):
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
     # lazy: see the module's imports
-    from mdcli.gguf_blocks import serving
-    from mdcli.hostinfo import cpu_line
-    from mdcli.kernels import kernel_choice
+    from mdcli.backends.weights.gguf_blocks import serving
+    from mdcli.backends.host import cpu_line
+    from mdcli.backends.kernels import kernel_choice
 
     mine = kernel_choice(lm.device, lm.dtype, serving(lm.model))
     theirs = mine.name if choice == "mdcli" else "torch"
@@ -62,8 +62,8 @@ def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
 
     # lazy: see the module's imports
-    from mdcli.embedded import embedded_model_dir
-    from mdcli.loading import LoadedModel, resolve_device, resolve_dtype
+    from mdcli.models.embedded import embedded_model_dir
+    from mdcli.models.load import LoadedModel, resolve_device, resolve_dtype
 
     if shape not in RANDOM_SHAPES:
         raise UsageError(f"unknown random model shape '{shape}'", fix=f"choose one of {', '.join(RANDOM_SHAPES)}")

@@ -16,15 +16,15 @@ On request (not by default):
 (f) hf-prompt-lookup  `model.generate(prompt_lookup_num_tokens=10)` once per question: Hugging
                       Face's prompt lookup decoding, the single-sequence version of (e)
 (g) forest-no-blocks  the forest with no forward on the .gguf's blocks (MDCLI_GGUF_BLOCKS=0,
-                      mdcli.gguf_blocks): the float32 kernels alone, the same weights, so the same
+                      mdcli.backends.weights.gguf_blocks): the float32 kernels alone, the same weights, so the same
                       tokens are required
 (h) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
-                      mdcli.int8_weights), made once per model: a different, lossier model, so its
+                      mdcli.backends.weights.int8), made once per model: a different, lossier model, so its
                       tokens are not compared with the forest's
 
 (a) is the forest without speculation, so every ratio is against plain forest steps.
 (b)-(d) and (f) run on torch's stock kernels, as users run them; `baseline_kernels="mdcli"` gives them
-the CPU kernels mdcli's engine uses (mdcli.kernels) to show what the algorithm alone gains.
+the CPU kernels mdcli's engine uses (mdcli.backends.kernels) to show what the algorithm alone gains.
 """
 
 from __future__ import annotations
@@ -34,21 +34,21 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mdcli import gguf_blocks
+from mdcli.backends.weights import gguf_blocks
 from mdcli.api import run_specs
 from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
-from mdcli.cache import cache_argument, new_cache
-from mdcli.decoding import BranchSpec, common_prefix_length
-from mdcli.environment import temporarily_set
+from mdcli.core.cache import cache_argument, new_cache
+from mdcli.core.decoding import BranchSpec, common_prefix_length
+from mdcli.settings import temporarily_set
 from mdcli.events import Done, Finish
-from mdcli.memory import kv_bytes_per_token
-from mdcli.prompts import fill_template, prompt_token_ids
+from mdcli.models.memory import kv_bytes_per_token
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
 
 if TYPE_CHECKING:
 
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
 SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
@@ -184,7 +184,7 @@ def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case)
 
 def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     """The forest with every forward on the float32 kernels, none on the .gguf's blocks
-    (MDCLI_GGUF_BLOCKS=0 while it runs; mdcli.gguf_blocks): what reading the blocks gains, same
+    (MDCLI_GGUF_BLOCKS=0 while it runs; mdcli.backends.weights.gguf_blocks): what reading the blocks gains, same
     weights, so its tokens are compared with the forest's."""
     with temporarily_set(gguf_blocks.OPT_OUT, "0"):
         measured = forest(model, prompts, case, reference=False)
@@ -204,13 +204,13 @@ _INT8_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float32
 
 
 def int8_copy(model: LoadedModel) -> LoadedModel:
-    """A copy of `model` with its projections made int8 (mdcli.int8_weights), made once and kept
+    """A copy of `model` with its projections made int8 (mdcli.backends.weights.int8), made once and kept
     while the float32 model lives."""
     import copy
     import dataclasses
 
-    from mdcli.int8_weights import described, quantize_model  # lazy: only this approach needs it
-    from mdcli.packing import copies_set_aside  # lazy: as above
+    from mdcli.backends.weights.int8 import described, quantize_model  # lazy: only this approach needs it
+    from mdcli.backends.weights.packed import copies_set_aside  # lazy: as above
 
     if model.model not in _INT8_COPIES:
         with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
@@ -224,7 +224,7 @@ def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every tensor once (tied embeddings are one matrix), but
     not an input embedding of its own, of which a step reads one row per token."""
     embedding = model.get_input_embeddings().weight.untyped_storage()
-    head = getattr(model.get_output_embeddings(), "weight", None)  # None: an int8 head (mdcli.int8_weights)
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: an int8 head (mdcli.backends.weights.int8)
     tied = head is not None and head.untyped_storage().data_ptr() == embedding.data_ptr()
     storages = {}
     for tensor in (*model.parameters(), *model.buffers()):

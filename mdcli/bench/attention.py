@@ -7,8 +7,8 @@ slots, branches hanging off it, their generated tokens interleaved step by step)
 attention (9 query heads over 3 key/value heads, head size 64, the bmm core) is timed:
 
 * dense: every query against every slot, masked (fastforward's core);
-* gathered: each query's visible slots copied out, then attended (mdcli.sparse_attention);
-* prefix: each bucket's visible prefix read in place, the rest gathered (mdcli.prefix_attention);
+* gathered: each query's visible slots copied out, then attended (mdcli.backends.attention.sparse);
+* prefix: each bucket's visible prefix read in place, the rest gathered (mdcli.backends.attention.prefix);
 
 next to the work the rule counts for each (query-slot products, a gathered slot counted as this
 host kind's gather cost, a bucket as BUCKET_COST), and the plan the rule picks. All three compute the
@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from mdcli import sparse_attention as sa
+from mdcli.backends.attention import sparse as sa
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.margins import machine
-from mdcli.fastforward import _grouped_attention
-from mdcli.prefix_attention import PrefixPlan, bucket_prefixes, dense_work, plan_prefixes
-from mdcli.prefix_attention import grouped_attention as prefix_attention
+from mdcli.backends.llama import _grouped_attention
+from mdcli.backends.attention.prefix import PrefixPlan, bucket_prefixes, dense_work, plan_prefixes
+from mdcli.backends.attention.prefix import grouped_attention as prefix_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 

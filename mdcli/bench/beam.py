@@ -17,15 +17,15 @@ import time
 from typing import TYPE_CHECKING
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
-from mdcli.cache import output_cache
-from mdcli.engine import Engine
+from mdcli.core.cache import output_cache
+from mdcli.core.engine import Engine
 from mdcli.events import Finish
-from mdcli.loading import load_model
-from mdcli.memory import kv_bytes_per_token
+from mdcli.models.load import load_model
+from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, BeamPrompt, BeamSearch
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 _TEXT = (
     "The lighthouse keeper of Ar Men kept a logbook for forty years. Each evening she wrote the wind, the "

@@ -1,4 +1,4 @@
-"""Benchmark: torch's stock CPU kernels against the oneDNN ones mdcli's forwards use (mdcli.kernels).
+"""Benchmark: torch's stock CPU kernels against the oneDNN ones mdcli's forwards use (mdcli.backends.kernels).
 
     python -m mdcli.bench.kernels            # one thread, the embedded model's shapes
 
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mdcli.bench.margins import machine
-from mdcli.cache import native_gqa_attention
-from mdcli.kernels import onednn_attention, onednn_linear, onednn_works
+from mdcli.core.cache import native_gqa_attention
+from mdcli.backends.kernels import onednn_attention, onednn_linear, onednn_works
 
 if TYPE_CHECKING:
     import torch

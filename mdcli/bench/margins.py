@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
 from mdcli.bench.margins_questions import compare_questions
-from mdcli.cache import cache_argument
-from mdcli.decoding import common_prefix_length
+from mdcli.core.cache import cache_argument
+from mdcli.core.decoding import common_prefix_length
 from mdcli.events import Finish
-from mdcli.hostinfo import cpu_line
-from mdcli.loading import load_model
-from mdcli.segmenting import split_text, token_counter
+from mdcli.backends.host import cpu_line
+from mdcli.models.load import load_model
+from mdcli.strategies.segmenting import split_text, token_counter
 from mdcli.strategies.margins import Margins, new_decoder
 
 OVER_BUDGET = [

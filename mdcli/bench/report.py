@@ -8,9 +8,9 @@ from dataclasses import asdict
 from statistics import median
 from typing import TYPE_CHECKING
 
-from mdcli.gguf_blocks import serving
-from mdcli.hostinfo import cpu_model, has_avx512
-from mdcli.kernels import kernel_choice
+from mdcli.backends.weights.gguf_blocks import serving
+from mdcli.backends.host import cpu_model, has_avx512
+from mdcli.backends.kernels import kernel_choice
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
                   model=None) -> dict:
     """The machine, versions and mdcli's kernels (for `model`: whether its forward reads a .gguf's
-    blocks, mdcli.gguf_blocks)."""
+    blocks, mdcli.backends.weights.gguf_blocks)."""
     import torch
     import transformers
 

@@ -24,23 +24,25 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from mdcli import cache as kv
-from mdcli import engine as engine_module
-from mdcli import fastforward, gguf_blocks, tiled_gemm
+from mdcli.core import cache as kv
+from mdcli.core import engine as engine_module
+from mdcli.backends import llama as fastforward
+from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import tiled as tiled_gemm
 from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
-from mdcli.blas_gemv import one_blas_thread, openblas_linear
-from mdcli.int8_weights import dequantized_product, kernel_product, quantize
-from mdcli.kernels import cpu_kernels
-from mdcli.loading import load_model
-from mdcli.packing import pack, packed_linear, transpose, transposed_linear
+from mdcli.backends.weights.blas import one_blas_thread, openblas_linear
+from mdcli.backends.weights.int8 import dequantized_product, kernel_product, quantize
+from mdcli.backends.kernels import cpu_kernels
+from mdcli.models.load import load_model
+from mdcli.backends.weights.packed import pack, packed_linear, transpose, transposed_linear
 
 if TYPE_CHECKING:
     import torch
 
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 __all__ = ["EngineStepper", "ReferenceStepper", "StepProfile", "median_step_seconds", "memory_read_gbps"]
 
@@ -51,7 +53,7 @@ __all__ = ["EngineStepper", "ReferenceStepper", "StepProfile", "median_step_seco
 class StepProfile:
     """Seconds per part of the model, summed over the observed steps, for either forward.
 
-    Each part is timed where both forwards reach it: `F.linear` (which mdcli.kernels may route),
+    Each part is timed where both forwards reach it: `F.linear` (which mdcli.backends.kernels may route),
     the attention functions, the norm and activation modules or mdcli's norm function, the rotary
     table and its application, the cache's `update` and the engine's mask. Every part is exclusive
     (attention inside attention counts once); the rest of the step is Python and dispatch glue."""
@@ -67,7 +69,7 @@ class StepProfile:
 
     @contextmanager
     def observe(self):
-        # held open around the step so mdcli.kernels installs its routes once, before the wrapping
+        # held open around the step so mdcli.backends.kernels installs its routes once, before the wrapping
         with cpu_kernels(self.lm.device, self.lm.dtype), self._wrapped():
             started = time.perf_counter()
             yield
@@ -201,11 +203,11 @@ def _modeling_modules(model) -> list:
 def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights: bool = False) -> str:
     """The fused projections of the embedded model's shape (30 x qkv, o, gate_up, down, plus the
     output head), random float32 weights, one pass of M tokens: torch's `F.linear`, oneDNN on the
-    plain weights, oneDNN on packed weights (mdcli.packing), torch (MKL) and OpenBLAS on transposed
-    copies (mdcli.packing.transpose, mdcli.blas_gemv; OpenBLAS on one thread), mdcli's tiled
-    kernel (mdcli.tiled_gemm) and its block kernel (mdcli.gguf_blocks, over the weights rounded to
+    plain weights, oneDNN on packed weights (mdcli.backends.weights.packed), torch (MKL) and OpenBLAS on transposed
+    copies (mdcli.backends.weights.packed.transpose, mdcli.backends.weights.blas; OpenBLAS on one thread), mdcli's tiled
+    kernel (mdcli.backends.weights.tiled) and its block kernel (mdcli.backends.weights.gguf_blocks, over the weights rounded to
     the embedded model's Q4_1 / Q8_0 blocks) where they build; with int8_weights also the int8 kernel and the
-    dequantized product `--cpu-weights int8` chooses between (mdcli.int8_weights; "best vs stock"
+    dequantized product `--cpu-weights int8` chooses between (mdcli.backends.weights.int8; "best vs stock"
     then counts them too). Median ms over `repeats`."""
     import torch
     import torch.nn.functional as F
@@ -229,7 +231,7 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
         kernels.append((gguf_blocks.block_linear, [gguf_blocks.rounded_to(w.numpy(), "Q8_0" if w.shape[0] == 49152
                                                                           else "Q4_1") for w in weights]))
         names.append("gguf blocks")
-    if int8_weights:  # --cpu-weights int8's two products (mdcli.int8_weights), bf16 activations
+    if int8_weights:  # --cpu-weights int8's two products (mdcli.backends.weights.int8), bf16 activations
         quantized = [quantize(w) for w in weights]
         kernels += [(lambda x, w: kernel_product(x.to(torch.bfloat16), w), quantized),
                     (lambda x, w: dequantized_product(x.to(torch.bfloat16), w), quantized)]
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|tiled|blocks|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",
-                        help="int8: also step the engine over int8 weights (mdcli.int8_weights; a copy of the "
+                        help="int8: also step the engine over int8 weights (mdcli.backends.weights.int8; a copy of the "
                              "model, quantized), against the same float32 reference")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")

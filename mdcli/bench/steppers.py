@@ -9,14 +9,14 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from mdcli.cache import cache_argument
-from mdcli.decoding import prefill_prompts
-from mdcli.engine import Engine
-from mdcli.fastforward import FastForward
-from mdcli.forest import pad_rows
+from mdcli.core.cache import cache_argument
+from mdcli.core.decoding import prefill_prompts
+from mdcli.core.engine import Engine
+from mdcli.backends.llama import FastForward
+from mdcli.core.forest import pad_rows
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 
 class ReferenceStepper:
@@ -46,17 +46,17 @@ class EngineStepper:
     """mdcli's engine: one forward feeding one greedy token to each prompt's branch.
 
     forward: "transformers" (the model's forward always), "mdcli" (the engine's own forward where
-    it applies, as it chooses: mdcli.fastforward), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
-    plain, packed, transposed, openblas (the transposed copy multiplied on OpenBLAS, mdcli.blas_gemv)
+    it applies, as it chooses: mdcli.backends.llama), or a variant of it: "mdcli:ATTENTION:WEIGHTS", WEIGHTS
+    plain, packed, transposed, openblas (the transposed copy multiplied on OpenBLAS, mdcli.backends.weights.blas)
     or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), "padded" for two-row
-    products on the packed copy multiplied as four (mdcli.packing.pair_padded_linear), and "ahead" to
-    read the cache ahead (mdcli.kernels.read_ahead; without it, not), "tiled" for forwards of up to
-    fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.tiled_gemm; without it, not), "blocks"
-    for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.gguf_blocks;
+    products on the packed copy multiplied as four (mdcli.backends.weights.packed.pair_padded_linear), and "ahead" to
+    read the cache ahead (mdcli.backends.kernels.read_ahead; without it, not), "tiled" for forwards of up to
+    fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.backends.weights.tiled; without it, not), "blocks"
+    for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks;
     without it, not).
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
-    (the tree a speculative step feeds, mdcli.speculate); the step then continues from the last."""
+    (the tree a speculative step feeds, mdcli.speculative.planner); the step then continues from the last."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli", guesses: int = 0) -> None:
         import torch

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
 from mdcli.events import Finish, Fork, Note, Token
-from mdcli.loading import load_model
-from mdcli.sampling import SamplingParams
+from mdcli.models.load import load_model
+from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.think import Think, run_think
 
 QUESTION = (

@@ -30,9 +30,9 @@ from statistics import median
 
 from mdcli.bench.ask import QUESTIONS
 from mdcli.bench.margins import bench_document
-from mdcli.embedded import embedded_model_dir
+from mdcli.models.embedded import embedded_model_dir
 from mdcli.errors import UsageError
-from mdcli.hostinfo import cpu_line
+from mdcli.backends.host import cpu_line
 
 PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
 PLAIN_MODES = ("sequential", "batched", "prefill-once")

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from mdcli import __version__
-from mdcli.commands.common import silence_stdout
+from mdcli.cli.common import silence_stdout
 
 app = typer.Typer(
     name="mdcli",
@@ -42,13 +42,13 @@ def _root(
     """Exact parallel decoding (MultiDecode) over Hugging Face models."""
 
 
-# -- commands: each lives in mdcli/commands/<name>.py -----------------------------------------
+# -- commands: each lives in mdcli/cli/<name>.py -----------------------------------------
 
-from mdcli.commands import ask_many  # noqa: E402
-from mdcli.commands import beam  # noqa: E402
-from mdcli.commands import margins  # noqa: E402
-from mdcli.commands import think  # noqa: E402
-from mdcli.commands import bench  # noqa: E402
+from mdcli.cli import ask_many  # noqa: E402
+from mdcli.cli import beam  # noqa: E402
+from mdcli.cli import margins  # noqa: E402
+from mdcli.cli import think  # noqa: E402
+from mdcli.cli import bench  # noqa: E402
 
 app.command("ask-many")(ask_many.ask_many)
 app.command("beam")(beam.beam)
@@ -56,7 +56,7 @@ app.command("margins")(margins.margins)
 app.command("think")(think.think)
 app.command("bench")(bench.bench)
 
-from mdcli.commands import explain, explore, recipes, run  # noqa: E402
+from mdcli.cli import explain, explore, recipes, run  # noqa: E402
 
 app.command("run")(run.run)
 app.command("explain")(explain.explain)

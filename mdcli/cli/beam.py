@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.commands.common import (
+from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
     load, read_document, read_questions_file, render,

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
-from mdcli.commands.common import (
+from mdcli.cli.common import (
     AttnOpt,
     CpuWeightsOpt,
     DebugOpt,

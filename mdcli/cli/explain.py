@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from mdcli.commands.common import (
+from mdcli.cli.common import (
     ChunkOpt,
     DebugOpt,
     DeviceOpt,
@@ -21,7 +21,7 @@ from mdcli.commands.common import (
     errors,
     load,
 )
-from mdcli.commands.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
+from mdcli.cli.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
 from mdcli.errors import MdcliError, UsageError
 
 TokensOpt = Annotated[

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.commands.common import (
+from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, read_document,
@@ -174,7 +174,7 @@ def margins(
         job.validate()  # before the model loads
         if save_recipe is not None:
             # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
-            from mdcli.commands.ask_many import write_recipe
+            from mdcli.cli.ask_many import write_recipe
             from mdcli.recipes import margins_recipe_text
 
             write_recipe(save_recipe, margins_recipe_text(

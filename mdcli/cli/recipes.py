@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from mdcli.commands.common import DebugOpt, errors
+from mdcli.cli.common import DebugOpt, errors
 from mdcli.errors import RecipeError
 
 app = typer.Typer(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from mdcli.commands.common import (
+from mdcli.cli.common import (
     AttnOpt,
     ChunkOpt,
     DebugOpt,

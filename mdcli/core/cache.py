@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from mdcli.environment import temporarily_set
+from mdcli.settings import temporarily_set
 
 if TYPE_CHECKING:
     import torch

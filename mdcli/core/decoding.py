@@ -1,9 +1,9 @@
 """Independent branches: the step-loop policy behind ask-many, recipes, margins and think.
 
 Strategies that only need "these prompts, decoded independently, maybe with follow-ups" describe
-branches as `BranchSpec`s. `Independent` is the policy (mdcli/steps.py) that decodes each branch
+branches as `BranchSpec`s. `Independent` is the policy (mdcli/core/steps.py) that decodes each branch
 on its own (greedy or sampled by its own generator) and, when one finishes, forks its follow-up
-children; `Decoder` runs it over a Run (mdcli/run.py), one phase per `announce` + `decode`.
+children; `Decoder` runs it over a Run (mdcli/core/run.py), one phase per `announce` + `decode`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from mdcli.engine import Engine
+from mdcli.core.engine import Engine
 from mdcli.events import BranchInfo, Event, Progress, Stats
-from mdcli.run import (  # re-exported: the radix prefill and the counters lived here
+from mdcli.core.run import (  # re-exported: the radix prefill and the counters lived here
     DecodeCounters,
     Run,
     common_prefix_length,
@@ -21,9 +21,9 @@ from mdcli.run import (  # re-exported: the radix prefill and the counters lived
     prefill_steps,
     progress_events,
 )
-from mdcli.sampling import SamplingParams
-from mdcli.speculate import Speculate
-from mdcli.steps import Policy, StepLoop, Tip
+from mdcli.core.sampling import SamplingParams
+from mdcli.speculative.planner import Speculate
+from mdcli.core.steps import Policy, StepLoop, Tip
 
 __all__ = [
     "BranchSpec", "DecodeCounters", "Decoder", "Independent", "common_prefix_length", "prefill_prompts",

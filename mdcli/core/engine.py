@@ -19,11 +19,11 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from mdcli import cache as kv
-from mdcli.cuda_attention import cuda_attention
-from mdcli.fastforward import fast_forward_for
-from mdcli.forest import Forest, layout_chains, layout_trees, pad_rows
-from mdcli.kernels import cpu_kernels
+from mdcli.core import cache as kv
+from mdcli.backends.attention.cuda import cuda_attention
+from mdcli.backends.llama import fast_forward_for
+from mdcli.core.forest import Forest, layout_chains, layout_trees, pad_rows
+from mdcli.backends.kernels import cpu_kernels
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ A `Run` owns one engine (one shared KV cache) from the Start event to the Done e
 * compaction: dropping the cache slots no live row reaches (`Run.maybe_compact`);
 * the counters behind the Done event's stats (`DecodeCounters`).
 
-Strategies decide which branches exist; the step loop (mdcli/steps.py) decodes them over a Run.
+Strategies decide which branches exist; the step loop (mdcli/core/steps.py) decodes them over a Run.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from mdcli import gguf_blocks
-from mdcli.engine import ChainResult, Engine, run_to_end
+from mdcli.backends.weights import gguf_blocks
+from mdcli.core.engine import ChainResult, Engine, run_to_end
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
-from mdcli.forest import common_prefix_length, pad_rows
-from mdcli.kernels import kernel_choice
-from mdcli.speculate import SpeculationPolicy, parse_speculate
+from mdcli.core.forest import common_prefix_length, pad_rows
+from mdcli.backends.kernels import kernel_choice
+from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
 
 if TYPE_CHECKING:
     import torch
 
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 R = TypeVar("R")
 # An edge of the prompts' radix tree at least this long, and this many times longer than every
@@ -101,7 +101,7 @@ class Run:
 
     Build it with `Run.for_model(model, ...)` (the CLI and API) or `Run(engine, ...)` (tests and
     benches that make their own engine). `speculate`: "off" | "auto" | N draft tokens per branch
-    per step (mdcli/speculate.py), for the step loops whose policy allows it.
+    per step (mdcli/speculative/planner.py), for the step loops whose policy allows it.
     """
 
     def __init__(
@@ -304,7 +304,7 @@ def _spine_first(pending: list[tuple]) -> tuple[list, list]:
     that prompts read further into, as margins' chain layout, beside the short instructions that
     branch off it) is fed alone and the short edges wait: the document then lies in one
     contiguous run of slots, fed as plain causal pieces, and each branch sees a prefix of it (what
-    mdcli.prefix_attention attends to in place). Otherwise every edge is fed together."""
+    mdcli.backends.attention.prefix attends to in place). Otherwise every edge is fed together."""
     if len(pending) < 2:
         return pending, []
     lengths = [end - start for _, _, start, end in pending]

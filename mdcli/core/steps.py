@@ -87,12 +87,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli.detok import StreamingDetokenizer
+from mdcli.core.detok import StreamingDetokenizer
 from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
-from mdcli.forest import pad_rows
-from mdcli.run import Run
-from mdcli.sampling import Sampler, SamplingParams, choose_tokens
-from mdcli.verify import feed_with_drafts, time_step
+from mdcli.core.forest import pad_rows
+from mdcli.core.run import Run
+from mdcli.core.sampling import Sampler, SamplingParams, choose_tokens
+from mdcli.core.verify import feed_with_drafts, time_step
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +119,7 @@ class Tip:
     ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens)
     exact: bool = True
     data: object = None  # the policy's own (e.g. the BranchSpec with the children to fork)
-    # speculative decoding (mdcli/verify.py): the token already chosen after the last accepted
+    # speculative decoding (mdcli/core/verify.py): the token already chosen after the last accepted
     # guess (token, logprob); a chain still to feed (a child forked after a verify); the drafter
     pending: tuple[int, float] | None = None
     chain: list[int] | None = None

@@ -1,7 +1,7 @@
 """One speculative decode step: every branch's next token plus its drafts, verified in ONE forward.
 
 Each branch feeds a token tree: its next token (node 0, already chosen and shown) and the draft
-nodes the policy kept (mdcli/speculate.py), all laid out at their own depths (forest.layout_trees)
+nodes the policy kept (mdcli/speculative/planner.py), all laid out at their own depths (forest.layout_trees)
 beside every other branch's tree. After the forward the branch walks down from node 0: at each
 node it chooses its next token exactly as an unspeculated step would (argmax, or a draw from its
 own generator over that node's logits), and while that token is one of the node's draft children
@@ -22,14 +22,14 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli.drafting import DraftTree
+from mdcli.speculative.drafting import DraftTree
 from mdcli.events import Event
-from mdcli.forest import pad_rows
+from mdcli.core.forest import pad_rows
 
 if TYPE_CHECKING:  # for annotations only: the step loop imports this module
     import torch
 
-    from mdcli.steps import StepLoop, Tip
+    from mdcli.core.steps import StepLoop, Tip
 
 
 @dataclass(frozen=True)

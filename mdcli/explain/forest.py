@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, prefill_prompts
-from mdcli.engine import ChainResult, Engine
-from mdcli.forest import Forest, layout_chains, pad_rows
+from mdcli.core.decoding import BranchSpec, prefill_prompts
+from mdcli.core.engine import ChainResult, Engine
+from mdcli.core.forest import Forest, layout_chains, pad_rows
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """A picture of one speculative step (`mdcli explain --speculate N`): what each branch guessed,
 the mask rows that let every guess be checked in the same forward, and what was accepted.
 
-Unlike the forest picture (mdcli/explain.py), this one needs the model: a guess exists only after
+Unlike the forest picture (mdcli/explain/forest.py), this one needs the model: a guess exists only after
 the branch has chosen its next token. So the recipe runs, with N draft tokens per branch, until
 the first step in which a guess is accepted (or, if none ever is, the first step that verified
 any), and that step is drawn from what the engine itself did: the tokens each branch fed, their
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mdcli.explain import EMPTY, FILLED, TOKEN_GRID_LIMIT, stacked_header, token_label
-from mdcli.speculate import Speculate
+from mdcli.explain.forest import EMPTY, FILLED, TOKEN_GRID_LIMIT, stacked_header, token_label
+from mdcli.speculative.planner import Speculate
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.verify import VerifiedBranch, VerifiedStep
+    from mdcli.core.verify import VerifiedBranch, VerifiedStep
 
 TokenText = Callable[[int], str]
 

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mdcli.architectures import (
+from mdcli.models.architectures import (
     check_attn_implementation,
     check_exact_support,
     context_length,
     model_type,
     sliding_window_layout,
 )
-from mdcli.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
+from mdcli.models.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
-from mdcli.gguf_blocks import remember_source
-from mdcli.int8_weights import CHOICES, described, quantize_model, setting_refusal
+from mdcli.backends.weights.gguf_blocks import remember_source
+from mdcli.backends.weights.int8 import CHOICES, described, quantize_model, setting_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ class LoadedModel:
     sliding_window: int | None
     mixed_layer_types: bool  # True: the engine passes {"full_attention": m, "sliding_attention": m_w}
     has_chat_template: bool
-    cpu_weights: str = "float32"  # "int8": projections and head quantized (mdcli.int8_weights)
+    cpu_weights: str = "float32"  # "int8": projections and head quantized (mdcli.backends.weights.int8)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class _Source:
     gguf_file: str | None
     name: str
     is_hub_id: bool
-    blocks_from: Path | None = None  # the .gguf whose blocks the float32 weights are (mdcli.gguf_blocks)
+    blocks_from: Path | None = None  # the .gguf whose blocks the float32 weights are (mdcli.backends.weights.gguf_blocks)
 
 
 def load_model(
@@ -95,7 +95,7 @@ def load_model(
     cpu_weights: str = "float32",
 ) -> LoadedModel:
     """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id).
-    cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.int8_weights)."""
+    cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.backends.weights.int8)."""
     check_attn_implementation(attn)
     torch_device = resolve_device(device)
     bits = _quantization_bits(load_in_4bit, load_in_8bit, torch_device)

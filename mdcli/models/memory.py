@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mdcli.architectures import text_config
+from mdcli.models.architectures import text_config
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from mdcli.decoding import BranchSpec
-from mdcli.prompts import prompt_token_ids
+from mdcli.core.decoding import BranchSpec
+from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.recipes.branches import BranchesRecipe, branch_spec
 from mdcli.recipes.checks import check_branch_list, check_questions, question_sites
 from mdcli.recipes.errors import Problem

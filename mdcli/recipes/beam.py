@@ -16,8 +16,8 @@ from mdcli.recipes.templates import ask_many_default_template, escape_dollars, f
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 class BeamRecipe(RecipeBase):

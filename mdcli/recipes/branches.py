@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli import api
-from mdcli.decoding import BranchSpec
-from mdcli.prompts import continuation_token_ids, prompt_token_ids
+from mdcli.core.decoding import BranchSpec
+from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.recipes.checks import branch_sites
 from mdcli.recipes.compile import values_and_context
 from mdcli.recipes.schema import Branch, RecipeBase, Sampling, TemplateSite
@@ -20,8 +20,8 @@ from mdcli.recipes.templates import fill
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 class BranchesRecipe(RecipeBase):

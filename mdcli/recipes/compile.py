@@ -16,10 +16,10 @@ from mdcli.recipes.schema import RecipeBase
 from mdcli.recipes.templates import RESERVED_VARIABLES, template_variables
 
 if TYPE_CHECKING:
-    from mdcli.decoding import BranchSpec
+    from mdcli.core.decoding import BranchSpec
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 def resolved_seed(recipe: RecipeBase) -> int | None:

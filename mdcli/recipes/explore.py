@@ -16,8 +16,8 @@ from mdcli.strategies.explore import DEFAULT_TEMPERATURE
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 class ExploreRecipe(RecipeBase):

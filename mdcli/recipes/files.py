@@ -18,7 +18,7 @@ from mdcli.errors import RecipeError
 from mdcli.recipes.errors import Problem, recipe_error, short, yaml_kind
 from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase
 
-BUILTIN_PACKAGE = "mdcli.recipes_builtin"
+BUILTIN_PACKAGE = "mdcli.recipes.builtin"
 
 
 # -- reading YAML ------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from mdcli.strategies.margins_job import Margins, MarginsPrompts
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 _TEMPLATE_FIELDS = {"margin_template": "margin", "classification_template": "classification",
                     "answer_template": "answer"}

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from mdcli.errors import RecipeError
-from mdcli.sampling import SamplingParams
-from mdcli.speculate import parse_speculate
+from mdcli.core.sampling import SamplingParams
+from mdcli.speculative.planner import parse_speculate
 
 if TYPE_CHECKING:
-    from mdcli.decoding import BranchSpec
+    from mdcli.core.decoding import BranchSpec
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 RECIPE_VERSION = 1
 DEFAULT_MAX_NEW_TOKENS = 256  # per branch, when no layer states max_new_tokens

@@ -15,8 +15,8 @@ from mdcli.recipes.templates import fill
 
 if TYPE_CHECKING:
     from mdcli.events import Event
-    from mdcli.loading import LoadedModel
-    from mdcli.speculate import Speculate
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 class ThinkRecipe(RecipeBase):

@@ -1,4 +1,4 @@
-"""The cost model speculative decoding's `auto` plans with (mdcli/speculate.py): what a decode
+"""The cost model speculative decoding's `auto` plans with (mdcli/speculative/planner.py): what a decode
 step costs on this machine, learnt from the steps timed during the run."""
 
 from __future__ import annotations

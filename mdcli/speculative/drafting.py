@@ -5,7 +5,7 @@ the shared document); the decoder tells the drafter each token the branch accept
 it for candidate continuations (`candidates`). Candidates are merged into a token tree
 (`DraftTree`) whose nodes carry an estimated probability of being accepted, so a budget can keep
 the likeliest nodes. Whatever the drafts are, the branch's tokens do not change: the model
-verifies every guess (mdcli/speculate.py), drafts only decide how many forwards it takes.
+verifies every guess (mdcli/speculative/planner.py), drafts only decide how many forwards it takes.
 
 `PromptLookup` is Hugging Face's prompt lookup decoding (`prompt_lookup_num_tokens`) and the
 n-gram idea of Lookahead decoding, over a per-branch index: the branch's last n tokens (n from 3
@@ -20,7 +20,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mdcli.forest import common_prefix_length
+from mdcli.core.forest import common_prefix_length
 
 
 @dataclass(frozen=True)

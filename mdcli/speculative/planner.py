@@ -1,20 +1,20 @@
 """Speculative decoding inside the forest: how many guesses to verify, and which ones to keep.
 
-Each step, a branch feeds its next token plus a tree of drafted tokens (mdcli/drafting.py) hanging
+Each step, a branch feeds its next token plus a tree of drafted tokens (mdcli/speculative/drafting.py) hanging
 off it; every node sits at its own depth and attends to its ancestors, so the model scores every
 guess of every branch in the same ONE forward. Walking down from the next token, a guess is
 accepted while it equals the token the branch would have chosen there anyway (greedy: the
 argmax; sampling: a draw from the branch's own generator at that node, the draw the unspeculated
 run would make), and the model's own token after the last accepted guess comes for free. The
 tokens are therefore exactly the unspeculated ones; only the number of forwards changes. The
-decoder (mdcli/decoding.py) does the walking; this module decides the drafts:
+decoder (mdcli/core/decoding.py) does the walking; this module decides the drafts:
 
 * `Speculate`: the `--speculate auto|off|N` setting.
 * `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
   tokens whenever its source has guesses. auto: each node has an estimated acceptance
   probability (learnt per match strength as the run goes); the nodes verified are those that
   save the most expected time, by a cost model of a forward of m tokens learnt from the forwards
-  timed during the run (see `plan`, mdcli/forward_cost.py), and a branch whose drafts keep failing
+  timed during the run (see `plan`, mdcli/speculative/cost.py), and a branch whose drafts keep failing
   pauses drafting for a while (after 3 failed steps in a row: 2, 4, ... 16 steps).
 
 A run takes as many forwards as its slowest branch needs, so with several branches auto weighs
@@ -37,12 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mdcli.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
+from mdcli.speculative.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
 from mdcli.errors import UsageError
-from mdcli.forward_cost import ForwardCost
+from mdcli.speculative.cost import ForwardCost
 
 if TYPE_CHECKING:
-    from mdcli.verify import VerifiedStep
+    from mdcli.core.verify import VerifiedStep
 
 AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)

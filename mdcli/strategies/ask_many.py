@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mdcli.decoding import BranchSpec
+from mdcli.core.decoding import BranchSpec
 from mdcli.errors import UsageError
-from mdcli.prompts import fill_template, prompt_token_ids
-from mdcli.sampling import SamplingParams
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
+from mdcli.core.sampling import SamplingParams
 
 DEFAULT_TEMPLATE = "$document\n\nAnswer this question about the text above.\nQuestion: $question"
 """The user turn for every question: the document first, so all questions share its tokens."""

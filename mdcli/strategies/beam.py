@@ -1,6 +1,6 @@
 """beam: Hugging Face's beam search, as one tree in one shared KV cache, as a step-loop policy.
 
-Every live beam is a tip of the step loop (mdcli/steps.py). Each step ONE engine forward feeds
+Every live beam is a tip of the step loop (mdcli/core/steps.py). Each step ONE engine forward feeds
 the newest token of every live beam of every beam set (one set per prompt); a beam that forks
 costs one new token hanging off its parent's row (`loop.fork` + `loop.feed`), and a beam that
 loses is pruned at once (`loop.prune`: its cache slots are reclaimed by compaction once enough
@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mdcli.engine import Engine
+from mdcli.core.engine import Engine
 from mdcli.errors import UsageError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
-from mdcli.memory import available_memory_bytes, kv_bytes_per_token
-from mdcli.prompts import fill_template, prompt_token_ids
-from mdcli.run import Run
-from mdcli.steps import Policy, StepLoop, Tip
+from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
+from mdcli.core.run import Run
+from mdcli.core.steps import Policy, StepLoop, Tip
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
 from mdcli.strategies.beam_rules import (
     DEFAULT_COMPACT_RATIO,
@@ -36,7 +36,7 @@ from mdcli.strategies.beam_rules import (
 )
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 __all__ = [
     "DEFAULT_COMPACT_RATIO", "IMPOSSIBLE", "BeamParams", "BeamPrompt", "BeamSearch", "EarlyStopping",

@@ -17,7 +17,7 @@ same order, so sequences and `sequences_scores` match `generate(num_beams=W)`:
 
 Before the first step HF holds W identical copies of the prompt with running scores
 [0, -1e9, ...]; here the W slots all hold the one prompt tip, which gives the same tensors
-without W copies of the prompt in the cache. A beam is a step-loop tip (mdcli/steps.py): only its
+without W copies of the prompt in the cache. A beam is a step-loop tip (mdcli/core/steps.py): only its
 `tokens` and `logits` are read here.
 """
 
@@ -32,7 +32,7 @@ from mdcli.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-    from mdcli.steps import Tip
+    from mdcli.core.steps import Tip
 
 EarlyStopping = Union[bool, Literal["never"]]
 

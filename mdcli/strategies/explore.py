@@ -1,5 +1,5 @@
 """explore: step-level search ("generate k parallel thoughts, then choose between them"), a policy
-over the step loop (mdcli/steps.py) and nothing else.
+over the step loop (mdcli/core/steps.py) and nothing else.
 
 A *step* is a piece of the answer: up to the end of a sentence or a line (the default; a step
 that has not ended after SENTENCE_CAP tokens ends there), or exactly `chunk_tokens` tokens. Each
@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING
 
 from mdcli.errors import UsageError
 from mdcli.events import BranchInfo, Event, Finish, Progress, Prune
-from mdcli.prompts import continuation_token_ids, prompt_token_ids
-from mdcli.run import Run
-from mdcli.sampling import Sampler, SamplingParams
-from mdcli.steps import Policy, StepLoop, Tip
+from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
+from mdcli.core.run import Run
+from mdcli.core.sampling import Sampler, SamplingParams
+from mdcli.core.steps import Policy, StepLoop, Tip
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 SCORES = ("logprob", "judge")
 DEFAULT_TEMPERATURE = 0.8  # k greedy candidates would all be the same

@@ -53,10 +53,10 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, Decoder
+from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
-from mdcli.run import Run
-from mdcli.segmenting import Segment
+from mdcli.core.run import Run
+from mdcli.strategies.segmenting import Segment
 from mdcli.strategies.margins_fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
 from mdcli.strategies.margins_job import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DEFAULT_ANSWER_TOKENS, DEFAULT_CLASSIFY_TOKENS, DEFAULT_MARGIN_TOKENS,
@@ -65,7 +65,7 @@ from mdcli.strategies.margins_job import (
 )
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 __all__ = [
     "ANSWER_TEMPLATE", "CLASSIFICATION_TEMPLATE", "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS",

@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, common_prefix_length
+from mdcli.core.decoding import BranchSpec, common_prefix_length
 from mdcli.errors import UsageError
-from mdcli.memory import available_memory_bytes, kv_bytes_per_token
-from mdcli.prompts import fill_template, prompt_token_ids
-from mdcli.segmenting import Segment
+from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
+from mdcli.strategies.segmenting import Segment
 from mdcli.strategies.margins_job import Margins
 
 if TYPE_CHECKING:
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 MEMORY_SHARE = 0.8
 """The KV cache may take at most this share of the free memory: activations and masks need room."""

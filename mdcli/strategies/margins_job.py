@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mdcli.decoding import BranchSpec
+from mdcli.core.decoding import BranchSpec
 from mdcli.errors import UsageError
-from mdcli.prompts import fill_template, prompt_token_ids
-from mdcli.sampling import SamplingParams
-from mdcli.segmenting import DEFAULT_SEGMENT_TOKENS, Segment, check_segment_tokens, split_documents, token_counter
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
+from mdcli.core.sampling import SamplingParams
+from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, Segment, check_segment_tokens, split_documents, token_counter
 
 Layout = Literal["chain", "independent"]
 Keep = Literal["all", "relevant"]

@@ -37,14 +37,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mdcli.decoding import BranchSpec, Decoder, Independent
+from mdcli.core.decoding import BranchSpec, Decoder, Independent
 from mdcli.errors import ContextTooLongError, UsageError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
-from mdcli.forest import stack_rows
-from mdcli.prompts import fill_template
-from mdcli.run import Run
-from mdcli.sampling import SamplingParams
-from mdcli.steps import StepLoop
+from mdcli.core.forest import stack_rows
+from mdcli.strategies.prompts import fill_template
+from mdcli.core.run import Run
+from mdcli.core.sampling import SamplingParams
+from mdcli.core.steps import StepLoop
 from mdcli.strategies.think_text import (  # re-exported: think's texts and their parsing
     ANSWER_MARKER_PATTERN,
     ATTEND_INSTRUCTION,
@@ -74,7 +74,7 @@ from mdcli.strategies.think_text import (  # re-exported: think's texts and thei
 if TYPE_CHECKING:
     import torch
 
-    from mdcli.loading import LoadedModel
+    from mdcli.models.load import LoadedModel
 
 __all__ = [
     "ANSWER_MARKER_PATTERN", "ATTEND_INSTRUCTION", "CONCLUSION_INTRO_PATHS", "CONCLUSION_INTRO_PLAN",

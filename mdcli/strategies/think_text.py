@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from mdcli.events import Note
-from mdcli.prompts import fill_template
+from mdcli.strategies.prompts import fill_template
 
 REASONING_INSTRUCTION = 'Think step by step, then finish with a line of the form "Answer: ...".'
 PLAN_INSTRUCTION = (

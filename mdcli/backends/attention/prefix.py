@@ -4,7 +4,7 @@ Where a forest hangs its branches off different depths of one long chain (margin
 the margin of segment i reads segments 1..i, and `run.prefill_steps` lays such a document down as
 one contiguous run of slots), every query sees slots [0, p) for its own p, then a few slots of
 its own (its prompt's tail, the tokens it wrote). The dense attention scores every query against
-every slot and masks afterwards; the gathered plan (mdcli.sparse_attention) would copy each
+every slot and masks afterwards; the gathered plan (mdcli.backends.attention.sparse) would copy each
 query's thousands of prefix slots in every layer. Here the queries are cut into *buckets* by p:
 a bucket's scores over [0, p) are one product with a view of the cache (nothing copied), its
 scores over "the rest" (the union of its queries' other visible slots, gathered: few) one more,
@@ -152,7 +152,7 @@ def grouped_attention(plan: PrefixPlan, query, keys, values, kind, scale: float)
 
 
 def sdpa_attention(plan: PrefixPlan, module, query, keys, values, kind, scale: float):
-    """transformers' sdpa entry (as mdcli.kernels may route it), bucket by bucket, on the prefix
+    """transformers' sdpa entry (as mdcli.backends.kernels may route it), bucket by bucket, on the prefix
     and the rest joined (sdpa takes one key tensor): [1, M, H * D]."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

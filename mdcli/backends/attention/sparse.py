@@ -16,7 +16,7 @@ Padding keys carry the same dtype-min; padding query rows repeat a real row and 
 
 `plan_for` is the rule (measured, BENCHMARKS.md issue 14): this gathered plan where its padded
 work (groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N, the
-prefix plan of mdcli.prefix_attention where its work is at most PREFIX_FRACTION of the dense work,
+prefix plan of mdcli.backends.attention.prefix where its work is at most PREFIX_FRACTION of the dense work,
 the cheaper when both qualify, else dense. `MDCLI_SPARSE_ATTENTION=0` turns both off, `=always`
 takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix plan.
 """
@@ -27,8 +27,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mdcli.kernels import kernel_name
-from mdcli.prefix_attention import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
+from mdcli.backends.kernels import kernel_name
+from mdcli.backends.attention.prefix import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ class SparsePlan:
 def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan | None:
     """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
     where the dense attention should run (off, a lone query, or too little to save): the gathered
-    plan (within SPARSE_FRACTION of the dense work) or the prefix plan (mdcli.prefix_attention,
+    plan (within SPARSE_FRACTION of the dense work) or the prefix plan (mdcli.backends.attention.prefix,
     within PREFIX_FRACTION), the one doing less work where both qualify. gather_cost: a gathered
     slot in query rows (host_gather_cost)."""
     mode = sparse_mode()
@@ -256,7 +256,7 @@ def grouped_attention(plan: SparsePlan, query, keys, values, mask, scale: float)
 
 
 def sdpa_attention(plan: SparsePlan, module, query, keys, values, mask, scale: float):
-    """transformers' sdpa entry (as mdcli.kernels may route it) on gathered operands: [1, M, H * D]."""
+    """transformers' sdpa entry (as mdcli.backends.kernels may route it) on gathered operands: [1, M, H * D]."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     q_small, k_small, v_small = gather(plan, query, keys, values)

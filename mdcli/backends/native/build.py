@@ -2,7 +2,7 @@
 
 Nothing is built at install and nothing is downloaded: the first run that wants a kernel compiles
 its source (next to the module that uses it) with `$CC`, else `cc`, into mdcli's cache folder
-(`$MDCLI_CACHE_DIR/kernels`, see mdcli.embedded), named after the source, the flags and the compiler,
+(`$MDCLI_CACHE_DIR/kernels`, see mdcli.models.embedded), named after the source, the flags and the compiler,
 so a change of any builds anew. Without a compiler, or if the build fails, `load` returns None and
 the caller keeps torch's kernels (slower, the same tokens).
 """
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from mdcli.embedded import cache_root
+from mdcli.models.embedded import cache_root
 
 COMPILE_SECONDS = 120
 

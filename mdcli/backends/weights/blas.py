@@ -10,7 +10,7 @@ that OpenBLAS, built for every x86 level and picking its kernels from the CPU (i
 "SkylakeX"), so no new binary is needed: `openblas_linear` views torch's tensors as numpy arrays
 (no copy), multiplies, and views the result back.
 
-Where it is used (`mdcli.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 or AVX2
+Where it is used (`mdcli.backends.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 or AVX2
 only (measured on Zen 4 and Zen 3; on Zen 3, where MKL on the transposed copy already streams well,
 the step gains 3-5%), with torch on one thread. OpenBLAS has its own thread pool, which spins while torch's
 OpenMP threads want the same cores: with two threads each the step took 381 ms instead of 41, so
@@ -55,7 +55,7 @@ def openblas_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor 
 
 def openblas_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm(a, b) on OpenBLAS: a [B, M, K], b [B, K, N] (each matrix with unit stride in its
-    last dimension, e.g. a view of mdcli.cache's buffer) -> [B, M, N]. For a lone query's
+    last dimension, e.g. a view of mdcli.core.cache's buffer) -> [B, M, N]. For a lone query's
     probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values at 2.5x the rate
     of torch's bmm (Zen 4, 30 layers over 1,530 cached tokens: 1.6 against 4.0 ms)."""
     import numpy as np

@@ -25,10 +25,10 @@ Before a copy is used it is checked: every matrix the kernel would read is dequa
 kernel's own code and compared bit for bit with the model's float32 weight (`read_blocks`); a file
 whose blocks are not the model's weights (another model, a transposition mdcli does not know, a
 block type the kernel does not read), or whose blocks would not fit in half the free memory (the
-rule of mdcli.packing's copies), gives no copy, with the reason, and the step keeps its float32
+rule of mdcli.backends.weights.packed's copies), gives no copy, with the reason, and the step keeps its float32
 kernels. Measured in BENCHMARKS.md ("The GGUF's own blocks").
 
-Built with mdcli.native: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
+Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
 `MDCLI_GGUF_BLOCKS=0` turns it off.
 """
 
@@ -43,22 +43,22 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mdcli import native
-from mdcli.forward_support import own_forward_off, unsupported_reason
-from mdcli.gguf_tensors import read_tensors
-from mdcli.int8_weights import has_int8_weights
-from mdcli.memory import available_memory_bytes
+from mdcli.backends.native import build as native
+from mdcli.backends.forward_support import own_forward_off, unsupported_reason
+from mdcli.models.gguf_file import read_tensors
+from mdcli.backends.weights.int8 import has_int8_weights
+from mdcli.models.memory import available_memory_bytes
 
 if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "MDCLI_GGUF_BLOCKS"
-SOURCE = Path(__file__).with_name("gguf_blocks.c")
+SOURCE = Path(__file__).parent.parent / "native" / "gguf_blocks.c"
 _COMMON = ("-O3", "-mfma", "-mf16c")
 FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
-# mdcli.fastforward multiplies forwards of up to this many tokens by the blocks, wider ones (a
+# mdcli.backends.llama multiplies forwards of up to this many tokens by the blocks, wider ones (a
 # prefill) by its float32 kernels. Intel Xeon with AVX-512, one thread, the embedded model's 211
 # matrices, blocks / oneDNN's packed copy (`python -m mdcli.bench.step --linears`): 1 row 18.0 / 48.8
 # ms, 8 rows 39.1 / 53.0, 16 rows 69.3 / 84.4, 64 rows 285.3 / 162.4; whole steps over 1,500 tokens,
@@ -99,7 +99,7 @@ def enabled() -> bool:
 
 
 def remember_source(model, path: Path | str) -> None:
-    """Note on the model the .gguf file its float32 weights were dequantized from (mdcli.loading)."""
+    """Note on the model the .gguf file its float32 weights were dequantized from (mdcli.models.load)."""
     model.__dict__[SOURCE_KEY] = str(path)
 
 
@@ -144,7 +144,7 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The kernel for this CPU (built on first use, mdcli.native); None where it cannot be."""
+    """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
     flags = FLAGS.get(_capability())
     lib = native.load(SOURCE, flags) if flags else None
     if lib is None:
@@ -203,9 +203,9 @@ def usable_here(device, dtype) -> bool:
 
 
 def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
-    """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.fastforward fuses
+    """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.backends.llama fuses
     them, and the head; or why there are none. Read from the model's .gguf once and kept on the
-    model, like mdcli.packing's copies."""
+    model, like mdcli.backends.weights.packed's copies."""
     cached = model.__dict__.get(CACHE_KEY)
     if cached is None:
         source = model.__dict__.get(SOURCE_KEY)
@@ -248,7 +248,7 @@ def read_blocks(path: Path, model) -> tuple[list[tuple[BlockWeight, ...]], Block
     needed = sum(t.data.nbytes for name, t in tensors.items()
                  if t.data is not None and name.startswith(("blk.", "output.", "token_embd.")))
     free = available_memory_bytes(model.lm_head.weight.device)
-    if free is not None and needed > free // 2:  # the rule mdcli.packing's copies follow
+    if free is not None and needed > free // 2:  # the rule mdcli.backends.weights.packed's copies follow
         return f"the .gguf's blocks ({needed / 2**20:.0f} MiB) do not fit in half the free memory"
     copies = []
     for index, layer in enumerate(model.model.layers):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mdcli.errors import UnsupportedModelError
-from mdcli.row_slices import joined_rows
+from mdcli.backends.weights.row_slices import joined_rows
 
 if TYPE_CHECKING:
     import torch

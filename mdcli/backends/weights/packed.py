@@ -5,7 +5,7 @@ reads, instead of being reordered from a plain row-major matrix on every call. M
 EPYC (Zen 5, AVX-512) core, the embedded model's 211 projections (BENCHMARKS.md, "A faster decode
 step"): 8 tokens 83 -> 48 ms, 1 token 44 -> 40 ms; the output head is packed too. The cost is memory: the packed copy sits beside
 the plain weights, which transformers' own forward (prefill, the reference) still reads, so it is
-made only where mdcli.kernels runs linears on oneDNN, only when it fits in half the free memory,
+made only where mdcli.backends.kernels runs linears on oneDNN, only when it fits in half the free memory,
 and `MDCLI_PACKED_WEIGHTS=0` turns it off. Results differ from the plain kernels' by float32
 rounding only (a different summation order).
 
@@ -17,9 +17,9 @@ at 8 tokens (92 ms), so each copy serves the step size it wins at. The same memo
 both: the packed copy first, then the transposed one if it still fits.
 
 On an x86-64 CPU with AVX-512 the transposed copy is made too where a lone token's products run
-on OpenBLAS (mdcli.blas_gemv: torch on one thread), which streams it at the core's rate.
+on OpenBLAS (mdcli.backends.weights.blas: torch on one thread), which streams it at the core's rate.
 
-On an AVX2-only x86-64 CPU with torch on one thread, a tiled copy (mdcli.tiled_gemm) serves forwards
+On an AVX2-only x86-64 CPU with torch on one thread, a tiled copy (mdcli.backends.weights.tiled) serves forwards
 of 2 to TILED_MAX_ROWS tokens, where every kernel torch and numpy ship costs 1.6-1.8x a lone row; it
 is made before the transposed copy (it gains more) under the same memory rule.
 """
@@ -31,11 +31,13 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from mdcli import gguf_blocks, tiled_gemm
-from mdcli.cpuinfo import cpu_vendor
-from mdcli.int8_weights import has_int8_weights
-from mdcli.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
-from mdcli.memory import available_memory_bytes
+from mdcli.backends.weights import gguf_blocks
+
+from mdcli.backends.weights import tiled as tiled_gemm
+from mdcli.backends.host import cpu_vendor
+from mdcli.backends.weights.int8 import has_int8_weights
+from mdcli.backends.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
+from mdcli.models.memory import available_memory_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +47,8 @@ BATCH_HINT = 8  # the token count oneDNN chooses the layout for; measured as goo
 
 
 def packing_wanted(model) -> bool:
-    """Pack where mdcli.kernels runs float32 CPU linears on oneDNN (AVX-512) or on an AVX2 x86-64
-    CPU (mdcli.kernels.avx2_step), unless turned off or the copy does not fit in half the free memory."""
+    """Pack where mdcli.backends.kernels runs float32 CPU linears on oneDNN (AVX-512) or on an AVX2 x86-64
+    CPU (mdcli.backends.kernels.avx2_step), unless turned off or the copy does not fit in half the free memory."""
     if not _copies_allowed(model) or not (_onednn_host(model) or _avx2_host(model)):
         return False
     return _fits(model, copies=1)
@@ -54,7 +56,7 @@ def packing_wanted(model) -> bool:
 
 def transposing_wanted(model) -> bool:
     """A transposed copy for the lone-token step: on an AVX2 x86-64 CPU (MKL multiplies by it,
-    measured on Zen 3) and where OpenBLAS takes a lone token's products (mdcli.blas_gemv: AVX-512,
+    measured on Zen 3) and where OpenBLAS takes a lone token's products (mdcli.backends.weights.blas: AVX-512,
     one thread, measured on Zen 4); only if it fits beside the packed copy (when that is made) in
     half the free memory, beside the tiled copy too where that is made (`tiling_wanted`: it gains
     more, so it is made first)."""
@@ -64,8 +66,8 @@ def transposing_wanted(model) -> bool:
 
 
 def tiling_wanted(model) -> bool:
-    """A tiled copy (mdcli.tiled_gemm) for forwards of 1 to TILED_MAX_ROWS tokens where
-    `mdcli.kernels.tiled_step` says so, unless turned off, and only if it fits beside the packed copy
+    """A tiled copy (mdcli.backends.weights.tiled) for forwards of 1 to TILED_MAX_ROWS tokens where
+    `mdcli.backends.kernels.tiled_step` says so, unless turned off, and only if it fits beside the packed copy
     (when that is made) in half the free memory."""
     return _copies_allowed(model) and tiled_step(*weight_kind(model)) and \
         _fits(model, copies=2 if packing_wanted(model) else 1)
@@ -88,7 +90,7 @@ def _avx2_host(model) -> bool:
 
 def weight_kind(model) -> tuple:
     """(device, dtype) of the model's layer weights: what the kernel rules decide by. int8 weights
-    (mdcli.int8_weights) count as float32: their activations and attention are float32's, and they
+    (mdcli.backends.weights.int8) count as float32: their activations and attention are float32's, and they
     get no copies (`_copies_allowed`)."""
     import torch
 
@@ -124,7 +126,7 @@ def transposed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
 
 
 def tiled_weights(model, layers) -> tuple[list[tuple], object]:
-    """The same, each weight in mdcli.tiled_gemm's tiles for `tiled_linear`."""
+    """The same, each weight in mdcli.backends.weights.tiled's tiles for `tiled_linear`."""
     return _copied(model, layers, _TILED_CACHE, tiled_gemm.tile)
 
 

@@ -1,7 +1,7 @@
 """Weights kept as consecutive row slices of one buffer (fused q/k/v and gate/up), recognised again.
 
-mdcli.fastforward fuses a layer's float32 projections into one matrix and re-points each module's
-weight at its rows; mdcli.int8_weights quantizes them fused the same way. Both find the fused
+mdcli.backends.llama fuses a layer's float32 projections into one matrix and re-points each module's
+weight at its rows; mdcli.backends.weights.int8 quantizes them fused the same way. Both find the fused
 matrix again from the slices instead of copying it.
 """
 

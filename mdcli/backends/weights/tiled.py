@@ -12,11 +12,11 @@ rows 61 -> 41 ms, 4: 74 -> 48, 8: 124 -> 61, 16: 132 -> 88, 64: 339 -> 252, one 
 OpenBLAS and 38.6 tiled (BENCHMARKS.md, "Small products on Zen 3").
 
 The kernel is C with AVX2 intrinsics, compiled once per machine with the system's C compiler
-(`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see mdcli.embedded), and
+(`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see mdcli.models.embedded), and
 loaded with ctypes: nothing to build at install, nothing new to download. Without a compiler, or
 if the library fails its check against torch, mdcli keeps torch's and numpy's kernels (the step
 is slower, the tokens the same). `MDCLI_TILED_GEMM=0` turns it off, `=always` uses it on any
-x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.kernels.tiled_step
+x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.backends.kernels.tiled_step
 (an AVX2-only x86-64 CPU, torch on one thread) and TILED_MAX_ROWS below.
 
 Each output sums blocks of 128 inputs, each a multiply-add chain in input order: another summation
@@ -34,16 +34,16 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mdcli import native
+from mdcli.backends.native import build as native
 
 if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "MDCLI_TILED_GEMM"
 TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
-SOURCE = Path(__file__).with_name("tiled_gemm.c")
+SOURCE = Path(__file__).parent.parent / "native" / "tiled_gemm.c"
 FLAGS = ("-O3", "-mavx2", "-mfma")
-# mdcli.fastforward multiplies forwards of up to this many tokens by the tiled copy where it makes
+# mdcli.backends.llama multiplies forwards of up to this many tokens by the tiled copy where it makes
 # one, wider ones by its packed copy. Zen 3, one thread, interleaved whole steps of the embedded
 # model over 1,529 tokens, packed -> tiled: 2 branches 119 -> 82 ms, 8: 161 -> 115, 16: 249 -> 199,
 # 32: 461 -> 414; the products alone (`python -m mdcli.bench.step --linears`), oneDNN packed ->
@@ -106,7 +106,7 @@ def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use and kept in the cache folder (mdcli.native); None if it cannot be."""
+    """The compiled kernel, built on first use and kept in the cache folder (mdcli.backends.native.build); None if it cannot be."""
     lib = native.load(SOURCE, FLAGS)
     if lib is None:
         return None

@@ -1,5 +1,1 @@
-"""Built-in recipes, installed as the package `mdcli.recipes_builtin` (see pyproject.toml).
-
-This file makes the folder a regular package, so `importlib.resources.files(...)` finds the YAML
-files both in an editable install and in a wheel.
-"""
+"""The built-in recipes: YAML files shipped inside the package, read with importlib.resources."""
