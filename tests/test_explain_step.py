@@ -13,8 +13,7 @@ from mdcli.events import Finish
 from mdcli.explain.forest import EMPTY, FILLED
 from mdcli.explain.step import ACCEPTED, NEXT, REJECTED, describe_step, first_verified_step
 from mdcli.models.load import load_model
-from mdcli.speculative.planner import Speculate
-from mdcli.core.verify import VerifiedBranch, VerifiedStep
+from mdcli.speculative.planner import Speculate, VerifiedBranch, VerifiedStep
 from tests.test_speculate import STORY, tiny_specs
 
 runner = CliRunner()

@@ -3,10 +3,9 @@
 Every strategy decodes through `StepLoop` (independent branches with follow-ups, beam search, an
 approximate merge at an explicit depth, step-level search); only its `Policy` differs.
 
-A *tip* (`Tip`) is a branch's growing end: its prompt (`path_ids`), the tokens it generated
-(`tokens`), its ancestor row (`row`), the next-token logits after its last fed token (`logits`,
-[V] fp32), its cumulative logprob (`logprob`), its sampler (one generator per branch, seeded from
-(seed, `seed_key`)) and streaming detokenizer, and a free slot for the policy (`data`).
+A *tip* (`Tip`, mdcli/core/tip.py) is a branch's growing end: its prompt, the tokens it generated,
+its ancestor row, its next-token logits, its cumulative logprob, its sampler and detokenizer, and a
+free slot for the policy (`data`).
 
 One step:
 
@@ -84,51 +83,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from mdcli.core.detok import StreamingDetokenizer
-from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
 from mdcli.core.forest import pad_rows
 from mdcli.core.run import Run
 from mdcli.core.sampling import Sampler, SamplingParams, choose_tokens
+from mdcli.core.tip import Tip
 from mdcli.core.verify import feed_with_drafts, time_step
+from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
 
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(eq=False)
-class Tip:
-    """A live branch end (see the module docstring). Identity, not value, tells tips apart."""
-
-    id: int
-    label: str
-    path_ids: list[int]  # everything the branch attends to before its first generated token
-    tokens: list[int]  # generated so far (the detokenizer's list when there is one)
-    max_new_tokens: int
-    sampler: Sampler | None = None
-    detok: StreamingDetokenizer | None = None
-    asked_new_tokens: int = 0  # before fitting to the context (for the "capped" note)
-    parent: int | None = None
-    row: torch.Tensor | None = None  # [n] bool: ancestor row of the last token fed
-    logits: torch.Tensor | None = None  # [V] fp32 next-token logits after it
-    logprob: float = 0.0  # cumulative over `tokens`
-    cached: int = 0  # tokens of path_ids + tokens held in the cache on `row`
-    depth: int | None = None  # explicit position of the next fed token (None: follows the row)
-    ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens)
-    exact: bool = True
-    data: object = None  # the policy's own (e.g. the BranchSpec with the children to fork)
-    # speculative decoding (mdcli/core/verify.py): the token already chosen after the last accepted
-    # guess (token, logprob); a chain still to feed (a child forked after a verify); the drafter
-    pending: tuple[int, float] | None = None
-    chain: list[int] | None = None
-    drafts: object | None = None
-
-    def info(self) -> BranchInfo:
-        return BranchInfo(
-            id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent, exact=self.exact
-        )
+__all__ = ["Policy", "StepLoop", "Tip"]
 
 
 class Policy:
@@ -235,8 +201,6 @@ class StepLoop:
         """Feed `chain` hanging off `row` with its first token at position `depth` (a deliberate
         approximation: the position is no longer the number of tokens attended to); the tip
         keeps counting its own depth from there. Counted as prefill."""
-        import torch
-
         start = self.engine.forward(row[None], [chain], start_depths=torch.tensor([depth]))[0]
         self.explicit_depths = True
         self.counters.prefill_tokens += len(chain)
@@ -264,8 +228,6 @@ class StepLoop:
     def choose(self, tips: Sequence[Tip]) -> tuple[list[int], list[float]]:
         """Each tip's next token by its own sampler, and its logprob (batched; a token already
         chosen after a speculative step is taken as it is)."""
-        import torch
-
         tokens = [t.pending[0] if t.pending else -1 for t in tips]
         logprobs = [t.pending[1] if t.pending else 0.0 for t in tips]
         todo = [i for i, t in enumerate(tips) if t.pending is None]
@@ -326,6 +288,11 @@ class StepLoop:
     def prune(self, tip: Tip, reason: str) -> Prune:
         self._ended = True
         return Prune(branch=tip.id, label=tip.label, reason=reason)
+
+    def ended(self, tip: Tip, reason: str) -> Iterator[Event]:
+        """A token accepted outside the policy's `step` (by the verify walk) ended `tip`: the
+        policy's `ended` decides what follows."""
+        return self.policy.ended(self, tip, reason)
 
     def fork(
         self,
@@ -394,8 +361,6 @@ class StepLoop:
 
     def forward(self, fed: list[tuple[Tip, list[int]]]) -> None:
         """ONE forward for every chain (several, when chains exceed max_forward_tokens)."""
-        import torch
-
         rows = [t.row for t, _ in fed]
         chains = [chain for _, chain in fed]
         if self.explicit_depths:
@@ -431,6 +396,4 @@ class StepLoop:
 
 
 def _index(values: list[int], device) -> torch.Tensor:
-    import torch
-
     return torch.tensor(values, dtype=torch.long, device=device)

@@ -10,53 +10,52 @@ guessed is kept for the next step (`pending`), so the branch's tokens, logprobs 
 are those of the run without drafts. Draft nodes nobody accepted then leave the cache
 (`Engine.keep_tail`), so later steps see only accepted paths.
 
-A run's `Speculate.watch`, when set, is shown each verified step as a `VerifiedStep`: what every
-branch fed, the mask rows the engine gave those tokens and what was accepted (`mdcli explain
---speculate` draws one).
+A run's `Speculate.watch`, when set, is shown each verified step as a `VerifiedStep`
+(mdcli/speculative/planner.py): what every branch fed, the mask rows the engine gave those tokens
+and what was accepted (`mdcli explain --speculate` draws one).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from mdcli.speculative.drafting import DraftTree
-from mdcli.events import Event
+import torch
+
+from mdcli.core.engine import Engine
 from mdcli.core.forest import pad_rows
-
-if TYPE_CHECKING:  # for annotations only: the step loop imports this module
-    import torch
-
-    from mdcli.core.steps import StepLoop, Tip
-
-
-@dataclass(frozen=True)
-class VerifiedBranch:
-    """One branch's part of a verified step. Indices into `tokens` are the branch's fed nodes:
-    its chain (its next token) first, then its draft nodes."""
-
-    label: str
-    tokens: list[int]
-    depths: list[int]  # the position (RoPE) of each fed token
-    drafts_from: int  # index of the first draft node (= the chain's length)
-    sees: list[list[int]]  # per fed token: the step's fed tokens it attends to (indices over the whole step)
-    path_slots: int  # cache slots from before the step that all of its tokens attend to
-    accepted: list[int]  # draft nodes accepted, root first
-    next_token: int | None  # the model's own token after the last accepted one (None: the branch finished)
+from mdcli.core.run import DecodeCounters
+from mdcli.core.tip import Tip
+from mdcli.events import Event, Token
+from mdcli.speculative.drafting import DraftTree
+from mdcli.speculative.planner import SpeculationPolicy, VerifiedBranch, VerifiedStep
 
 
-@dataclass(frozen=True)
-class VerifiedStep:
-    """A forward that verified drafts: every branch fed in it, in the order they were laid out."""
+class Loop(Protocol):
+    """What the verify walk needs of the step loop whose step it finishes (mdcli/core/steps.py):
+    the engine and the run's counters, the speculation policy, the plain forward, the one accept
+    path, the policy's `ended` for a tip a token finished, compaction, and the children forked
+    during the walk (`deferred`, fed next step)."""
 
-    step: int  # the run's decode step count, this one included
-    cache_slots: int  # slots in the cache before the step
-    branches: list[VerifiedBranch]
+    engine: Engine
+    counters: DecodeCounters
+    speculation: SpeculationPolicy
+    deferred: list[Tip]
+
+    def forward(self, fed: list[tuple[Tip, list[int]]]) -> None: ...
+
+    def accept(self, tip: Tip, token: int, logprob: float) -> tuple[Token, str | None]: ...
+
+    def ended(self, tip: Tip, reason: str) -> Iterator[Event]: ...
+
+    def suppress_eos(self, logits: torch.Tensor, tips: Sequence[Tip], in_place: bool = False) -> torch.Tensor: ...
+
+    def compact(self, live: list[Tip]) -> None: ...
 
 
-def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> Iterator[Event]:
+def feed_with_drafts(loop: Loop, to_feed: list[tuple[Tip, list[int]]]) -> Iterator[Event]:
     """Feed every tip (with drafts where they pay); returns the tips still decoding (children
     forked by a finishing tip wait in `loop.deferred`, to be fed next step)."""
     policy, engine = loop.speculation, loop.engine
@@ -76,7 +75,7 @@ def feed_with_drafts(loop: StepLoop, to_feed: list[tuple[Tip, list[int]]]) -> It
     return (yield from _verify(loop, to_feed, trees))
 
 
-def time_step(loop: StepLoop, step: Generator[Event, None, None]) -> Generator[Event, None, None]:
+def time_step(loop: Loop, step: Generator[Event, None, None]) -> Generator[Event, None, None]:
     """Run one step of a speculating loop and tell its policy what the step cost in all: choosing
     its tokens, drafting, the forward and, when it verified guesses, the walk and the rollback (a
     step that saves forwards must pay for all of that, and a plain step's choosing is a good part
@@ -112,7 +111,7 @@ def _without_consumers(events: Generator[Event, None, list], consumers: list[flo
         events.close()
 
 
-def _draft(loop: StepLoop, tip: Tip) -> DraftTree:
+def _draft(loop: Loop, tip: Tip) -> DraftTree:
     """The tip's candidate tree, no deeper than the tokens it may still generate."""
     if tip.drafts is None:
         tip.drafts = loop.speculation.state(tip.path_ids)
@@ -121,9 +120,7 @@ def _draft(loop: StepLoop, tip: Tip) -> DraftTree:
     return loop.speculation.draft(tip.drafts, generated, room)
 
 
-def _verify(loop: StepLoop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
-    import torch
-
+def _verify(loop: Loop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     engine = loop.engine
     start = len(engine)
     parents = [_fed_parents(len(chain), tree) for (_, chain), tree in zip(to_feed, trees)]
@@ -190,13 +187,11 @@ class _Greedy:
     logits: torch.Tensor  # [n, V] with EOS suppressed where the tip ignores it
 
 
-def _greedy_choices(loop: StepLoop, to_feed, trees: list[DraftTree], results) -> list[_Greedy | None]:
+def _greedy_choices(loop: Loop, to_feed, trees: list[DraftTree], results) -> list[_Greedy | None]:
     """Every greedy tip's choices (None for sampled tips), in a few ops over the whole step and two
     reads from the device, not a few per node (on a GPU each read waits for the device): the
     argmax after every fed token, then the logprobs where each walk will go (the chain's last
     token, then every guess the argmax confirms; a finish may stop it sooner)."""
-    import torch
-
     greedy = [i for i, (tip, _) in enumerate(to_feed) if tip.sampler.params.greedy]
     if not greedy:
         return [None] * len(to_feed)
@@ -224,13 +219,11 @@ def _greedy_choices(loop: StepLoop, to_feed, trees: list[DraftTree], results) ->
     return choices
 
 
-def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _Greedy | None) -> Iterator[Event]:
+def _walk(loop: Loop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _Greedy | None) -> Iterator[Event]:
     """Accept the tip's guesses while they are its own tokens, through the loop's one accept
     path. Returns (the fed nodes it keeps, indices into its tree of fed tokens; the draft nodes it
     accepted; whether the tip goes on: a finished tip's children are forked by the policy into
     the next step)."""
-    import torch
-
     children = tree.children()
     node, accepted = -1, []  # node: draft index, -1 is the chain's last token
     while True:
@@ -257,14 +250,12 @@ def _walk(loop: StepLoop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _
         loop.speculation.observe(tip.drafts, tree, accepted)
         tip.row = result.rows[at]  # the finishing token is never fed, as without drafts
         tip.cached += fed + len(accepted) - 1
-        yield from loop.policy.ended(loop, tip, reason)
+        yield from loop.ended(tip, reason)
         return list(range(fed)) + [fed + a for a in accepted[:-1]], accepted, False
 
 
 def _synced(engine, started: float) -> float:
     """Seconds since `started`, after the device finished its work."""
     if engine.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(engine.device)
+            torch.cuda.synchronize(engine.device)
     return time.perf_counter() - started

@@ -5,20 +5,16 @@ Unlike the forest picture (mdcli/explain/forest.py), this one needs the model: a
 the branch has chosen its next token. So the recipe runs, with N draft tokens per branch, until
 the first step in which a guess is accepted (or, if none ever is, the first step that verified
 any), and that step is drawn from what the engine itself did: the tokens each branch fed, their
-positions, and the rows of the attention mask the engine built for them (`verify.VerifiedStep`).
+positions, and the rows of the attention mask the engine built for them (`VerifiedStep`, mdcli/speculative/planner.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
+from mdcli.events import Event
 from mdcli.explain.forest import EMPTY, FILLED, TOKEN_GRID_LIMIT, stacked_header, token_label
-from mdcli.speculative.planner import Speculate
-
-if TYPE_CHECKING:
-    from mdcli.events import Event
-    from mdcli.core.verify import VerifiedBranch, VerifiedStep
+from mdcli.speculative.planner import Speculate, VerifiedBranch, VerifiedStep
 
 TokenText = Callable[[int], str]
 

@@ -7,9 +7,10 @@ accepted while it equals the token the branch would have chosen there anyway (gr
 argmax; sampling: a draw from the branch's own generator at that node, the draw the unspeculated
 run would make), and the model's own token after the last accepted guess comes for free. The
 tokens are therefore exactly the unspeculated ones; only the number of forwards changes. The
-decoder (mdcli/core/decoding.py) does the walking; this module decides the drafts:
+step loop's verify walk (mdcli/core/verify.py) does the walking; this module decides the drafts:
 
-* `Speculate`: the `--speculate auto|off|N` setting.
+* `Speculate`: the `--speculate auto|off|N` setting; its `watch` is shown a `VerifiedStep` for every
+  step that verified drafts.
 * `SpeculationPolicy`: per step, which draft nodes to verify. N: every branch drafts up to N
   tokens whenever its source has guesses. auto: each node has an estimated acceptance
   probability (learnt per match strength as the run goes); the nodes verified are those that
@@ -35,14 +36,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from mdcli.speculative.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
 from mdcli.errors import UsageError
 from mdcli.speculative.cost import ForwardCost
-
-if TYPE_CHECKING:
-    from mdcli.core.verify import VerifiedStep
+from mdcli.speculative.drafting import DraftSource, DraftTree, Drafter, PromptLookup, merge_candidates
 
 AUTO_MOST_PER_BRANCH = 16  # deepest draft auto ever verifies for one branch
 LOOKUP_DEPTH = 10  # how far a candidate continuation reaches (HF's prompt_lookup_num_tokens default)
@@ -90,6 +87,31 @@ PROBE_EVERY = 16
 # were still 7% slower there.)
 LOSS_SHARE = 0.02
 LOSS_START = 16
+
+
+@dataclass(frozen=True)
+class VerifiedBranch:
+    """One branch's part of a verified step. Indices into `tokens` are the branch's fed nodes:
+    its chain (its next token) first, then its draft nodes."""
+
+    label: str
+    tokens: list[int]
+    depths: list[int]  # the position (RoPE) of each fed token
+    drafts_from: int  # index of the first draft node (= the chain's length)
+    sees: list[list[int]]  # per fed token: the step's fed tokens it attends to (indices over the whole step)
+    path_slots: int  # cache slots from before the step that all of its tokens attend to
+    accepted: list[int]  # draft nodes accepted, root first
+    next_token: int | None  # the model's own token after the last accepted one (None: the branch finished)
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A forward that verified drafts, as `Speculate.watch` is shown it (the step loop's verify
+    walk, mdcli/core/verify.py, makes it): every branch fed in it, in the order they were laid out."""
+
+    step: int  # the run's decode step count, this one included
+    cache_slots: int  # slots in the cache before the step
+    branches: list[VerifiedBranch]
 
 
 @dataclass(frozen=True)
