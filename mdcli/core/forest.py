@@ -16,13 +16,10 @@ ancestors, so missing columns read as False (`pad_rows`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    import torch
+import torch
 
 
 @dataclass
@@ -44,8 +41,6 @@ def layout_chains(
     row). `start_depths` ([C] long) overrides that for deliberate, labelled approximations such
     as the Multiverse merge, where one token attends to several branches at max depth + 1.
     """
-    import torch
-
     device = rows.device
     lengths_t = torch.tensor(lengths, device=device)  # [C]
     if int(lengths_t.min()) < 1:
@@ -75,8 +70,6 @@ def layout_trees(rows: torch.Tensor, parents: list[list[int]], n_cache: int) -> 
     before their children. Every node attends to the tree's row plus its own ancestors within
     the tree, at depth = its parent's depth + 1. `ends` holds every node (all of them get logits).
     """
-    import torch
-
     device = rows.device
     past = pad_rows(rows, n_cache)  # [C, N]
     base_depth = past.sum(-1).tolist()  # [C]
@@ -109,8 +102,6 @@ def layout_trees(rows: torch.Tensor, parents: list[list[int]], n_cache: int) -> 
 
 def _last_true(rows: torch.Tensor) -> torch.Tensor:
     """[C, N] bool -> [C] index of the last True per row (a row's tip), -1 where none."""
-    import torch
-
     if rows.shape[1] == 0:
         return torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
     last = rows.shape[1] - 1 - rows.flip(1).to(torch.int8).argmax(1)
@@ -129,8 +120,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
     """rows: [C, n] bool, n <= length -> [C, length] with False in the new columns."""
-    import torch
-
     missing = length - rows.shape[-1]
     if missing < 0:
         raise ValueError(f"ancestor rows are longer ({rows.shape[-1]}) than the cache ({length})")
@@ -141,8 +130,6 @@ def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
 
 def stack_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     """Rows of different lengths -> one [C, length] bool tensor."""
-    import torch
-
     return torch.stack([pad_rows(r.unsqueeze(0), length)[0] for r in rows])
 
 
@@ -150,8 +137,6 @@ class Forest:
     """Per-token facts for the shared cache, kept in step with it (append and compact together)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        import torch
-
         self.device = torch.device(device)
         self.tokens = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
         self.depth = torch.empty(0, dtype=torch.long, device=self.device)  # [N]
@@ -164,14 +149,10 @@ class Forest:
 
     def empty_row(self) -> torch.Tensor:
         """The row of a new root: it attends to nothing already in the cache."""
-        import torch
-
         return torch.zeros(len(self), dtype=torch.bool, device=self.device)
 
     def append(self, tokens: torch.Tensor, depth: torch.Tensor, parent: torch.Tensor) -> None:
         """tokens, depth, parent: [M] long, in the order they enter the cache."""
-        import torch
-
         first = len(self)
         self.tokens = torch.cat([self.tokens, tokens])
         self.depth = torch.cat([self.depth, depth])
@@ -183,8 +164,6 @@ class Forest:
 
         Every kept node's parent must be kept too (true whenever `keep` is a union of rows).
         """
-        import torch
-
         new_index = torch.full((len(self),), -1, dtype=torch.long, device=self.device)
         new_index[keep] = torch.arange(keep.shape[0], device=self.device)
         parent = self.parent[keep]
@@ -200,8 +179,6 @@ class Forest:
 
         A kept node's parent must be below `start` or kept too.
         """
-        import torch
-
         for slot in range(start, len(self)):  # forget the index entries of every tail slot
             key = (int(self.parent[slot]), int(self.tokens[slot]))
             if self._child.get(key) == slot:

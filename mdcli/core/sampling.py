@@ -6,12 +6,10 @@ never depend on which other branches exist or in which order they step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SamplingParams(BaseModel):
@@ -64,8 +62,6 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Order as in Hugging Face's warpers: temperature, top-k, top-p, min-p.
     """
-    import torch
-
     scores = logits / params.temperature
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
@@ -87,8 +83,6 @@ def outside_nucleus(scores: torch.Tensor, top_p: float, *, candidates: int = 256
     if their mass reaches top_p the nucleus lies inside them and the answer is the same as with a
     full sort; otherwise the full sort decides.
     """
-    import torch
-
     probs = scores.softmax(-1)
     top = min(candidates, probs.shape[-1])
     top_probs, top_ids = probs.topk(top)
@@ -106,8 +100,6 @@ class Sampler:
     """Next-token choice for one branch."""
 
     def __init__(self, params: SamplingParams, key: int, device: torch.device | str = "cpu") -> None:
-        import torch
-
         self.params = params
         self.generator = None
         if not params.greedy:
@@ -116,8 +108,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [V] float32 -> a token id."""
-        import torch
-
         if self.params.greedy:
             return int(logits.argmax())
         probs = filtered_logits(logits, self.params).softmax(-1)

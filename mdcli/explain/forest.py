@@ -16,15 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+from rich.tree import Tree
 
 from mdcli.core.decoding import BranchSpec, prefill_prompts
 from mdcli.core.engine import ChainResult, Engine
 from mdcli.core.forest import Forest, layout_chains, pad_rows
-
-if TYPE_CHECKING:
-    import torch
-    from rich.console import Console
 
 
 TOKEN_GRID_LIMIT = 48
@@ -121,8 +120,6 @@ class _ModelFreeEngine:
 
     def forward(self, rows: torch.Tensor, chains: list[list[int]], *, logits: bool = True) -> list[ChainResult]:
         """Engine.forward up to the model call: place the chains, record them, return end rows."""
-        import torch
-
         layout = layout_chains(rows, [len(chain) for chain in chains], len(self.forest))
         tokens = torch.tensor([t for chain in chains for t in chain], dtype=torch.long)  # [M]
         self.forest.append(tokens, layout.positions, layout.parents)
@@ -132,8 +129,6 @@ class _ModelFreeEngine:
 
 def plan_layout(prompts: Sequence[Sequence[int]], *, max_forward_tokens: int = 1024) -> ForestLayout:
     """Where a run would put these prompts' tokens: slots, positions (depths), parents, edges."""
-    import torch
-
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     engine = _ModelFreeEngine(max_forward_tokens)
@@ -221,8 +216,6 @@ def render_explanation(
 
 def forest_tree(roots: list[BranchSpec], layout: ForestLayout, token_text: TokenText, *, title: str):
     """A rich Tree: radix edges (shared prefixes, then each branch), follow-ups under their parent."""
-    from rich.tree import Tree
-
     prompt_tokens = sum(len(root.prompt_ids) for root in roots)
     follow_ups = sum(_count(root.children) for root in roots)
     saved = prompt_tokens - len(layout)
