@@ -10,11 +10,11 @@ its own.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from mdcli import settings
 from mdcli.events import Done, Event, Finish, Fork, Prune, Start, Stats, Token
 
 BranchStatus = Literal["running", "finished", "pruned"]
@@ -227,4 +227,4 @@ def _tokens_part(stats: Stats) -> str:
 def color_disabled(no_color: bool) -> bool:
     """The --no-color flag, or the NO_COLOR convention (https://no-color.org): set and
     non-empty."""
-    return no_color or bool(os.environ.get("NO_COLOR"))
+    return no_color or settings.current().colour_off
