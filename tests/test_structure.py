@@ -1,19 +1,23 @@
 """The shape of the code, stated as specifications and checked on every run.
 
-Every module under mdcli/ is read with `ast` (nothing is imported), and its first-party imports
-are collected, those inside function bodies included: an import inside a function is still a
-dependency, only a hidden one. From that graph:
+Every module under mdcli/ is read with `ast` (nothing is imported), and its imports are
+collected, those inside function bodies and under `if TYPE_CHECKING:` included: an import inside a
+function is still a dependency, only a hidden one, and an import for annotations is still a
+dependency of meaning. From that graph and those trees:
 
-* no import cycles;
-* no module over 500 lines;
-* the commands use only the public API (`COMMANDS_MAY_IMPORT`, written once below);
-* a first-party import inside a function says why, in a comment on its line or the line above
-  (above it or above the group of imports it is written in).
+* no import cycle, TYPE_CHECKING imports included;
+* the layers: lower layers never import higher ones (`LAYER_RULES`, written once below);
+* the commands use only the public API (`COMMANDS_MAY_IMPORT`);
+* imports inside functions only at the one lazy boundary that keeps `mdcli --help` from loading
+  torch (`LAZY_BOUNDARY`), and there they say why;
+* no assignment to any attribute of torch or transformers, and no write to the environment;
+* the environment is read in mdcli/settings.py only;
+* at most a dozen modules at the top of mdcli/, every package folder with a docstring;
+* no module over 500 lines.
 
-Other work in issue 12 (the run layer, the recipes package) is moving modules that still break
-these rules; the allowlists below name each such offender, in those files only. They are being
-fixed in issue 12; remove the entries when it is merged. The test also fails when an allowlisted
-offender has been fixed, so the lists cannot outlive the problems they excuse.
+Other work in issue 32 is still moving modules that break these rules; the allowlists below name
+each such offender, in those files only, and are emptied as that work lands. The test also fails
+when an allowlisted offender has been fixed, so the lists cannot outlive the problems they excuse.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "mdcli"
 MAX_LINES = 500
+MAX_TOP_MODULES = 12
 
 # What mdcli/cli/ may import from mdcli: the public API and the layers a command line is
 # made of. A name ending in ".*" also allows everything under it.
@@ -41,24 +46,98 @@ COMMANDS_MAY_IMPORT = (
     "mdcli.bench.*",  # the benchmark harness, which exists only for `mdcli bench`
 )
 
-# -- today's offenders, in files other work in issue 12 is rewriting -----------------------------
-# Being fixed in issue 12; remove when merged.
+# The layers, bottom up: each rule is (layer, "only" | "never", packages). "only": the layer
+# imports nothing from mdcli but these; "never": it imports none of these. A name covers its
+# submodules.
+LAYER_RULES = (
+    # the engine is handed its forward and its plan: no host rule, no tokenizer, no CLI
+    ("mdcli.core", "only", ("mdcli.core", "mdcli.speculative", "mdcli.events", "mdcli.errors", "mdcli.settings")),
+    # speculation sits below the step loop
+    ("mdcli.speculative", "only", ("mdcli.speculative", "mdcli.core", "mdcli.events", "mdcli.errors", "mdcli.settings")),
+    # how one forward runs on this host: handed to the engine, never reaching up into it
+    ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
+    ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
+    # renderers read events only
+    ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
+)
+# The command line is the top: only these import it.
+MAY_IMPORT_THE_CLI = ("mdcli.cli", "mdcli.__main__", "mdcli.bench")
+
+# The one lazy boundary: `mdcli --help` must not load torch, so the package's __init__ (PEP 562
+# exports of the API) and the command modules (which import mdcli.api inside the command they run)
+# may import inside functions. Everywhere else imports go at the top of the module. A path ending
+# in "/" covers its folder.
+LAZY_BOUNDARY = ("mdcli/__init__.py", "mdcli/cli/")
+
+HEAVY_PACKAGES = ("torch", "transformers")  # process-wide state mdcli must never assign to
+ENVIRONMENT_MODULE = "mdcli/settings.py"  # the only module that reads the environment
+
+# -- today's offenders, in files other work in issue 32 is rewriting -----------------------------
+# Each entry is removed by whoever fixes it; the test fails on an entry that is no longer true.
 KNOWN_CYCLES: set[frozenset[str]] = set()
-# Being fixed in issue 12; remove when merged.
 LONG_MODULES: set[str] = set()
-# Being fixed in issue 12; remove when merged.
+# first-party imports inside functions without a comment saying why
 LAZY_IMPORT_FILES: set[str] = set()
-# Being fixed in issue 12; remove when merged.
 COMMANDS_OFF_API: set[str] = set()
+# the rules of LAYER_RULES and MAY_IMPORT_THE_CLI broken, as "module -> module it imports"
+LAYER_BREACHES: set[str] = set()
+# imports inside functions outside LAZY_BOUNDARY: each file's imports move to its top
+IMPORTS_INSIDE_FUNCTIONS: set[str] = {
+    "mdcli/backends/attention/cuda.py",
+    "mdcli/backends/attention/prefix.py",
+    "mdcli/backends/attention/sparse.py",
+    "mdcli/backends/forward_support.py",
+    "mdcli/backends/host.py",
+    "mdcli/backends/llama.py",
+    "mdcli/backends/weights/blas.py",
+    "mdcli/backends/weights/gguf_blocks.py",
+    "mdcli/backends/weights/gguf_file.py",
+    "mdcli/backends/weights/int8.py",
+    "mdcli/backends/weights/packed.py",
+    "mdcli/backends/weights/tiled.py",
+    "mdcli/bench/__init__.py",
+    "mdcli/bench/ask.py",
+    "mdcli/bench/attention.py",
+    "mdcli/bench/beam.py",
+    "mdcli/bench/kernels.py",
+    "mdcli/bench/margins.py",
+    "mdcli/bench/margins_questions.py",
+    "mdcli/bench/plain_transformers.py",
+    "mdcli/bench/report.py",
+    "mdcli/bench/step.py",
+    "mdcli/bench/steppers.py",
+    "mdcli/bench/think.py",
+    "mdcli/bench/whole_process.py",
+    "mdcli/core/cache.py",
+    "mdcli/core/run.py",
+    "mdcli/models/embedded.py",
+    "mdcli/models/load.py",
+    "mdcli/strategies/beam/rules.py",
+    "mdcli/strategies/margins/fit.py",
+    "mdcli/strategies/think/run.py",
+}
+# writes to torch's or transformers' attributes or items, or to the environment
+WRITES_GLOBALS: set[str] = set()
+# the environment read outside mdcli/settings.py
+READS_THE_ENVIRONMENT: set[str] = {
+    "mdcli/cli/common.py",
+    "mdcli/cli/explain.py",
+}
+# package folders without an __init__.py that says, in its docstring, what the folder is
+PACKAGES_WITHOUT_DOCSTRING: set[str] = {
+    "mdcli/strategies/__init__.py",
+}
 
 
 @dataclass(frozen=True)
 class Import:
-    """One first-party import: the module it names, where it is, and whether it runs lazily."""
+    """One import of a module: the module it names, where it is, whether it runs lazily (inside a
+    function) and whether it runs at all (under `if TYPE_CHECKING:`, for annotations only)."""
 
     target: str
     line: int
     in_function: bool
+    type_checking: bool = False
 
 
 def module_name(path: Path) -> str:
@@ -77,37 +156,52 @@ def all_modules() -> dict[str, Path]:
 MODULES = all_modules()
 
 
-def first_party_imports(path: Path) -> list[Import]:
-    """Every import of an mdcli module in `path`, at any depth. `from mdcli import api` counts as
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def imports_in(tree: ast.AST, package: str) -> list[Import]:
+    """Every import in `tree`, at any depth, of any module. `from mdcli import api` counts as
     importing mdcli.api (a module), `from mdcli import __version__` as importing mdcli; relative
-    imports are resolved against the module's package. Imports under `if TYPE_CHECKING:` are
-    left out: they never run."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imports are resolved against `package`, the module's package."""
     found: list[Import] = []
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, in_function: bool, type_checking: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, in_function, True)
             for child in node.orelse:
-                visit(child, in_function)
+                visit(child, in_function, type_checking)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == "mdcli" or alias.name.startswith("mdcli."):
-                    found.append(Import(alias.name, node.lineno, in_function))
+                found.append(Import(alias.name, node.lineno, in_function, type_checking))
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(node, package)
-            if base == "mdcli" or base.startswith("mdcli."):
-                for alias in node.names:
-                    submodule = f"{base}.{alias.name}"
-                    found.append(Import(submodule if submodule in MODULES else base, node.lineno, in_function))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                target = submodule if submodule in MODULES else base
+                found.append(Import(target, node.lineno, in_function, type_checking))
         inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            visit(child, inside)
+            visit(child, inside, type_checking)
 
-    visit(tree, False)
+    visit(tree, False, False)
     return found
+
+
+def package_of(path: Path) -> str:
+    name = module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def first_party(target: str) -> bool:
+    return target == "mdcli" or target.startswith("mdcli.")
+
+
+def first_party_imports(path: Path) -> list[Import]:
+    """Every import of an mdcli module in `path`, TYPE_CHECKING and function bodies included."""
+    return [i for i in imports_in(parse(path), package_of(path)) if first_party(i.target)]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -187,6 +281,26 @@ def chain(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     return sorted(component)
 
 
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Every (module, module it imports) that LAYER_RULES or MAY_IMPORT_THE_CLI forbid."""
+    breaches = set()
+    for name, targets in graph.items():
+        for target in targets:
+            for layer, kind, packages in LAYER_RULES:
+                if not within(name, layer):
+                    continue
+                listed = any(within(target, package) for package in packages)
+                if listed != (kind == "only"):
+                    breaches.add((name, target))
+            if within(target, "mdcli.cli") and not any(within(name, allowed) for allowed in MAY_IMPORT_THE_CLI):
+                breaches.add((name, target))
+    return breaches
+
+
 def may_import_from_commands(target: str) -> bool:
     for allowed in COMMANDS_MAY_IMPORT:
         if allowed.endswith(".*"):
@@ -196,6 +310,11 @@ def may_import_from_commands(target: str) -> bool:
         elif target == allowed:
             return True
     return False
+
+
+def at_lazy_boundary(path: Path) -> bool:
+    relative = relative_path(path)
+    return any(relative.startswith(place) if place.endswith("/") else relative == place for place in LAZY_BOUNDARY)
 
 
 def has_why_comment(lines: list[str], statement: Import, import_lines: set[int]) -> bool:
@@ -214,21 +333,142 @@ def has_why_comment(lines: list[str], statement: Import, import_lines: set[int])
 def import_lines_of(path: Path) -> set[int]:
     """The line numbers every import statement in `path` spans (any module, any depth)."""
     spans: set[int] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             spans.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     return spans
 
 
+def _root(node: ast.expr) -> ast.expr:
+    """The start of an attribute / subscript chain: `F` for `F.linear`, `A` for `A["sdpa"].x`."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node
+
+
+def _chain_names(node: ast.expr) -> list[str]:
+    """`os.environ.get` -> ["os", "environ", "get"]; [] when the chain does not start at a name."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else []
+
+
+def heavy_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to torch or transformers, or to anything imported from them
+    (`import torch`, `import torch.nn.functional as F`, `from transformers... import X`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in HEAVY_PACKAGES:
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in HEAVY_PACKAGES:
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def environment_names(tree: ast.AST) -> set[str]:
+    """Names bound to os.environ itself (`from os import environ`)."""
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "os"
+        for alias in node.names
+        if alias.name == "environ"
+    }
+
+
+def _is_environment(node: ast.expr, environ: set[str]) -> bool:
+    names = _chain_names(node)
+    return names[:2] == ["os", "environ"] or (bool(names) and names[0] in environ)
+
+
+def global_writes(tree: ast.AST) -> list[int]:
+    """Lines that write process-wide state mdcli does not own: an assignment (or `del`, or
+    setattr / delattr) into an attribute or item of torch, transformers or anything imported from
+    them, and any write to the environment (`os.environ[...] =`, its setdefault / update / pop /
+    popitem / clear, os.putenv / unsetenv)."""
+    heavy, environ = heavy_names(tree), environment_names(tree)
+
+    def global_target(target: ast.expr) -> bool:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(global_target(element) for element in target.elts)
+        if not isinstance(target, (ast.Attribute, ast.Subscript)):
+            return False
+        root = _root(target)
+        return (isinstance(root, ast.Name) and root.id in heavy) or _is_environment(
+            target.value if isinstance(target, ast.Subscript) else target, environ
+        )
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call):
+            function = _chain_names(node.func)
+            if function in (["setattr"], ["delattr"]) and node.args:
+                root = _root(node.args[0])
+                if isinstance(root, ast.Name) and root.id in heavy:
+                    lines.append(node.lineno)
+            elif function in (["os", "putenv"], ["os", "unsetenv"]) or (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("setdefault", "update", "pop", "popitem", "clear")
+                and _is_environment(node.func.value, environ)
+            ):
+                lines.append(node.lineno)
+            continue
+        else:
+            continue
+        if any(global_target(target) for target in targets):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def environment_reads(tree: ast.AST) -> list[int]:
+    """Lines that touch the environment: os.environ, os.getenv, `from os import environ / getenv`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in ("environ", "getenv", "environb", "getenvb"):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(alias.name in ("environ", "getenv", "environb", "getenvb") for alias in node.names):
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def package_folders() -> list[Path]:
+    """Every folder under mdcli/ (mdcli/ included) that holds Python modules."""
+    return sorted({path.parent for path in PACKAGE_ROOT.rglob("*.py")})
+
+
+def check_allowlist(found: dict[str, object], allowed: set, name: str, rule: str) -> None:
+    """Fail on an offender `allowed` does not name, and on an entry of `allowed` that no longer
+    offends (so the list shrinks as the work lands)."""
+    unexpected = {key: value for key, value in found.items() if key not in allowed}
+    assert not unexpected, f"{rule}: {unexpected}"
+    fixed = allowed - set(found)
+    assert not fixed, f"fixed now, remove them from {name}: {sorted(fixed, key=str)}"
+
+
 # -- the specifications -------------------------------------------------------------------------
 
 
-def test_the_import_graph_sees_imports_inside_functions_and_relative_imports():
+def test_the_import_graph_sees_imports_inside_functions_type_checking_and_relative_imports():
     # The graph is only as good as its parser: check it on the cases that hide dependencies.
     assert "mdcli.api" in graph_of("mdcli")  # mdcli/__init__.py imports the API lazily
     assert "mdcli.render.base" in graph_of("mdcli.render")  # a package re-exporting its modules
     assert _absolute(ast.parse("from .base import x").body[0], "mdcli.render") == "mdcli.render.base"
     assert _absolute(ast.parse("from .. import errors").body[0], "mdcli.render") == "mdcli"
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mdcli.events import Event\nelse:\n    import json\n"
+    found = {i.target: i.type_checking for i in imports_in(ast.parse(source), "mdcli.core")}
+    assert found == {"typing": False, "mdcli.events": True, "json": False}
     loops = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": {"b"}, "e": {"a"}}
     assert cycles(loops) == [{"a", "b", "c", "d"}]
     assert chain(loops, {"a", "b", "c", "d"}) == ["a", "b", "c", "a"]
@@ -238,7 +478,7 @@ def graph_of(name: str) -> set[str]:
     return import_graph()[name]
 
 
-def test_no_import_cycles():
+def test_no_import_cycles_type_checking_imports_included():
     graph = import_graph()
     found = cycles(graph)
     unexpected = [component for component in found if frozenset(component) not in KNOWN_CYCLES]
@@ -250,6 +490,26 @@ def test_no_import_cycles():
     assert not fixed, f"no longer cycles, remove them from KNOWN_CYCLES: {sorted(map(sorted, fixed))}"
 
 
+def test_the_layer_rules_see_what_they_forbid():
+    graph = {
+        "mdcli.core.run": {"mdcli.models.load", "mdcli.core.engine", "mdcli.settings"},
+        "mdcli.render.live": {"mdcli.events", "mdcli.core.forest"},
+        "mdcli.api": {"mdcli.cli.common"},
+        "mdcli.cli.app": {"mdcli.cli.run"},
+    }
+    assert layer_breaches(graph) == {
+        ("mdcli.core.run", "mdcli.models.load"),
+        ("mdcli.render.live", "mdcli.core.forest"),
+        ("mdcli.api", "mdcli.cli.common"),
+    }
+
+
+def test_lower_layers_never_import_higher_ones():
+    breaches = sorted(layer_breaches(import_graph()))
+    found = {f"{name} -> {target}": True for name, target in breaches}
+    check_allowlist(found, LAYER_BREACHES, "LAYER_BREACHES", "imports across the layers (see LAYER_RULES)")
+
+
 def test_no_module_is_over_500_lines():
     lengths = {relative_path(path): len(path.read_text(encoding="utf-8").splitlines()) for path in MODULES.values()}
     long = {path: count for path, count in lengths.items() if count > MAX_LINES}
@@ -257,6 +517,22 @@ def test_no_module_is_over_500_lines():
     assert not unexpected, f"modules over {MAX_LINES} lines (split them by job): {unexpected}"
     fixed = LONG_MODULES - set(long)
     assert not fixed, f"no longer over {MAX_LINES} lines, remove them from LONG_MODULES: {sorted(fixed)}"
+
+
+def test_at_most_a_dozen_modules_at_the_top_of_the_package():
+    top = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in mdcli/ (the rest go in a layer's folder): {top}"
+
+
+def test_every_package_folder_says_what_it_is_in_its_docstring():
+    missing = {}
+    for folder in package_folders():
+        init = folder / "__init__.py"
+        if not init.exists():
+            missing[relative_path(init)] = "no __init__.py"
+        elif not ast.get_docstring(parse(init)):
+            missing[relative_path(init)] = "no docstring"
+    check_allowlist(missing, PACKAGES_WITHOUT_DOCSTRING, "PACKAGES_WITHOUT_DOCSTRING", "package folders without a docstring")
 
 
 def test_commands_use_only_the_public_api():
@@ -271,6 +547,20 @@ def test_commands_use_only_the_public_api():
     assert not unexpected, f"commands importing past the public API (see COMMANDS_MAY_IMPORT): {unexpected}"
     fixed = COMMANDS_OFF_API - set(off_api)
     assert not fixed, f"now on the public API, remove them from COMMANDS_OFF_API: {sorted(fixed)}"
+
+
+def test_imports_inside_functions_only_at_the_lazy_boundary():
+    inside: dict[str, list[int]] = {}
+    for path in MODULES.values():
+        if at_lazy_boundary(path):
+            continue
+        lines = sorted({i.line for i in imports_in(parse(path), package_of(path)) if i.in_function})
+        if lines:
+            inside[relative_path(path)] = lines
+    check_allowlist(
+        inside, IMPORTS_INSIDE_FUNCTIONS, "IMPORTS_INSIDE_FUNCTIONS",
+        f"imports inside functions outside the lazy boundary {LAZY_BOUNDARY} (move them to the top of the module)",
+    )
 
 
 def test_first_party_imports_inside_functions_say_why():
@@ -288,6 +578,49 @@ def test_first_party_imports_inside_functions_say_why():
     )
     fixed = LAZY_IMPORT_FILES - set(unexplained)
     assert not fixed, f"no unexplained lazy imports left, remove them from LAZY_IMPORT_FILES: {sorted(fixed)}"
+
+
+def test_the_global_write_check_sees_patches_and_environment_writes():
+    source = """
+import os
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from os import environ
+F.linear = mine
+ALL_ATTENTION_FUNCTIONS["sdpa"] = mine
+del ALL_ATTENTION_FUNCTIONS["sdpa"]
+setattr(F, "linear", mine)
+os.environ["X"] = "1"
+os.environ.setdefault("X", "1")
+environ.update(X="1")
+os.putenv("X", "1")
+model.weight = mine
+setattr(layer, "proj", mine)
+value = os.environ.get("X")
+"""
+    assert global_writes(ast.parse(source)) == [6, 7, 8, 9, 10, 11, 12, 13]
+    assert environment_reads(ast.parse(source)) == [5, 10, 11, 16]
+
+
+def test_nothing_assigns_to_torch_transformers_or_the_environment():
+    found = {relative_path(path): lines for path in MODULES.values() if (lines := global_writes(parse(path)))}
+    check_allowlist(
+        found, WRITES_GLOBALS, "WRITES_GLOBALS",
+        "writes to torch's or transformers' attributes or items, or to the environment (hand the engine its "
+        "forward instead; pass a subprocess its environment, settings.child_environment)",
+    )
+
+
+def test_the_environment_is_read_in_settings_only():
+    found = {
+        relative_path(path): lines
+        for path in MODULES.values()
+        if relative_path(path) != ENVIRONMENT_MODULE and (lines := environment_reads(parse(path)))
+    }
+    check_allowlist(
+        found, READS_THE_ENVIRONMENT, "READS_THE_ENVIRONMENT",
+        f"the environment read outside {ENVIRONMENT_MODULE} (declare the variable there, read settings.current())",
+    )
 
 
 def test_the_command_line_starts_without_torch():

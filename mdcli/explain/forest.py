@@ -21,9 +21,10 @@ import torch
 from rich.console import Console
 from rich.tree import Tree
 
-from mdcli.core.decoding import BranchSpec, prefill_prompts
+from mdcli.core.decoding import BranchSpec
 from mdcli.core.engine import ChainResult, Engine
 from mdcli.core.forest import Forest, layout_chains, pad_rows
+from mdcli.core.run import prefill_prompts
 
 
 TOKEN_GRID_LIMIT = 48
