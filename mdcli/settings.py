@@ -1,21 +1,144 @@
-"""Environment switches set for a block of code and given back after (what they were, or unset)."""
+"""Every environment variable mdcli reads, declared once: its type, default and meaning.
+
+This is the only module that reads the environment. `current()` reads it into a `Settings`
+object (pydantic-settings: one typed field per variable); the selector (mdcli.backends.select)
+turns the settings and the host into a plan at load, and the rest of mdcli is handed what it
+needs. Tests and benchmarks switch backends by passing a changed `Settings` to the selector
+(`current().changed(cpu_kernels="torch")`), never by setting variables.
+
+On/off variables take 1/0, on/off, true/false or yes/no. A value outside a variable's choices is
+a usage error (exit 2) that names the variable and what it accepts. The README's table is
+`markdown_table()` (tests/test_settings.py keeps them equal).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mdcli.errors import UsageError
+
+PREFIX = "MDCLI_"
+_TRUTHY = {"1", "true", "yes", "on"}
 
 
-@contextmanager
-def temporarily_set(name: str, value: str) -> Iterator[None]:
-    """os.environ[name] = value inside the block; the previous value (or none) restored after."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
+def _other(name: str) -> dict:
+    """A variable another program defines and mdcli honours: read by its own name, no prefix."""
+    return {"validation_alias": AliasChoices(name)}
+
+
+class Settings(BaseSettings):
+    """The environment as mdcli reads it. Field `x` is variable MDCLI_X unless it names another."""
+
+    model_config = SettingsConfigDict(env_prefix=PREFIX, case_sensitive=False, frozen=True, populate_by_name=True,
+                                      extra="ignore", env_ignore_empty=True)
+
+    device: str = Field(
+        "auto", description="Where models load when --device is auto: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
+    cache_dir: Path | None = Field(
+        None, description="Where the embedded model's unpacked files are kept (default: $XDG_CACHE_HOME/mdcli).")
+    cpu_kernels: Literal["auto", "torch", "onednn"] = Field(
+        "auto", description="float32 CPU kernels: auto decides by the CPU; torch or onednn forces a side.")
+    forward: Literal["auto", "transformers"] = Field(
+        "auto", description="transformers runs every forward on transformers' own forward (the reference).")
+    packed_weights: bool = Field(
+        True, description="Weight copies laid out for the CPU kernels (packed, transposed, tiled); off saves memory.")
+    tiled_gemm: Literal["auto", "always", "off"] = Field(
+        "auto", description="mdcli's tiled AVX2 kernel for forwards of a few tokens: auto, always or off.")
+    gguf_blocks: bool = Field(
+        True, description="Multiply forwards of a few tokens by the model's own .gguf blocks where they are its weights.")
+    sparse_attention: Literal["auto", "off", "always", "prefix"] = Field(
+        "auto", description="Attention over each query's visible cache slots only: auto, off, always or prefix.")
+    cudnn_attention: bool = Field(
+        False, description="Allow cuDNN's attention on CUDA (off: it rebuilds a plan for every new cache length).")
+    xdg_cache_home: Path | None = Field(None, description="The user's cache folder; mdcli's lives in it.",
+                                        **_other("XDG_CACHE_HOME"))
+    hf_hub_offline: str = Field("", description="Hugging Face's offline switch: a hub model is never downloaded.",
+                                **_other("HF_HUB_OFFLINE"))
+    transformers_offline: str = Field("", description="transformers' offline switch, honoured like HF_HUB_OFFLINE.",
+                                      **_other("TRANSFORMERS_OFFLINE"))
+    no_color: str = Field("", description="Any value: no colour in the live panels and plain output.",
+                          **_other("NO_COLOR"))
+    cc: str = Field("cc", description="The C compiler mdcli's native kernels are built with, at first use.",
+                    **_other("CC"))
+
+    @property
+    def offline(self) -> bool:
+        """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value, as Hugging Face reads them."""
+        return any(value.strip().lower() in _TRUTHY for value in (self.hf_hub_offline, self.transformers_offline))
+
+    @property
+    def colour_off(self) -> bool:
+        """NO_COLOR set and not empty (https://no-color.org)."""
+        return bool(self.no_color)
+
+    @property
+    def mdcli_cache(self) -> Path:
+        """The folder mdcli keeps its caches in: MDCLI_CACHE_DIR, else $XDG_CACHE_HOME/mdcli, else ~/.cache/mdcli."""
+        if self.cache_dir is not None:
+            return self.cache_dir.expanduser()
+        if self.xdg_cache_home is not None:
+            return self.xdg_cache_home.expanduser() / "mdcli"
+        return Path.home() / ".cache" / "mdcli"
+
+    def changed(self, **changes) -> Settings:
+        """These settings with some fields changed, validated as the environment's values are."""
+        try:
+            return type(self).model_validate({**self.model_dump(), **changes})
+        except ValidationError as error:
+            raise _usage_error(error) from None
+
+
+def current() -> Settings:
+    """The environment now, read into Settings; a bad value is a one-line UsageError."""
     try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+        return Settings()
+    except ValidationError as error:
+        raise _usage_error(error) from None
+
+
+def child_environment(**values: str) -> dict[str, str]:
+    """This process's environment with `values` set, for a subprocess mdcli starts (a benchmark's)."""
+    return {**os.environ, **values}
+
+
+def variable(field: str) -> str:
+    """The environment variable a Settings field is read from."""
+    alias = Settings.model_fields[field].validation_alias
+    return alias.choices[0] if isinstance(alias, AliasChoices) else f"{PREFIX}{field.upper()}"
+
+
+def accepted(field: str) -> str:
+    """What a variable accepts, as its error and the README say it."""
+    info = Settings.model_fields[field]
+    choices = getattr(info.annotation, "__args__", None)
+    if info.annotation is bool:
+        return "1/0, on/off, true/false or yes/no"
+    if choices and all(isinstance(choice, str) for choice in choices):
+        return ", ".join(choices[:-1]) + f" or {choices[-1]}"
+    return "a path" if "Path" in str(info.annotation) else "any text"
+
+
+def markdown_table() -> str:
+    """The README's table of variables, one row per field."""
+    rows = ["| variable | accepts | default | meaning |", "|---|---|---|---|"]
+    for field, info in Settings.model_fields.items():
+        default = info.default
+        shown = "on" if default is True else "off" if default is False else (default or "unset")
+        rows.append(f"| `{variable(field)}` | {accepted(field)} | {shown} | {info.description} |")
+    return "\n".join(rows)
+
+
+def _usage_error(error: ValidationError) -> UsageError:
+    problem = error.errors()[0]
+    field = next((name for name in Settings.model_fields if name in problem["loc"]
+                  or variable(name).lower() in [str(part).lower() for part in problem["loc"]]), None)
+    if field is None:
+        return UsageError(f"a setting is not valid: {problem['msg']}", fix="see the README's Settings table")
+    name = variable(field)
+    value = problem.get("input")
+    return UsageError(f"{name}={value!r} is not valid", fix=f"set {name} to {accepted(field)}")

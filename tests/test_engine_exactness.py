@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdcli.backends.forward import forward_for
 from mdcli.models.architectures import sliding_window_layout
+from mdcli.settings import Settings, current
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
 from mdcli.core.forest import pad_rows
@@ -55,9 +57,17 @@ def tiny_model(arch: str, attn: str):
     return model
 
 
-def engine_for(model, **options) -> Engine:
+def settings_with(**changes) -> Settings:
+    """The environment's settings with some changed: how tests switch backends (never the environment)."""
+    return current().changed(**changes)
+
+
+def engine_for(model, *, settings: Settings | None = None, own_forward: bool = True, **options) -> Engine:
+    """An engine over a bare model, its plan chosen under `settings` (default: the environment's);
+    own_forward=False: every forward on transformers' own (the reference)."""
     window, mixed = sliding_window_layout(model.config)
-    return Engine(model, sliding_window=window, mixed_layer_types=mixed, **options)
+    model_forward = forward_for(model, settings, sliding_window=window, own=own_forward)
+    return Engine(model_forward, sliding_window=window, mixed_layer_types=mixed, **options)
 
 
 def alone_logits(model, sequence: list[int]) -> torch.Tensor:
@@ -103,11 +113,11 @@ def greedy_forest(engine: Engine, prompts: list[list[int]], steps: int, *, drop_
 @pytest.mark.parametrize("cpu_kernels", ["onednn", "torch"])  # both routings, whatever this CPU defaults to
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_branch_matches_its_sequence_run_alone_step_by_step(arch, attn, cpu_kernels, monkeypatch):
-    monkeypatch.setenv("MDCLI_CPU_KERNELS", cpu_kernels)
+def test_every_branch_matches_its_sequence_run_alone_step_by_step(arch, attn, cpu_kernels):
     model = tiny_model(arch, attn)
     prompts = random_prompts(37, [3, 9, 1, 5])
-    engine = engine_for(model, max_forward_tokens=16)  # forces a chunked prefill too
+    # max_forward_tokens forces a chunked prefill too
+    engine = engine_for(model, settings=settings_with(cpu_kernels=cpu_kernels), max_forward_tokens=16)
     worst = 0.0
 
     def check(alive, logits, generated):
@@ -227,7 +237,7 @@ def test_the_engine_hands_the_cache_over_by_the_keyword_the_model_declares(arch)
 def test_a_model_without_the_cache_keyword_gets_past_key_values():
     """transformers before 5.24 names it `past_key_values` only; an unknown `cache` would vanish
     into **kwargs and the model would run without its cache."""
-    from mdcli.core.cache import cache_argument
+    from mdcli.backends.reference import cache_argument
 
     class OlderForward(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):

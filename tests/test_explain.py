@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from mdcli.cli.app import app
 from mdcli.core.decoding import prefill_prompts
+from mdcli.backends.forward import forward_for
 from mdcli.core.engine import Engine
 from mdcli.explain.forest import EMPTY, FILLED, TRIANGLE, edge_cell, edge_grid, plan_layout, token_grid
 
@@ -72,7 +73,7 @@ def tiny_llama():
 @pytest.mark.parametrize("max_forward_tokens", [1024, 16], ids=["one forward per level", "long edges in pieces"])
 def test_the_model_free_layout_is_the_real_engines_layout(max_forward_tokens):
     prompts = [list(range(3, 40)), list(range(3, 20)) + [90, 91], list(range(3, 20)) + [92], [100, 101, 102]]
-    engine = Engine(tiny_llama(), max_forward_tokens=max_forward_tokens)
+    engine = Engine(forward_for(tiny_llama()), max_forward_tokens=max_forward_tokens)
     results = prefill_prompts(engine, prompts)
     layout = plan_layout(prompts, max_forward_tokens=max_forward_tokens)
     assert layout.token_ids == engine.forest.tokens.tolist()

@@ -534,7 +534,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_drafts(embedded):
 
 def test_the_cache_ends_holding_only_accepted_tokens(embedded):
     def final_forest(setting):
-        engine = Engine(embedded.model)
+        engine = Engine(embedded.forward)
         decoder = Decoder(engine, embedded.tokenizer, embedded.eos_token_ids, compact_ratio=math.inf,
                           speculate=setting)
         specs = [BranchSpec(label=q, prompt_ids=embedded.tokenizer(STORY + q)["input_ids"], max_new_tokens=24)

@@ -8,20 +8,9 @@ keeps transformers' own forward, the reference.
 
 from __future__ import annotations
 
-import os
-
 from mdcli.backends.weights.int8 import has_int8_weights, int8_linear_class
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-OPT_OUT = "MDCLI_FORWARD"
-
-
-def own_forward_off() -> bool:
-    """MDCLI_FORWARD=transformers (or off, hf, 0): every forward is transformers' own."""
-    return os.environ.get(OPT_OUT, "").strip().lower() in {"transformers", "hf", "off", "0"}
-
-
-
 def unsupported_reason(model) -> str | None:
     """Why this model keeps transformers' forward (None: it can use mdcli's)."""
     import torch.nn as nn

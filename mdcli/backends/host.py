@@ -63,3 +63,25 @@ def has_avx512() -> bool:
 def cpu_line() -> str:
     """One line for a benchmark table: "AMD EPYC (family 26, model 2), AVX-512: yes"."""
     return f"{cpu_model()}, AVX-512: {'yes' if has_avx512() else 'no'}"
+
+
+def available_memory_bytes(device) -> int | None:
+    """Memory free where the cache lives: CUDA's free bytes; on Linux MemAvailable (free plus
+    reclaimable page cache), else free pages from sysconf; None when unknown."""
+    import os
+
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -53,55 +53,17 @@ from mdcli.backends.weights import gguf_blocks
 
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights.blas import one_blas_thread, openblas_bmm, openblas_linear
-from mdcli.backends.forward_support import own_forward_off, unsupported_reason
 from mdcli.backends.weights.gguf_blocks import block_linear
 from mdcli.backends.weights.int8 import fused_int8, has_int8_weights, int8_linear
-from mdcli.backends.kernels import avx2_step, kernel_name, lone_blas_step, read_ahead, read_ahead_step
+from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.select import Plan
 from mdcli.backends.attention.prefix import PrefixPlan
 from mdcli.backends.weights.row_slices import joined_rows
-from mdcli.backends.attention.sparse import host_gather_cost, plan_for
+from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.weights.tiled import TILED_MAX_ROWS, tiled_linear
 
 if TYPE_CHECKING:
     import torch
-
-# bmm attention materializes every score, so past a number of queries per forward sdpa's chunked
-# kernel wins; forwards of more queries than this attend with sdpa. AVX2 x86-64 (Zen 3, 2,000-2,500
-# keys: bmm / sdpa 0.97 at 16 queries, 1.03 at 64, 1.07 at 128, 1.21 at 512): 64. With oneDNN
-# linears (AVX-512; Zen 4, whole forwards of a branch over 1,500 / 3,400 keys, best of 3: bmm / sdpa
-# 0.97 / 0.95 at 16 queries, 0.92 / 1.11 at 32, 1.09 / 1.04 at 64, 1.27 / 1.10 at 128, 1.72 / 1.85
-# at 570): 32.
-BMM_MAX_QUERIES = 64
-BMM_MAX_QUERIES_AVX512 = 32
-# Where a lone token's step runs on OpenBLAS (one thread), forwards of up to this many tokens also
-# take its weighted sum of the cached values; their products keep the packed copy. AVX-512 (Zen 4,
-# the embedded model over 1,500 tokens, a branch with 1-4 guesses, A/B in one process: 2 tokens
-# 51.5 -> 48.4 ms, 3: 54.0 -> 51.1, 4: 51.7 -> 52.8): 3. AVX2 (Zen 3, 2 and 3 branches, interleaved
-# steps, two copies of each: 2 branches 96.7 / 96.1 -> 99.0 / 102.4 ms, 3: 127.7 / 125.9 -> 131.7 /
-# 127.6): only the lone token.
-SMALL_BLAS_QUERIES = 3
-SMALL_BLAS_QUERIES_AVX2 = 1
-
-
-def fast_forward_for(model, **options) -> FastForward | None:
-    """mdcli's forward for this model, or None where transformers' own forward must run."""
-    if own_forward_off():
-        return None
-    reason = unsupported_reason(model)
-    return None if reason else FastForward(model, **options)
-
-
-def packing_wanted(model) -> bool:
-    """Pack the projections where mdcli.backends.kernels runs float32 CPU linears on oneDNN or on an AVX2
-    x86-64 CPU, unless turned off (MDCLI_PACKED_WEIGHTS=0) or the copy would not fit in half the
-    free memory."""
-    return packing.packing_wanted(model)
-
-
-def transposing_wanted(model) -> bool:
-    """A transposed copy for lone-token steps on an AVX2 x86-64 CPU (mdcli.backends.weights.packed)."""
-    return packing.transposing_wanted(model)
-
 
 @dataclass
 class _Layer:
@@ -128,31 +90,19 @@ class _Layer:
 class FastForward:
     """Callable: (tokens, positions, mask, cache, keep) -> logits of the kept rows, or None.
 
-    attention: "bmm" (two batched products per step and layer, the query heads of a key/value
-    group stacked, the mask's rows repeated once per step) or "transformers" (the model's sdpa
-    entry, which mdcli.backends.kernels may route); None: "bmm" where mdcli.backends.kernels runs linears on oneDNN,
-    else "transformers" (measured: bmm 2-5% faster there, 4-7% slower on stock AVX2 kernels).
-    packed: run the projections on weights copied once into oneDNN's blocked layout (see
-    `packing_wanted`); None decides by that rule. transposed: a lone token multiplies by transposed
-    weight copies (see `transposing_wanted`); None decides by that rule. lone_blas: a lone token's
-    products on the transposed copies run on OpenBLAS (mdcli.backends.weights.blas) instead of torch's kernels;
-    None decides by `mdcli.backends.kernels.lone_blas_step`; only meaningful with transposed copies. With it,
-    forwards of up to `blas_queries` tokens (SMALL_BLAS_QUERIES, or SMALL_BLAS_QUERIES_AVX2 on an
-    AVX2-only x86-64 CPU) also take OpenBLAS's weighted sum of the values.
-    pair_padded: a two-token forward multiplies by the packed weights as four rows (see
-    `packing.pair_padded_linear`); None decides by `packing.pair_padding_wanted`. read_ahead: a
-    forward of several tokens on the bmm core first streams the cached keys and values it attends
-    to through the CPU's caches (`mdcli.backends.kernels.read_ahead`); None decides by
-    `mdcli.backends.kernels.read_ahead_step`. tiled: forwards of up to TILED_MAX_ROWS tokens multiply by
-    weight copies in mdcli.backends.weights.tiled's tiles (its own kernel); None decides by
-    `packing.tiling_wanted`; a lone token still takes the transposed copy where that is made (OpenBLAS
-    on it measured 2-5% faster in whole steps on Zen 3), else the tiled one and OpenBLAS's weighted
-    sum of the values, as with lone_blas. blocks: forwards of up to `gguf_blocks.max_rows()` tokens
-    multiply by the blocks of the .gguf the model was loaded from, where its weights are them
-    (mdcli.backends.weights.gguf_blocks; then no transposed copy is made, a lone token takes the blocks); None or
-    True: where they are found and the kernel works here, False: never."""
+    What it multiplies by and how it attends comes from the plan (mdcli.backends.select): the
+    attention core ("bmm": two batched products per step and layer, the query heads of a key/value
+    group stacked; "sdpa": torch's, as oneDNN products where linears run on oneDNN), the weight
+    copies (packed, transposed, tiled, the .gguf's blocks) and the rules for OpenBLAS, padded pairs
+    and reading ahead. The keyword arguments override one decision each, for tests and benchmarks
+    that compare the variants; None keeps the plan's.
 
-    def __init__(self, model, *, attention: str | None = None, packed: bool | None = None,
+    Which weights a forward of M tokens multiplies by: int8 copies where the model has them; the
+    .gguf's blocks for M <= block_rows; the transposed copy for a lone token (on OpenBLAS where
+    `lone_blas`); the tiled copy for M <= TILED_MAX_ROWS; else the packed copy, or the plain weights.
+    Forwards of up to `blas_queries` tokens take OpenBLAS's weighted sum of the values."""
+
+    def __init__(self, model, plan: Plan, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
                  pair_padded: bool | None = None, read_ahead: bool | None = None,
                  tiled: bool | None = None, blocks: bool | None = None) -> None:
@@ -164,39 +114,38 @@ class FastForward:
         first = self.inner.layers[0].self_attn
         self.head_dim = first.head_dim
         self.scaling = first.scaling
-        self.attention = attention or _attention_wanted(model)
-        # bmm materializes every score: a long prefill over a tree attends with sdpa (margins'
-        # prefill, Zen 3: 24.8 s with sdpa, 46.0 s with bmm; Zen 4: 24.1 s, 36.9 s)
-        self.bmm_max_queries = _bmm_max_queries(model) if attention is None else None
-        self.gather_cost = host_gather_cost(*packing.weight_kind(model))  # by host kind
-        self.read_ahead = read_ahead_step(*packing.weight_kind(model)) if read_ahead is None else read_ahead
+        self.onednn = plan.linears.name == "oneDNN"  # linears and sdpa-core attention on oneDNN's products
+        self.attention = attention or plan.attention
+        # bmm materializes every score: a long prefill over a tree attends with sdpa
+        self.bmm_max_queries = plan.bmm_max_queries if attention is None else None
+        self.gather_cost = plan.gather_cost
+        self.sparse_mode = plan.sparse_attention
+        self.read_ahead = plan.read_ahead if read_ahead is None else read_ahead
         self.int8 = has_int8_weights(model)  # int8 projections (mdcli.backends.weights.int8): no float32 copies
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
         self.head = _weight(model.lm_head)  # [V, hidden]
-        self.tiled = packing.tiling_wanted(model) if tiled is None else tiled
+        self.tiled = plan.tiled if tiled is None else tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
             self.small = _with_weights(self.layers, copies)
-        self.blocks_reason = None  # why forwards of a few tokens do not read the .gguf's blocks, if they could
-        self.blocks = self._block_copies(model) if blocks is None or blocks else None
-        self.block_rows = gguf_blocks.max_rows()
+        self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
+        self.blocks = self._block_copies(model) if (plan.blocks if blocks is None else blocks) else None
+        self.block_rows = plan.block_rows
         if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
             self.block_layers = _with_weights(self.layers, copies)
         # a lone token takes the blocks where they are made, so no transposed copy for it
-        self.transposed = not self.blocks and (transposing_wanted(model) if transposed is None else transposed)
+        self.transposed = not self.blocks and (plan.transposed if transposed is None else transposed)
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
-        blas_host = lone_blas_step(*packing.weight_kind(model))
-        self.lone_blas = self.transposed and (blas_host if lone_blas is None else lone_blas)
-        self.blas_queries = (SMALL_BLAS_QUERIES_AVX2 if avx2_step(*packing.weight_kind(model))
-                             else SMALL_BLAS_QUERIES) if self.lone_blas or ((self.tiled or self.blocks) and blas_host) else 0
+        self.lone_blas = self.transposed and (plan.lone_blas if lone_blas is None else lone_blas)
+        self.blas_queries = plan.blas_queries if self.lone_blas or ((self.tiled or self.blocks) and plan.lone_blas) else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = _with_weights(self.layers, copies)
-        self.packed = packing_wanted(model) if packed is None else packed
-        self.pair_padded = self.packed and (packing.pair_padding_wanted(model) if pair_padded is None else pair_padded)
+        self.packed = plan.packed if packed is None else packed
+        self.pair_padded = self.packed and (plan.pair_padding if pair_padded is None else pair_padded)
         if self.packed:
             packed, self.head = packing.packed_weights(model, self.layers)
             for layer, weights in zip(self.layers, packed):
@@ -204,8 +153,11 @@ class FastForward:
 
     def _block_copies(self, model):
         """The .gguf's blocks for every projection and the head (mdcli.backends.weights.gguf_blocks), where the
-        model's float32 weights are them and the kernel runs here; else None, the reason kept."""
-        found = gguf_blocks.blocks_for(model)
+        model was loaded from a .gguf whose blocks its float32 weights are and the kernel runs here;
+        else None, the reason kept."""
+        if not gguf_blocks.source_known(model) or gguf_blocks.max_rows() == 0 or not gguf_blocks.blocks_work():
+            return None
+        found = gguf_blocks.model_blocks(model)
         if isinstance(found, str):
             self.blocks_reason = found
             return None
@@ -226,8 +178,9 @@ class FastForward:
             linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
         elif self.tiled and m <= TILED_MAX_ROWS:
             linear, layers, head = _tiled_linear, self.small, self.small_head
-        else:  # F.linear is looked up per call: mdcli.backends.kernels may route it
-            linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed else F.linear
+        else:
+            linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed \
+                else routed_linear if self.onednn else F.linear
             layers, head = self.layers, self.head
         if m <= self.blas_queries:
             with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
@@ -245,10 +198,10 @@ class FastForward:
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        plan = plan_for(mask, self.gather_cost)  # attention over each query's visible slots only, or None: dense
+        plan = plan_for(mask, self.gather_cost, self.sparse_mode)  # attention over each query's visible slots only, or None: dense
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
-        attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "transformers"
+        attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa"
         masks = None if plan is not None else self._step_masks(mask, attention)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         for index, layer in enumerate(layers):
@@ -264,8 +217,7 @@ class FastForward:
             if reach:
                 read_ahead(keys[0, :, :reach], values[0, :, :reach])
             if plan is not None:  # [1, M, H * D]
-                attended = plan.attend(attention if attention == "bmm" else "sdpa", layer.attention, layer.layer_type,
-                                       query, keys, values, self.scaling)
+                attended = plan.attend(attention, self.onednn, layer.layer_type, query, keys, values, self.scaling)
             else:
                 attended = self._attend(layer, query, keys, values, layer_mask, attention,
                                         weighted_sum)  # [1, M, H * D]
@@ -306,32 +258,7 @@ class FastForward:
         m = query.shape[2]
         if attention == "bmm":
             return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads, weighted_sum)
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](layer.attention, query, keys, values,
-                                                 None if mask is None else mask, dropout=0.0, scaling=self.scaling)
-        return out.reshape(1, m, -1)  # [1, M, H * D]
-
-
-def _bmm_max_queries(model) -> int | None:
-    """The most queries a forward attends to with bmm, by host kind (see BMM_MAX_QUERIES); None
-    where bmm is not chosen at all."""
-    kind = packing.weight_kind(model)
-    if avx2_step(*kind):
-        return BMM_MAX_QUERIES
-    if kernel_name(*kind) == "oneDNN":
-        return BMM_MAX_QUERIES_AVX512
-    return None
-
-
-def _attention_wanted(model) -> str:
-    """bmm where measured faster than sdpa: with oneDNN linears (AVX-512, 2-5%) and on AVX2 x86-64
-    (Zen 3, stock MKL products: 1 query 263 -> 226 us, 8 queries 695 -> 592 us per layer over
-    1,724 keys)."""
-    kind = packing.weight_kind(model)
-    if kernel_name(*kind) == "oneDNN" or avx2_step(*kind):
-        return "bmm"
-    return "transformers"
+        return sdpa_attention(query, keys, values, mask, self.scaling, self.onednn).reshape(1, m, -1)  # [1, M, H * D]
 
 
 def _grouped_attention(query, keys, values, rows, scale: float, groups: int, weighted_sum=None):

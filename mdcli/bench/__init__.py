@@ -30,28 +30,23 @@ RANDOM_SHAPES = {
 BASELINE_KERNELS = ("stock", "mdcli")
 BASELINE_KERNELS_HELP = (
     "stock: the alternatives run on torch's own kernels, as users run them; mdcli: they get mdcli's CPU "
-    "kernels too (mdcli.backends.kernels), so the ratio shows the algorithm's gain alone"
+    "kernels too (mdcli.backends.reference), so the ratio shows the algorithm's gain alone"
 )
 
 
 def baseline_kernels(lm: LoadedModel, choice: str):
     """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
-    from contextlib import nullcontext
+    from contextlib import nullcontext  # lazy: see the module's imports
 
-    from mdcli.backends.kernels import cpu_kernels  # lazy: see the module's imports
-
-    return cpu_kernels(lm.device, lm.dtype) if choice == "mdcli" else nullcontext()
+    return lm.forward.reference.kernels() if choice == "mdcli" else nullcontext()
 
 
 def kernels_line(lm: LoadedModel, choice: str) -> str:
     """One line for reports: which linear kernels each side used."""
-    # lazy: see the module's imports
-    from mdcli.backends.weights.gguf_blocks import serving
-    from mdcli.backends.host import cpu_line
-    from mdcli.backends.kernels import kernel_choice
+    from mdcli.backends.host import cpu_line  # lazy: see the module's imports
 
-    mine = kernel_choice(lm.device, lm.dtype, serving(lm.model))
-    theirs = mine.name if choice == "mdcli" else "torch"
+    mine = lm.forward.describe()
+    theirs = lm.forward.plan.linears.name if choice == "mdcli" else "torch"
     return f"CPU: {cpu_line()}; kernels: mdcli {mine}, alternatives {theirs} (--baseline-kernels {choice})"
 
 

@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mdcli.backends.weights import gguf_blocks
 from mdcli.api import run_specs
 from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
-from mdcli.core.cache import cache_argument, new_cache
+from mdcli.backends.reference import cache_argument
+from mdcli.core.cache import new_cache
 from mdcli.core.decoding import BranchSpec, common_prefix_length
-from mdcli.settings import temporarily_set
+from mdcli import settings
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.select import select
 from mdcli.events import Done, Finish
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
@@ -183,11 +186,12 @@ def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case)
 
 
 def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
-    """The forest with every forward on the float32 kernels, none on the .gguf's blocks
-    (MDCLI_GGUF_BLOCKS=0 while it runs; mdcli.backends.weights.gguf_blocks): what reading the blocks gains, same
-    weights, so its tokens are compared with the forest's."""
-    with temporarily_set(gguf_blocks.OPT_OUT, "0"):
-        measured = forest(model, prompts, case, reference=False)
+    """The forest with every forward on the float32 kernels, none on the .gguf's blocks (the model's
+    plan chosen again with gguf_blocks off; mdcli.backends.weights.gguf_blocks): what reading the
+    blocks gains, same weights, so its tokens are compared with the forest's."""
+    plan = select(model.model, settings.current().changed(gguf_blocks=False))
+    without = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
+    measured = forest(without, prompts, case, reference=False)
     measured.approach = "forest-no-blocks"
     return measured
 
@@ -207,7 +211,6 @@ def int8_copy(model: LoadedModel) -> LoadedModel:
     """A copy of `model` with its projections made int8 (mdcli.backends.weights.int8), made once and kept
     while the float32 model lives."""
     import copy
-    import dataclasses
 
     from mdcli.backends.weights.int8 import described, quantize_model  # lazy: only this approach needs it
     from mdcli.backends.weights.packed import copies_set_aside  # lazy: as above
@@ -216,7 +219,9 @@ def int8_copy(model: LoadedModel) -> LoadedModel:
         with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
             weights = copy.deepcopy(model.model)
         reason = f"{model.dtype_reason}; {described(quantize_model(weights))}"
-        _INT8_COPIES[model.model] = dataclasses.replace(model, model=weights, cpu_weights="int8", dtype_reason=reason)
+        forward = ModelForward(weights, select(weights), sliding_window=model.sliding_window)
+        _INT8_COPIES[model.model] = replace(model, model=weights, forward=forward, cpu_weights="int8",
+                                            dtype_reason=reason)
     return _INT8_COPIES[model.model]
 
 

@@ -106,7 +106,7 @@ def benchmark_prompt(tokenizer, length: int) -> list[int]:
 
 
 def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, compact_ratio: float) -> dict:
-    engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
+    engine = Engine(lm.forward, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
     tokenizer = lm.tokenizer
 
     def decode(token_ids: list[int]) -> str:

@@ -1,4 +1,4 @@
-"""Benchmark: torch's stock CPU kernels against the oneDNN ones mdcli's forwards use (mdcli.backends.kernels).
+"""Benchmark: torch's stock CPU kernels against the oneDNN ones mdcli's forwards use (mdcli.backends.attention.gemm).
 
     python -m mdcli.bench.kernels            # one thread, the embedded model's shapes
 
@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mdcli.bench.margins import machine
-from mdcli.core.cache import native_gqa_attention
-from mdcli.backends.kernels import onednn_attention, onednn_linear, onednn_works
+from mdcli.backends.attention.gemm import gemm_attention, onednn_linear_works, routed_linear
 
 if TYPE_CHECKING:
     import torch
@@ -60,15 +59,14 @@ def linear_table(token_counts: list[int], repeats: int) -> str:
     for m in token_counts:
         inputs = {size: torch.randn(m, size, generator=generator) for size in (576, 1536)}
 
-        def run_all() -> list:
-            return [F.linear(inputs[w.shape[1]], w) for w in weights]
+        def run_all(linear=F.linear) -> list:
+            return [linear(inputs[w.shape[1]], w) for w in weights]
 
         with torch.inference_mode():
             stock = median_seconds(run_all, repeats)
             want = run_all()
-            with onednn_linear():
-                fast = median_seconds(run_all, repeats)
-                got = run_all()
+            fast = median_seconds(lambda: run_all(routed_linear), repeats)
+            got = run_all(routed_linear)
         difference = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
         lines.append(f"| {m} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {stock / fast:.2f}x | {difference:.1e} |")
     return "\n".join(lines)
@@ -76,10 +74,7 @@ def linear_table(token_counts: list[int], repeats: int) -> str:
 
 def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
     import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    class Module(torch.nn.Module):
-        num_key_value_groups = 3
+    import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(0)
     lines = ["| queries x cached tokens | sdpa, us | oneDNN products, us | ratio | max difference |",
@@ -88,15 +83,15 @@ def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
         q = torch.randn(1, 9, queries, 64, generator=generator)
         k, v = (torch.randn(1, 3, keys, 64, generator=generator) for _ in range(2))
         mask = random_forest_mask(queries, keys, generator)
-        module = Module()
-        with torch.inference_mode(), native_gqa_attention():  # sdpa as mdcli's engine runs it, GQA native
-            sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            stock = median_seconds(lambda: sdpa(module, q, k, v, mask), repeats)
-            want = sdpa(module, q, k, v, mask)[0]
-            with onednn_attention():
-                routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
-                fast = median_seconds(lambda: routed(module, q, k, v, mask), repeats)
-                got = routed(module, q, k, v, mask)[0]
+        with torch.inference_mode():  # sdpa as mdcli's own forward calls it: GQA native
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+            stock = median_seconds(sdpa, repeats)
+            want = sdpa()
+            fast = median_seconds(lambda: gemm_attention(q, k, v, mask, None), repeats)
+            got = gemm_attention(q, k, v, mask, None)
         lines.append(f"| {queries} x {keys:,} | {stock * 1e6:.0f} | {fast * 1e6:.0f} | {stock / fast:.2f}x | "
                      f"{float((got - want).abs().max()):.1e} |")
     return "\n".join(lines)
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    if not onednn_works():
+    if not onednn_linear_works():
         raise SystemExit("this torch build has no working oneDNN linear: nothing to compare")
     print(f"machine: {machine()}; median of {args.repeats}\n")
     print("Linears, the embedded model's 211 weight matrices, one forward of M tokens:\n")

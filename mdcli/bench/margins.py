@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
 from mdcli.bench.margins_questions import compare_questions
-from mdcli.core.cache import cache_argument
+from mdcli.backends.reference import cache_argument
 from mdcli.core.decoding import common_prefix_length
 from mdcli.events import Finish
 from mdcli.backends.host import cpu_line

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from mdcli.events import Done, Finish, Fork, Start
 from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
-from mdcli.strategies.margins_job import CLASSIFICATION_RULES
+from mdcli.strategies.margins.job import CLASSIFICATION_RULES
 
 QUESTIONS = [
     "Which projects went over budget, and why?",

@@ -117,7 +117,7 @@ def prefill_once(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
 
 def cache_argument(model, cache) -> dict:
     """`cache=` where the installed transformers takes it (5.24 renamed `past_key_values`), else
-    `past_key_values=` (what mdcli.core.cache.cache_argument does; this script imports no mdcli)."""
+    `past_key_values=` (what mdcli.backends.reference.cache_argument does; this script imports no mdcli)."""
     import inspect
 
     return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}

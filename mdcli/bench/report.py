@@ -8,25 +8,20 @@ from dataclasses import asdict
 from statistics import median
 from typing import TYPE_CHECKING
 
-from mdcli.backends.weights.gguf_blocks import serving
 from mdcli.backends.host import cpu_model, has_avx512
-from mdcli.backends.kernels import kernel_choice
 
 if TYPE_CHECKING:
-    import torch
-
+    from mdcli.backends.select import Plan
     from mdcli.bench.ask import Measurement
 
 
-def machine_facts(threads: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                  model=None) -> dict:
+def machine_facts(threads: int, plan: Plan | None = None) -> dict:
     """The machine, versions and mdcli's kernels (for `model`: whether its forward reads a .gguf's
     blocks, mdcli.backends.weights.gguf_blocks)."""
     import torch
     import transformers
 
-    blocks = serving(model) if model is not None else None
-    kernels = kernel_choice(device or torch.device("cpu"), dtype or torch.float32, blocks)
+    kernels = plan.linears if plan is not None else None
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {
         "cpu": cpu_model(),
@@ -38,8 +33,8 @@ def machine_facts(threads: int, device: torch.device | None = None, dtype: torch
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "mdcli_kernels": kernels.name,
-        "mdcli_kernels_reason": kernels.reason,
+        "mdcli_kernels": kernels.name if kernels else "torch",
+        "mdcli_kernels_reason": "; ".join([kernels.reason, *plan.notes]) if kernels else "no model loaded",
     }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)

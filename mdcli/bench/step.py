@@ -24,6 +24,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from torch.overrides import TorchFunctionMode
+
 from mdcli.core import cache as kv
 from mdcli.core import engine as engine_module
 from mdcli.backends import llama as fastforward
@@ -35,7 +37,7 @@ from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
 from mdcli.backends.weights.blas import one_blas_thread, openblas_linear
 from mdcli.backends.weights.int8 import dequantized_product, kernel_product, quantize
-from mdcli.backends.kernels import cpu_kernels
+from mdcli.backends import reference
 from mdcli.models.load import load_model
 from mdcli.backends.weights.packed import pack, packed_linear, transpose, transposed_linear
 
@@ -53,9 +55,9 @@ __all__ = ["EngineStepper", "ReferenceStepper", "StepProfile", "median_step_seco
 class StepProfile:
     """Seconds per part of the model, summed over the observed steps, for either forward.
 
-    Each part is timed where both forwards reach it: `F.linear` (which mdcli.backends.kernels may route),
+    Each part is timed where both forwards reach it: `F.linear` and the oneDNN route (mdcli.backends.reference),
     the attention functions, the norm and activation modules or mdcli's norm function, the rotary
-    table and its application, the cache's `update` and the engine's mask. Every part is exclusive
+    table (and mdcli's application of it), the cache's `update` and the engine's mask. Every part is exclusive
     (attention inside attention counts once); the rest of the step is Python and dispatch glue."""
 
     PARTS = ("linears", "lm_head", "attention", "rotary", "norms", "activation", "cache writes", "mask")
@@ -69,8 +71,7 @@ class StepProfile:
 
     @contextmanager
     def observe(self):
-        # held open around the step so mdcli.backends.kernels installs its routes once, before the wrapping
-        with cpu_kernels(self.lm.device, self.lm.dtype), self._wrapped():
+        with self._wrapped():
             started = time.perf_counter()
             yield
             self.total += time.perf_counter() - started
@@ -85,8 +86,6 @@ class StepProfile:
     @contextmanager
     def _wrapped(self):
         import torch.nn.functional as F
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 
         vocab = self.lm.model.config.vocab_size
         linear = F.linear
@@ -107,9 +106,14 @@ class StepProfile:
         timed_tiled_linear = timed_linear_of(fastforward._tiled_linear, 0)  # TiledWeight.shape is (out, in)
         timed_block_linear = timed_linear_of(fastforward.block_linear, 0)  # BlockWeight.shape is (out, in)
 
+        timed_attention = self._timed(F.scaled_dot_product_attention, "attention")
+        # mdcli's own functions are timed by name in their modules; torch's F.linear and sdpa by a
+        # torch function mode over the step (torch itself is never patched)
         patches = [
-            (F, "linear", timed_linear),
-            (F, "scaled_dot_product_attention", self._timed(F.scaled_dot_product_attention, "attention")),
+            (fastforward, "routed_linear", timed_linear_of(fastforward.routed_linear, 0)),
+            (fastforward, "sdpa_attention", self._timed(fastforward.sdpa_attention, "attention")),
+            (reference, "routed_linear", timed_linear_of(reference.routed_linear, 0)),
+            (reference, "gemm_attention", self._timed(reference.gemm_attention, "attention")),
             (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask")),
             (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
@@ -122,25 +126,21 @@ class StepProfile:
             (fastforward, "block_linear", timed_block_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
-        patches += [(module, "apply_rotary_pos_emb", self._timed(module.apply_rotary_pos_emb, "rotary"))
-                    for module in _modeling_modules(self.lm.model)]
-        functions = ALL_ATTENTION_FUNCTIONS._local_mapping if "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping \
-            else ALL_ATTENTION_FUNCTIONS._global_mapping
-        patches.append((functions, "sdpa", self._timed(functions["sdpa"], "attention")))
         handles = []
         for name, module in self.lm.model.named_modules():
             part = _part_of(name)
             if part is not None:
                 handles.append(module.register_forward_pre_hook(self._start(part)))
                 handles.append(module.register_forward_hook(self._stop(part)))
-        saved = [(owner, attr, _get(owner, attr)) for owner, attr, _ in patches]
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
         try:
             for owner, attr, replacement in patches:
-                _set(owner, attr, replacement)
-            yield
+                setattr(owner, attr, replacement)
+            with _TimedTorchFunctions({F.linear: timed_linear, F.scaled_dot_product_attention: timed_attention}):
+                yield
         finally:
             for owner, attr, original in reversed(saved):
-                _set(owner, attr, original)
+                setattr(owner, attr, original)
             for handle in handles:
                 handle.remove()
 
@@ -167,15 +167,15 @@ class StepProfile:
         return hook
 
 
-def _get(owner, attr):
-    return owner[attr] if isinstance(owner, dict) else getattr(owner, attr)
+class _TimedTorchFunctions(TorchFunctionMode):
+    """While entered, in this thread: each torch function in `timed` runs through its timed wrapper."""
 
+    def __init__(self, timed: dict) -> None:
+        super().__init__()
+        self.timed = timed
 
-def _set(owner, attr, value) -> None:
-    if isinstance(owner, dict):
-        owner[attr] = value
-    else:
-        setattr(owner, attr, value)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.timed.get(func, func)(*args, **(kwargs or {}))
 
 
 def _part_of(name: str) -> str | None:
@@ -188,13 +188,6 @@ def _part_of(name: str) -> str | None:
     if leaf == "act_fn":
         return "activation"
     return None
-
-
-def _modeling_modules(model) -> list:
-    import sys
-
-    module = sys.modules.get(type(model).__module__)
-    return [module] if module is not None and hasattr(module, "apply_rotary_pos_emb") else []
 
 
 # -- linear kernels --------------------------------------------------------------------------------

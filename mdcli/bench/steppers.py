@@ -9,9 +9,10 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from mdcli.core.cache import cache_argument
+from mdcli.backends.reference import cache_argument
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
+from mdcli.backends.forward import ModelForward
 from mdcli.backends.llama import FastForward
 from mdcli.core.forest import pad_rows
 
@@ -61,16 +62,17 @@ class EngineStepper:
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli", guesses: int = 0) -> None:
         import torch
 
-        self.engine = Engine(lm.model, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types,
-                             own_forward=forward.startswith("mdcli"))
-        if forward.count(":") == 2:  # a variant, for comparing the choices fastforward makes
+        model_forward = ModelForward(lm.model, lm.forward.plan, sliding_window=lm.sliding_window,
+                                     own=forward.startswith("mdcli"))
+        if forward.count(":") == 2:  # a variant, for comparing the choices the plan makes
             _, attention, weights = forward.split(":")
             copies = set(weights.split("+"))
-            self.engine._fast = FastForward(lm.model, attention=attention, packed="packed" in copies,
+            model_forward.own = FastForward(lm.model, lm.forward.plan, attention=attention, packed="packed" in copies,
                                             transposed=bool(copies & {"transposed", "openblas"}),
                                             lone_blas="openblas" in copies, pair_padded="padded" in copies,
                                             read_ahead="ahead" in copies, tiled="tiled" in copies,
                                             blocks="blocks" in copies)
+        self.engine = Engine(model_forward, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
         self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]

@@ -32,6 +32,7 @@ from mdcli.bench.ask import QUESTIONS
 from mdcli.bench.margins import bench_document
 from mdcli.models.embedded import embedded_model_dir
 from mdcli.errors import UsageError
+from mdcli.settings import child_environment
 from mdcli.backends.host import cpu_line
 
 PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
@@ -52,8 +53,8 @@ class ProcessRun:
 
 def one_thread_env() -> dict[str, str]:
     """The environment every timed process gets: one thread, no network, no colour."""
-    return os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
-                         "TOKENIZERS_PARALLELISM": "false"}
+    return child_environment(**{"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+                         "TOKENIZERS_PARALLELISM": "false"})
 
 
 def timed(command: list[str]) -> tuple[float, str]:

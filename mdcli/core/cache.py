@@ -16,52 +16,17 @@ Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transforme
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
-
-from mdcli.settings import temporarily_set
 
 if TYPE_CHECKING:
     import torch
     from transformers import Cache
 
 
-def cache_argument(model, cache) -> dict:
-    """The keyword a model's forward (and `generate`) takes its KV cache by: `cache` where the
-    forward declares it (transformers 5.24 renamed `past_key_values`, warns on the old name and
-    removes it in 5.40), else `past_key_values` (earlier 5.x, which would take an unknown `cache`
-    into **kwargs and run without one). Use as `model(..., **cache_argument(model, cache))`."""
-    return {_cache_keyword(type(model)): cache}
-
-
 def output_cache(output):
     """The KV cache a model output (or a generate output) carries: `cache` since transformers
     5.24 (reading `past_key_values` there warns), `past_key_values` before."""
     return output["cache"] if "cache" in output else output.past_key_values
-
-
-@functools.cache
-def _cache_keyword(model_class) -> str:
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-@contextmanager
-def native_gqa_attention() -> Iterator[None]:
-    """Let sdpa attend grouped-query keys natively (`enable_gqa`) while a mask is given.
-
-    transformers expands the keys/values of GQA models to every query head (`repeat_kv`, a copy of
-    the whole cache per layer per step) whenever a mask is passed on CUDA/CPU; without a mask (a
-    plain single-sequence `generate`) it already uses sdpa's native GQA. The switch it reads on
-    every call is an environment variable, so it is set only around mdcli's own forwards.
-    """
-    with temporarily_set(_FORCE_GQA, "1"):
-        yield
-
-
-_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def new_cache(*, preallocate: bool = True) -> Cache:

@@ -17,16 +17,31 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
+
+from typing import Protocol
+
+import torch
 
 from mdcli.core import cache as kv
-from mdcli.backends.attention.cuda import cuda_attention
-from mdcli.backends.llama import fast_forward_for
 from mdcli.core.forest import Forest, layout_chains, layout_trees, pad_rows
-from mdcli.backends.kernels import cpu_kernels
 
-if TYPE_CHECKING:
-    import torch
+
+class ModelForward(Protocol):
+    """What the engine is handed (mdcli.backends.forward builds one per model, at load).
+
+    Called as forward(tokens, positions, mask, cache, keep): tokens, positions [M] long; mask
+    [1, 1, M, N + M] additive in `dtype`, a dict of them by layer type, or None for a causal
+    continuation that sees the whole cache; keep [C] row indices or None. Returns [C, V] logits
+    in the model's dtype, or None when keep is None."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None: ...
+
+    def describe(self) -> str:
+        """What runs the forwards and why: the `start` event's `kernels`."""
 
 
 @dataclass
@@ -46,20 +61,19 @@ class TreeResult:
 
 
 class Engine:
+    """Feeds chains and token trees to the forward it is handed, over one KV cache it owns."""
+
     def __init__(
         self,
-        model,
+        model_forward: ModelForward,
         *,
         sliding_window: int | None = None,
         mixed_layer_types: bool = False,
         max_forward_tokens: int = 1024,
-        own_forward: bool = True,
     ) -> None:
-        import torch
-
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.dtype = _compute_dtype(model)
+        self.model_forward = model_forward
+        self.device = model_forward.device
+        self.dtype = model_forward.dtype
         self.sliding_window = sliding_window
         self.mixed_layer_types = mixed_layer_types
         self.max_forward_tokens = max_forward_tokens
@@ -69,16 +83,9 @@ class Engine:
         self.peak_tokens = 0
         self.compactions = 0
         self._neg = torch.finfo(self.dtype).min
-        # mdcli's own forward where it applies (fastforward.py), else None: transformers' forward
-        self._fast = fast_forward_for(model) if own_forward else None
 
     def __len__(self) -> int:
         return len(self.forest)
-
-    @property
-    def own_forward(self) -> bool:
-        """True when decode steps run on mdcli's own forward (fastforward.py), not transformers'."""
-        return self._fast is not None
 
     # -- one forward -------------------------------------------------------------------------
 
@@ -98,8 +105,6 @@ class Engine:
             by default positions follow the rows and the result is exact.
         Returns one ChainResult per chain, rows sized to the cache after this forward.
         """
-        import torch
-
         n_cache = len(self.forest)
         layout = layout_chains(rows.to(self.device), [len(c) for c in chains], n_cache, start_depths)
         tokens = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=self.device)  # [M]
@@ -120,8 +125,6 @@ class Engine:
         A chain is the tree [-1, 0, 1, ...]. The nodes stay in the cache: `keep_tail` drops the
         ones nobody kept.
         """
-        import torch
-
         n_cache = len(self.forest)
         layout = layout_trees(rows.to(self.device), parents, n_cache)
         flat = torch.tensor([t for tree in tokens for t in tree], dtype=torch.long, device=self.device)  # [M]
@@ -151,42 +154,22 @@ class Engine:
         document's prefill): the model builds its own causal mask, which lets sdpa use its
         causal kernel instead of reading an explicit mask.
         """
-        import torch
-
         mask = None if linear else self._additive(allowed)  # [1, 1, M, N + M]
         if self.sliding_window is not None and not linear:
             windowed = self._additive(allowed & self._inside_window(positions))
             mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layer_types else windowed
-        # an unmasked forward is a causal one: mdcli's forward takes it only for a lone token without a window
-        fast = self._fast is not None and (mask is not None or (len(tokens) == 1 and self.sliding_window is None))
-        with (torch.inference_mode(), kv.native_gqa_attention(), cpu_kernels(self.device, self.dtype),
-              cuda_attention(self.device)):
-            if fast:
-                logits = self._fast(tokens, positions, mask, self.cache, keep_logits)  # [C, V] or None
-            else:
-                logits = self.model(
-                    input_ids=tokens[None, :],
-                    position_ids=positions[None, :],
-                    attention_mask=mask,
-                    **kv.cache_argument(self.model, self.cache),
-                    use_cache=True,
-                    logits_to_keep=keep_logits if keep_logits is not None else 1,
-                ).logits[0]
+        logits = self.model_forward(tokens, positions, mask, self.cache, keep_logits)  # [C, V] or None
         self.forwards += 1
         if keep_logits is None:
             return None
         return logits.float()  # [C, V]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        import torch
-
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, self._neg)[None, None]
 
     def _inside_window(self, positions: torch.Tensor) -> torch.Tensor:
         """[M, N + M] bool: key depth within the window of the query depth (HF: q - k < window)."""
-        import torch
-
         key_depth = torch.cat([self.forest.depth, positions])  # [N + M]
         return (positions[:, None] - key_depth[None, :]) < self.sliding_window
 
@@ -205,8 +188,6 @@ class Engine:
     ) -> Generator[int, None, list[ChainResult]]:
         """`extend`, yielding the number of tokens fed after each forward (for progress) and
         returning the results."""
-        import torch
-
         pending = [(i, rows[i], list(chain)) for i, chain in enumerate(chains)]
         results: list[ChainResult | None] = [None] * len(chains)
         while pending:
@@ -255,13 +236,3 @@ def run_to_end(steps: Generator[object, None, R]) -> R:
             next(steps)
         except StopIteration as stop:
             return stop.value
-
-
-def _compute_dtype(model) -> torch.dtype:
-    """The dtype attention scores are computed in: the mask must match it."""
-    import torch
-
-    for param in model.parameters():
-        if param.dtype.is_floating_point:
-            return param.dtype
-    return torch.float32

@@ -2,7 +2,7 @@
 
 A `Run` owns one engine (one shared KV cache) from the Start event to the Done event:
 
-* the engine, built from a LoadedModel and the engine options (`Run.for_model`);
+* the engine, built from a RunnableModel and the engine options (`Run.for_model`);
 * the Start event (`start_event`) and the Done event with the run's stats (`Run.done`);
 * branch ids, unique over every phase of the run (`Run.new_id`);
 * fitting a branch to the model's context (`Run.fit`) and the "capped" note when it had to;
@@ -19,22 +19,33 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-from mdcli.backends.weights import gguf_blocks
-from mdcli.core.engine import ChainResult, Engine, run_to_end
+import torch
+
+from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
 from mdcli.core.forest import common_prefix_length, pad_rows
-from mdcli.backends.kernels import kernel_choice
 from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
 
-if TYPE_CHECKING:
-    import torch
-
-    from mdcli.models.load import LoadedModel
-
 R = TypeVar("R")
+
+
+class RunnableModel(Protocol):
+    """What a run reads of a loaded model (mdcli.models.load.LoadedModel is one)."""
+
+    forward: ModelForward  # chosen at load (mdcli.backends.forward), the engine calls it
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str
+    attn: str
+    context_length: int | None
+    sliding_window: int | None
+    mixed_layer_types: bool
+
+
 # An edge of the prompts' radix tree at least this long, and this many times longer than every
 # other edge waiting with it, is fed alone (see _spine_first)
 SPINE_MIN_TOKENS = 64
@@ -72,19 +83,19 @@ class DecodeCounters:
         )
 
 
-def new_engine(model: LoadedModel, *, max_forward_tokens: int = 1024) -> Engine:
+def new_engine(model: RunnableModel, *, max_forward_tokens: int = 1024) -> Engine:
     """The engine for a loaded model: its sliding window and layer types, one empty cache."""
     return Engine(
-        model.model,
+        model.forward,
         sliding_window=model.sliding_window,
         mixed_layer_types=model.mixed_layer_types,
         max_forward_tokens=max_forward_tokens,
     )
 
 
-def start_event(model: LoadedModel, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
+def start_event(model: RunnableModel, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
     return Start(
-        kernels=str(kernel_choice(model.device, model.dtype, gguf_blocks.serving(model.model))),
+        kernels=model.forward.describe(),
         model=model.name,
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
@@ -108,7 +119,7 @@ class Run:
         self,
         engine: Engine,
         *,
-        model: LoadedModel | None = None,
+        model: RunnableModel | None = None,
         context_length: int | None = None,
         compact_ratio: float = 0.25,
         speculate: str | object = "off",
@@ -127,7 +138,7 @@ class Run:
     @classmethod
     def for_model(
         cls,
-        model: LoadedModel,
+        model: RunnableModel,
         *,
         max_forward_tokens: int = 1024,
         compact_ratio: float = 0.25,
@@ -146,7 +157,7 @@ class Run:
     def start(self, strategy: str, seed: int | None, branches: list[BranchInfo]) -> Start:
         """The Start event; the run's clock starts here."""
         self.started = time.perf_counter()
-        assert self.model is not None, "start() needs the LoadedModel (Run.for_model)"
+        assert self.model is not None, "start() needs the RunnableModel (Run.for_model)"
         return start_event(self.model, strategy, seed, branches)
 
     def stats(self, seconds: float | None = None) -> Stats:

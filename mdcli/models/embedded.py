@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mdcli import settings
 from mdcli.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
@@ -51,11 +52,7 @@ _STALE_TMP_SECONDS = 3600
 
 def cache_root() -> Path:
     """Where mdcli keeps converted models (user-overridable, XDG-aware)."""
-    if os.environ.get("MDCLI_CACHE_DIR"):
-        return Path(os.environ["MDCLI_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "mdcli"
-    return Path.home() / ".cache" / "mdcli"
+    return settings.current().mdcli_cache
 
 
 def embedded_gguf_path() -> Path:

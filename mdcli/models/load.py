@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict
+
 from mdcli.models.architectures import (
     check_attn_implementation,
     check_exact_support,
@@ -25,7 +27,10 @@ from mdcli.models.architectures import (
     sliding_window_layout,
 )
 from mdcli.models.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
+from mdcli import settings
 from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.select import select
 from mdcli.backends.weights.gguf_blocks import remember_source
 from mdcli.backends.weights.int8 import CHOICES, described, quantize_model, setting_refusal
 
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
-DEVICE_ENV = "MDCLI_DEVICE"  # what --device auto means, when set
+DEVICE_ENV = settings.variable("device")  # what --device auto means, when set
 
 _DTYPE_ALIASES = {
     "float32": "float32",
@@ -55,6 +60,7 @@ class LoadedModel:
     """A model ready for the engine, with the facts the renderers report about it."""
 
     model: PreTrainedModel  # eval mode, requires_grad off
+    forward: ModelForward  # what the engine calls: the plan chosen at load (mdcli.backends.select)
     tokenizer: PreTrainedTokenizerBase
     name: str  # "SmolLM2-135M-Instruct (embedded)" or the id/path given
     device: torch.device
@@ -80,7 +86,32 @@ class _Source:
     blocks_from: Path | None = None  # the .gguf whose blocks the float32 weights are (mdcli.backends.weights.gguf_blocks)
 
 
-def load_model(
+class LoadOptions(BaseModel):
+    """What `load_model` is asked to load, and how: one object for the command line and the API."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    model: str | None = None  # None: the embedded SmolLM2; else a folder, a .gguf file or a hub id
+    device: str = "auto"
+    dtype: str = "auto"
+    attn: str = "sdpa"
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    trust_remote_code: bool = False
+    device_map: str | None = None
+    quiet: bool = False  # silence transformers' own bars and warnings
+    progress: Progress | None = None  # one-line progress messages
+    cpu_weights: str = "float32"
+
+
+def load_model(model: str | LoadOptions | None = None, **options) -> LoadedModel:
+    """Load a model: `load_model()`, `load_model("path", device="cpu")` or
+    `load_model(LoadOptions(...))` (the fields and their defaults: LoadOptions)."""
+    chosen = model if isinstance(model, LoadOptions) else LoadOptions(model=model, **options)
+    return _load_model(**dict(chosen))
+
+
+def _load_model(
     model: str | None = None,
     *,
     device: str = "auto",
@@ -121,8 +152,10 @@ def load_model(
     if cpu_weights == "int8":
         dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
+    plan = select(hf_model)  # every kernel choice for this model, made once, here
     return LoadedModel(
         model=hf_model,
+        forward=ModelForward(hf_model, plan, sliding_window=window),
         tokenizer=tokenizer,
         name=source.name,
         device=hf_model.device if placement else torch_device,
@@ -157,7 +190,7 @@ def resolve_device(device: str) -> torch.device:
         return _named_device(name, f"unknown device '{device}'", "use --device auto, cpu, cuda or cuda:N")
     # $MDCLI_DEVICE lets a GPU machine's user (and the test suite, whose exactness checks are
     # float32 on CPU) keep every run on one device without naming it each time
-    chosen = os.environ.get(DEVICE_ENV, "").strip().lower()
+    chosen = settings.current().device.strip().lower()
     if chosen and chosen != "auto":
         return _named_device(chosen, f"unknown device '{chosen}' in ${DEVICE_ENV}",
                              f"set {DEVICE_ENV} to auto, cpu, cuda or cuda:N")
@@ -444,8 +477,7 @@ def _load_error(source: _Source, exc: BaseException) -> Exception:
 
 
 def _hub_offline() -> bool:
-    truthy = {"1", "on", "yes", "true"}
-    if any(os.environ.get(var, "").strip().lower() in truthy for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if settings.current().offline:
         return True
     try:
         import huggingface_hub

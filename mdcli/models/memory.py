@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mdcli.backends.host import available_memory_bytes  # noqa: F401 - the strategies' memory checks read both here
 from mdcli.models.architectures import text_config
 
 
@@ -13,25 +14,3 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return layers * 2 * kv_heads * head_dim * dtype_bytes
-
-
-def available_memory_bytes(device) -> int | None:
-    """Memory free where the cache lives: CUDA's free bytes; on Linux MemAvailable (free plus
-    reclaimable page cache), else free pages from sysconf; None when unknown."""
-    import os
-
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None

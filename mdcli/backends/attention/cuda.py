@@ -13,19 +13,18 @@ untouched. `MDCLI_CUDNN_ATTENTION=1` allows it again, to compare.
 
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-OPT_IN = "MDCLI_CUDNN_ATTENTION"
 
 
-def cuda_attention(device: torch.device) -> AbstractContextManager:
-    """The context mdcli's forwards on `device` run in: sdpa without cuDNN on CUDA, else nothing."""
-    if device.type != "cuda" or os.environ.get(OPT_IN, "").strip() == "1":
+def cuda_attention(device: torch.device, allow_cudnn: bool = False) -> AbstractContextManager:
+    """The context mdcli's forwards on `device` run in: sdpa without cuDNN on CUDA (unless
+    `allow_cudnn`: the plan's MDCLI_CUDNN_ATTENTION), else nothing."""
+    if device.type != "cuda" or allow_cudnn:
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

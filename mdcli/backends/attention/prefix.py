@@ -18,6 +18,7 @@ no mask; the rest's masks are gathered from the engine's, one per layer type.
 
 from __future__ import annotations
 
+from mdcli.backends.attention import gemm
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,12 +59,13 @@ class PrefixPlan:
     buckets: list[Bucket]
     back: torch.Tensor  # [M] long: where row m's output lies among the buckets' rows, in bucket order
 
-    def attend(self, core: str, module, layer_type: str, query, keys, values, scale: float):
-        """[1, M, H * D]: this layer's attention on the "bmm" core or transformers' sdpa entry."""
+    def attend(self, core: str, onednn: bool, layer_type: str, query, keys, values, scale: float):
+        """[1, M, H * D]: this layer's attention on the "bmm" core or sdpa (as oneDNN products where
+        `onednn` and they apply: mdcli.backends.attention.gemm)."""
         kind = layer_type if isinstance(self.buckets[0].masks, dict) else None
         if core == "bmm":
             return grouped_attention(self, query, keys, values, kind, scale)
-        return sdpa_attention(self, module, query, keys, values, kind, scale)
+        return sdpa_attention(self, onednn, query, keys, values, kind, scale)
 
     def work(self, gather_cost: float) -> float:
         """The plan's work in query-slot products (see READ_ROWS); gather_cost: a gathered slot's."""
@@ -151,11 +153,10 @@ def grouped_attention(plan: PrefixPlan, query, keys, values, kind, scale: float)
     return out.permute(2, 0, 1, 3).reshape(1, m, heads * dim)
 
 
-def sdpa_attention(plan: PrefixPlan, module, query, keys, values, kind, scale: float):
-    """transformers' sdpa entry (as mdcli.backends.kernels may route it), bucket by bucket, on the prefix
-    and the rest joined (sdpa takes one key tensor): [1, M, H * D]."""
+def sdpa_attention(plan: PrefixPlan, onednn: bool, query, keys, values, kind, scale: float):
+    """sdpa (mdcli.backends.attention.gemm.sdpa_attention), bucket by bucket, on the prefix and the
+    rest joined (sdpa takes one key tensor): [1, M, H * D]."""
     import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _, heads, m, dim = query.shape
     outs = []
@@ -168,7 +169,7 @@ def sdpa_attention(plan: PrefixPlan, module, query, keys, values, kind, scale: f
             bucket.joined[kind] = joined
         keys_b = torch.cat([keys[:, :, :p], keys.index_select(2, bucket.rest)], dim=2)  # [1, G, p + R, D]
         values_b = torch.cat([values[:, :, :p], values.index_select(2, bucket.rest)], dim=2)
-        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query.index_select(2, bucket.rows), keys_b, values_b,
-                                                 joined, dropout=0.0, scaling=scale)  # [1, Q, H, D]
+        out = gemm.sdpa_attention(query.index_select(2, bucket.rows), keys_b, values_b, joined, scale,
+                                  onednn)  # [1, Q, H, D]
         outs.append(out.reshape(q, heads * dim))
     return torch.cat(outs).index_select(0, plan.back)[None]  # [1, M, H * D]

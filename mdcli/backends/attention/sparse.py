@@ -23,17 +23,15 @@ takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix pl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mdcli.backends.kernels import kernel_name
+from mdcli.backends.attention import gemm
 from mdcli.backends.attention.prefix import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
 
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_SPARSE_ATTENTION"
 SPARSE_FRACTION = 0.5  # sparse when its padded work is at most this share of the dense work
 MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, nothing to save
 # A gathered key/value slot costs about as much as this many query rows (`python -m mdcli.bench.attention`,
@@ -41,23 +39,6 @@ MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, no
 # each seeing 1/24 of a 5,000-slot cache attend in 164 ms a step gathered against 326 ms dense.
 GATHER_COST = 12.0
 GATHER_COST_AVX512 = 4.0
-
-
-def sparse_mode() -> str:
-    """MDCLI_SPARSE_ATTENTION: "off" (0, off, dense), "always" (the gathered plan for every forward
-    of 2+ queries), "prefix" (the prefix plan wherever the prefixes are few enough; both for tests
-    and measurement) or "auto" (the default: the cheaper plan by its work, or dense)."""
-    value = os.environ.get(OPT_OUT, "").strip().lower()
-    if value in {"0", "off", "no", "false", "dense"}:
-        return "off"
-    if value == "prefix":
-        return "prefix"
-    return "always" if value in {"always", "force"} else "auto"
-
-
-def host_gather_cost(device, dtype) -> float:
-    """GATHER_COST for the host kind mdcli's forwards run on (oneDNN linears: AVX-512)."""
-    return GATHER_COST_AVX512 if kernel_name(device, dtype) == "oneDNN" else GATHER_COST
 
 
 def gathered_work(groups: int, group_queries: int, group_keys: int, gather_cost: float = GATHER_COST) -> float:
@@ -88,21 +69,23 @@ class SparsePlan:
     rows: dict = field(default_factory=dict)  # per cache row stride: [B * G * K] rows to gather
     stacked: dict = field(default_factory=dict)  # per mask: [B * G, H/G * Q, K], the bmm core's rows
 
-    def attend(self, core: str, module, layer_type: str, query, keys, values, scale: float):
-        """[1, M, H * D]: this layer's attention on the "bmm" core or transformers' sdpa entry."""
+    def attend(self, core: str, onednn: bool, layer_type: str, query, keys, values, scale: float):
+        """[1, M, H * D]: this layer's attention on the "bmm" core or sdpa (as oneDNN products where
+        `onednn` and they apply: mdcli.backends.attention.gemm)."""
         mask = self.masks.get(layer_type) if isinstance(self.masks, dict) else self.masks
         if core == "bmm":
             return grouped_attention(self, query, keys, values, mask, scale)
-        return sdpa_attention(self, module, query, keys, values, mask, scale)
+        return sdpa_attention(self, onednn, query, keys, values, mask, scale)
 
 
-def plan_for(mask, gather_cost: float = GATHER_COST) -> SparsePlan | PrefixPlan | None:
+def plan_for(mask, gather_cost: float = GATHER_COST, mode: str = "auto") -> SparsePlan | PrefixPlan | None:
     """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
     where the dense attention should run (off, a lone query, or too little to save): the gathered
     plan (within SPARSE_FRACTION of the dense work) or the prefix plan (mdcli.backends.attention.prefix,
     within PREFIX_FRACTION), the one doing less work where both qualify. gather_cost: a gathered
-    slot in query rows (host_gather_cost)."""
-    mode = sparse_mode()
+    slot in query rows (the plan's gather_cost). mode: "auto", "off", "always" (the gathered plan
+    for every forward of 2+ queries) or "prefix" (the prefix plan wherever it applies); the last two
+    for tests and measurement (MDCLI_SPARSE_ATTENTION)."""
     if mask is None or mode == "off":
         return None
     kinds = list(mask.values()) if isinstance(mask, dict) else [mask]
@@ -255,12 +238,9 @@ def grouped_attention(plan: SparsePlan, query, keys, values, mask, scale: float)
     return out.index_select(0, plan.back)[None]  # [1, M, H * D]
 
 
-def sdpa_attention(plan: SparsePlan, module, query, keys, values, mask, scale: float):
-    """transformers' sdpa entry (as mdcli.backends.kernels may route it) on gathered operands: [1, M, H * D]."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+def sdpa_attention(plan: SparsePlan, onednn: bool, query, keys, values, mask, scale: float):
+    """sdpa (mdcli.backends.attention.gemm.sdpa_attention) on gathered operands: [1, M, H * D]."""
     q_small, k_small, v_small = gather(plan, query, keys, values)
     b, heads, q, dim = q_small.shape
-    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q_small, k_small, v_small, mask[:, None],
-                                             dropout=0.0, scaling=scale)  # [B, Q, H, D]
+    out = gemm.sdpa_attention(q_small, k_small, v_small, mask[:, None], scale, onednn)  # [B, Q, H, D]
     return out.reshape(b * q, heads * dim).index_select(0, plan.back)[None]

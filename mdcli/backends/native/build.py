@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from mdcli.models.embedded import cache_root
+from mdcli import settings
 
 COMPILE_SECONDS = 120
 
@@ -35,11 +35,11 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 def library_path(source: Path, flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + str(_compiler()).encode())
-    return cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    return settings.current().mdcli_cache / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+    return shutil.which(settings.current().cc)
 
 
 def _compile(source: Path, flags: tuple[str, ...], path: Path) -> bool:

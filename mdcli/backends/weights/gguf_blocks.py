@@ -35,7 +35,6 @@ Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import struct
 from dataclasses import dataclass
@@ -44,15 +43,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mdcli.backends.native import build as native
-from mdcli.backends.forward_support import own_forward_off, unsupported_reason
-from mdcli.models.gguf_file import read_tensors
-from mdcli.backends.weights.int8 import has_int8_weights
-from mdcli.models.memory import available_memory_bytes
+from mdcli.backends.weights.gguf_file import read_tensors
+from mdcli.backends.host import available_memory_bytes
 
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_GGUF_BLOCKS"
 SOURCE = Path(__file__).parent.parent / "native" / "gguf_blocks.c"
 _COMMON = ("-O3", "-mfma", "-mf16c")
 FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
@@ -94,13 +90,14 @@ def max_rows() -> int:
     return MAX_ROWS_BY_CAPABILITY.get(_capability(), 0)
 
 
-def enabled() -> bool:
-    return os.environ.get(OPT_OUT, "").strip().lower() not in {"0", "off", "no", "false"}
-
-
 def remember_source(model, path: Path | str) -> None:
     """Note on the model the .gguf file its float32 weights were dequantized from (mdcli.models.load)."""
     model.__dict__[SOURCE_KEY] = str(path)
+
+
+def source_known(model) -> bool:
+    """The model was loaded from a .gguf whose blocks its float32 weights may be."""
+    return SOURCE_KEY in model.__dict__
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,49 +191,19 @@ def blocks_work() -> bool:
     return True
 
 
-def usable_here(device, dtype) -> bool:
-    """A float32 CPU model, not turned off, on a CPU the kernel is built for, where it works."""
-    import torch
-
-    return (enabled() and device.type == "cpu" and dtype == torch.float32 and _capability() in FLAGS
-            and blocks_work())
-
-
-def model_blocks(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+def model_blocks(model, free_memory=available_memory_bytes) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
     """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.backends.llama fuses
     them, and the head; or why there are none. Read from the model's .gguf once and kept on the
     model, like mdcli.backends.weights.packed's copies."""
     cached = model.__dict__.get(CACHE_KEY)
     if cached is None:
         source = model.__dict__.get(SOURCE_KEY)
-        cached = read_blocks(Path(source), model) if source else "the model was not loaded from a .gguf"
+        cached = read_blocks(Path(source), model, free_memory) if source else "the model was not loaded from a .gguf"
         model.__dict__[CACHE_KEY] = cached
     return cached
 
 
-def blocks_for(model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str | None:
-    """The model's blocks (`model_blocks`) where they can serve: a float32 CPU model loaded from a
-    .gguf, not made int8, on a CPU where the kernel works; the reason (str) where they were looked
-    for and not found; None where they do not apply."""
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    if SOURCE_KEY not in model.__dict__ or has_int8_weights(model) or weight is None:
-        return None
-    return model_blocks(model) if usable_here(weight.device, weight.dtype) else None
-
-
-def serving(model) -> str | None:
-    """The block kinds mdcli's forward over this model multiplies forwards of a few tokens by
-    (e.g. "Q4_1/Q8_0"), or None where it does not: not its own forward, or no blocks (`blocks_for`)."""
-    if own_forward_off() or unsupported_reason(model):
-        return None
-    found = blocks_for(model)
-    if not isinstance(found, tuple):
-        return None
-    layers, head = found
-    return "/".join(sorted({w.kind for w in (*layers[0], head)}))
-
-
-def read_blocks(path: Path, model) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+def read_blocks(path: Path, model, free_memory=available_memory_bytes) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
     """The blocks of `path` for every projection and the head, each checked bit for bit against the
     model's float32 weight; or the first reason not."""
     try:
@@ -247,7 +214,7 @@ def read_blocks(path: Path, model) -> tuple[list[tuple[BlockWeight, ...]], Block
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     needed = sum(t.data.nbytes for name, t in tensors.items()
                  if t.data is not None and name.startswith(("blk.", "output.", "token_embd.")))
-    free = available_memory_bytes(model.lm_head.weight.device)
+    free = free_memory(model.lm_head.weight.device)
     if free is not None and needed > free // 2:  # the rule mdcli.backends.weights.packed's copies follow
         return f"the .gguf's blocks ({needed / 2**20:.0f} MiB) do not fit in half the free memory"
     copies = []

@@ -27,90 +27,17 @@ is made before the transposed copy (it gains more) under the same memory rule.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli.backends.weights import gguf_blocks
 
 from mdcli.backends.weights import tiled as tiled_gemm
-from mdcli.backends.host import cpu_vendor
-from mdcli.backends.weights.int8 import has_int8_weights
-from mdcli.backends.kernels import avx2_step, kernel_name, lone_blas_step, tiled_step
-from mdcli.models.memory import available_memory_bytes
 
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_PACKED_WEIGHTS"
 BATCH_HINT = 8  # the token count oneDNN chooses the layout for; measured as good from 1 to 16 tokens
-
-
-def packing_wanted(model) -> bool:
-    """Pack where mdcli.backends.kernels runs float32 CPU linears on oneDNN (AVX-512) or on an AVX2 x86-64
-    CPU (mdcli.backends.kernels.avx2_step), unless turned off or the copy does not fit in half the free memory."""
-    if not _copies_allowed(model) or not (_onednn_host(model) or _avx2_host(model)):
-        return False
-    return _fits(model, copies=1)
-
-
-def transposing_wanted(model) -> bool:
-    """A transposed copy for the lone-token step: on an AVX2 x86-64 CPU (MKL multiplies by it,
-    measured on Zen 3) and where OpenBLAS takes a lone token's products (mdcli.backends.weights.blas: AVX-512,
-    one thread, measured on Zen 4); only if it fits beside the packed copy (when that is made) in
-    half the free memory, beside the tiled copy too where that is made (`tiling_wanted`: it gains
-    more, so it is made first)."""
-    if not _copies_allowed(model) or not (_avx2_host(model) or lone_blas_step(*weight_kind(model))):
-        return False
-    return _fits(model, copies=1 + packing_wanted(model) + tiling_wanted(model))
-
-
-def tiling_wanted(model) -> bool:
-    """A tiled copy (mdcli.backends.weights.tiled) for forwards of 1 to TILED_MAX_ROWS tokens where
-    `mdcli.backends.kernels.tiled_step` says so, unless turned off, and only if it fits beside the packed copy
-    (when that is made) in half the free memory."""
-    return _copies_allowed(model) and tiled_step(*weight_kind(model)) and \
-        _fits(model, copies=2 if packing_wanted(model) else 1)
-
-
-def _copies_allowed(model) -> bool:
-    """Copies are float32 layouts of float32 weights: none for int8 ones, none when turned off."""
-    if has_int8_weights(model):
-        return False
-    return os.environ.get(OPT_OUT, "").strip().lower() not in {"0", "off", "no", "false"}
-
-
-def _onednn_host(model) -> bool:
-    return kernel_name(*weight_kind(model)) == "oneDNN"
-
-
-def _avx2_host(model) -> bool:
-    return avx2_step(*weight_kind(model))
-
-
-def weight_kind(model) -> tuple:
-    """(device, dtype) of the model's layer weights: what the kernel rules decide by. int8 weights
-    (mdcli.backends.weights.int8) count as float32: their activations and attention are float32's, and they
-    get no copies (`_copies_allowed`)."""
-    import torch
-
-    up = model.model.layers[0].mlp.up_proj
-    weight = getattr(up, "weight", None)
-    if weight is None:
-        return up.values.device, torch.float32
-    return weight.device, weight.dtype
-
-
-def _fits(model, copies: int) -> bool:
-    import torch
-
-    weight = model.model.layers[0].mlp.up_proj.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
-    head = model.lm_head.weight
-    needed = sum(p.numel() * p.element_size() for p in (*model.model.layers.parameters(), head))
-    free = available_memory_bytes(weight.device)
-    return free is not None and copies * needed <= free // 2
 
 
 def packed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
@@ -177,14 +104,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # same 2 rows padded to 4 25.4 ms, 3 rows 26.5 ms; BENCHMARKS.md "Two-token forwards"), so two rows
 # are multiplied as four (two of zeros). Each output row depends on its own input row only.
 PAIR_PADDED_ROWS = 4
-
-
-def pair_padding_wanted(model) -> bool:
-    """Pad two-row products to PAIR_PADDED_ROWS where measured: packed weights on an AVX-512 AMD
-    host (Zen 4). On an Intel Xeon with AVX-512 (family 6, model 207) padding cost 9-11% in every
-    pair of one run: 2 branches 70.9 / 69.4 against 63.9 / 64.1 ms, a branch with one guess
-    72.4 / 70.5 against 65.0 / 64.9 (BENCHMARKS.md, "Intel Xeon with AVX-512")."""
-    return _onednn_host(model) and cpu_vendor() == "AMD"
 
 
 def pair_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

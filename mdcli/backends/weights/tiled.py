@@ -39,7 +39,6 @@ from mdcli.backends.native import build as native
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "MDCLI_TILED_GEMM"
 TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
 SOURCE = Path(__file__).parent.parent / "native" / "tiled_gemm.c"
 FLAGS = ("-O3", "-mavx2", "-mfma")
@@ -49,14 +48,6 @@ FLAGS = ("-O3", "-mavx2", "-mfma")
 # 32: 461 -> 414; the products alone (`python -m mdcli.bench.step --linears`), oneDNN packed ->
 # tiled: 16 rows 132 -> 88 ms, 64 rows 339 -> 252 (wider not measured).
 TILED_MAX_ROWS = 64
-
-
-def setting() -> str:
-    """MDCLI_TILED_GEMM: "off", "always", or "auto" (unset or anything else)."""
-    value = os.environ.get(OPT_OUT, "").strip().lower()
-    if value in {"0", "off", "no", "false"}:
-        return "off"
-    return "always" if value == "always" else "auto"
 
 
 def tiled_works() -> bool:

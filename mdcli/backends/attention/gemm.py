@@ -1,0 +1,131 @@
+"""Products on oneDNN, and attention as two of them per key/value head.
+
+Rules (the selector decides where they apply, docs/cpu-backends.md):
+
+* a float32 CPU product `x @ w.T` runs on oneDNN's kernel (`onednn_matmul_t`) where linears are
+  routed there: x86-64 with AVX-512;
+* masked attention of a few queries (2 to MAX_GEMM_ATTENTION_QUERIES) runs as two products per
+  key/value head, the query heads of a group stacked into one matrix (`gemm_attention`);
+* every other call keeps torch's own kernels (`sdpa_attention`: sdpa with grouped-query heads read
+  natively, never copied per query head).
+
+Measurements: docs/performance.md, notebook/cpu-kernels.md.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+MAX_GEMM_ATTENTION_QUERIES = 256  # above this (a long masked prefill), sdpa's tiled kernel uses less memory
+
+
+@cache
+def onednn_linear_works() -> bool:
+    """Checked once: the op exists in this torch build and computes what `F.linear` computes."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (48, 64), (48,)))
+    try:
+        got = op(x, w, b, "none", [], "")
+        transposed = op(x, w.t().contiguous().t(), None, "none", [], "")  # a weight given as a strided view
+    except (RuntimeError, NotImplementedError):
+        return False
+    return all(
+        bool(torch.allclose(a, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)) for a, bias in ((got, b), (transposed, None))
+    )
+
+
+def onednn_matmul_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) on oneDNN. x: [..., K], w: [N, K] (any strides) -> [..., N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` on oneDNN for plain float32 CPU tensors without autograd, else torch's own."""
+    if (
+        plain_float32_cpu(x)
+        and plain_float32_cpu(weight)
+        and (bias is None or plain_float32_cpu(bias))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return onednn_matmul_t(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def plain_float32_cpu(tensor) -> bool:
+    """A dense float32 CPU tensor, not a quantized or distributed subclass."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.dtype == torch.float32
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+    )
+
+
+def gemm_attention_applies(query, key, value, mask) -> bool:
+    """Masked multi-query float32 CPU attention of one sequence, grouped heads paired as transformers
+    pairs them, without autograd: what `gemm_attention` computes."""
+    if mask is None or not all(plain_float32_cpu(t) for t in (query, key, value, mask)) or torch.is_grad_enabled():
+        return False
+    batch, heads, queries, _ = query.shape
+    return (
+        batch == 1
+        and key.shape[0] == value.shape[0] == 1
+        and 2 <= queries <= MAX_GEMM_ATTENTION_QUERIES
+        and heads % key.shape[1] == 0
+        and key.shape[1] == value.shape[1]
+        and mask.shape == (1, 1, queries, key.shape[2])
+    )
+
+
+def gemm_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, one key/value head at a time.
+
+    query: [1, H, M, D]; key: [1, G, N, D]; value: [1, G, N, Dv]; mask: [1, 1, M, N] additive.
+    Query head h reads key/value head h // (H / G), as transformers' `repeat_kv` pairs them, so the
+    H / G query heads of a group are stacked into one [H/G * M, D] matrix against that group's keys.
+    Returns [1, H, M, Dv], sdpa's layout.
+    """
+    _, heads, queries, dim = query.shape
+    groups, dim_v = key.shape[1], value.shape[-1]
+    per_group = heads // groups
+    scale = dim**-0.5 if scaling is None else scaling
+    stacked = query[0].reshape(groups, per_group * queries, dim)  # [G, H/G * M, D]
+    rows = mask[0, 0].repeat(per_group, 1) if per_group > 1 else mask[0, 0]  # [H/G * M, N]
+    out = query.new_empty(groups, per_group * queries, dim_v)  # [G, H/G * M, Dv]
+    for g in range(groups):
+        scores = onednn_matmul_t(stacked[g], key[0, g])  # [H/G * M, N]
+        scores.mul_(scale).add_(rows)
+        probabilities = torch.softmax(scores, dim=-1)
+        out[g] = onednn_matmul_t(probabilities, value[0, g].t())  # [H/G * M, Dv]
+    return out.reshape(1, heads, queries, dim_v)  # [1, H, M, Dv]
+
+
+def sdpa_attention(query, keys, values, mask, scaling: float, onednn: bool) -> torch.Tensor:
+    """Attention for mdcli's own forward where it does not stack heads itself: `gemm_attention`
+    where `onednn` and it applies, else torch's sdpa with grouped-query heads read natively.
+
+    query: [B, H, M, D]; keys, values: [B, G, N, D]; mask: [B, 1, M, N] additive or None (a lone
+    query seeing everything). Returns [B, M, H, D], transformers' attention layout."""
+    if onednn and gemm_attention_applies(query, keys, values, mask):
+        out = gemm_attention(query, keys, values, mask, scaling)
+    else:
+        grouped = {"enable_gqa": True} if keys.shape[1] != query.shape[1] else {}
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=0.0, scale=scaling,
+                                             is_causal=False, **grouped)
+    return out.transpose(1, 2).contiguous()
+
+
+def read_ahead(*views: torch.Tensor) -> None:
+    """Read every view once, in order, so that the products that follow find it in the CPU's caches.
+
+    Between two uses of a layer's cached keys and values a step streams the whole model's weights,
+    so they arrive from memory, where a few queries' batched products read at a fraction of the
+    rate a plain sum does (notebook/cpu-kernels.md, "Reading the cache ahead")."""
+    for view in views:
+        view.sum()  # the result is not wanted: the reading is the point

@@ -1,0 +1,56 @@
+"""The forward the engine is handed: one call shape over mdcli's own forward and transformers'.
+
+Rule: a forward with a mask (a forest step, a tree prefill) and a lone token without a sliding
+window run on mdcli's own forward where the plan has one (the Llama family); a causal continuation
+(a document's prefill, which the model masks itself) and every forward of another model run on
+transformers' forward, the reference. The plan (mdcli.backends.select) decided everything else
+at load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mdcli.backends.attention.cuda import cuda_attention
+from mdcli.backends.llama import FastForward
+from mdcli.backends.reference import ReferenceForward
+from mdcli.backends.select import Plan, select
+
+
+class ModelForward:
+    """Callable: (tokens, positions, mask, cache, keep) -> [C, V] logits of the kept rows, or None.
+
+    tokens, positions: [M] long; mask: [1, 1, M, N + M] additive in `dtype`, a dict of them by
+    layer type, or None (a causal continuation seeing the whole cache); cache: the engine's KV
+    cache; keep: [C] row indices whose logits are wanted, or None."""
+
+    def __init__(self, model, plan: Plan, *, sliding_window: int | None = None, own: bool = True) -> None:
+        self.model = model
+        self.plan = plan
+        self.device = next(model.parameters()).device
+        self.dtype = compute_dtype(model)
+        self.windowed = sliding_window is not None
+        self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
+        self.own = FastForward(model, plan) if own and plan.own_forward else None
+
+    def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+        own = self.own is not None and (mask is not None or (len(tokens) == 1 and not self.windowed))
+        with torch.inference_mode(), cuda_attention(self.device, self.plan.cudnn_attention):
+            return (self.own if own else self.reference)(tokens, positions, mask, cache, keep)
+
+    def describe(self) -> str:
+        return self.plan.describe()
+
+
+def forward_for(model, settings=None, *, sliding_window: int | None = None, own: bool = True) -> ModelForward:
+    """The forward for a transformers model under `settings` (default: the environment's), its plan
+    chosen here: for tests and benchmarks that hold a bare model. Loaded models carry theirs."""
+    return ModelForward(model, select(model, settings), sliding_window=sliding_window, own=own)
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype attention scores are computed in: the mask must match it."""
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return torch.float32

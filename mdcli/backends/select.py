@@ -1,0 +1,251 @@
+"""The selector: host facts, settings and a model in, a `Plan` out, once, at load.
+
+The plan says which forward runs (mdcli's own for the Llama family, else transformers'), which
+kernels its linears and attention use, which weight copies serve which forward widths, and why.
+The engine is handed the forward built from it (mdcli.backends.forward); the `start` event, the
+run header under --verbose and `mdcli info` print its description. Nothing asks again later.
+
+The rules, each measured on the host kind it applies to (docs/cpu-backends.md has the table and
+docs/performance.md the numbers):
+
+* float32 CPU linears and masked attention run on oneDNN on x86-64 with AVX-512, on torch's own
+  kernels elsewhere (`linear_kernels`);
+* mdcli's own forward attends with two batched products per key/value group where linears run on
+  oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`;
+* a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
+  serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
+  serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
+  it fits in half the free memory;
+* the model's own .gguf blocks serve forwards of up to `block_rows` tokens where its float32
+  weights are exactly them and the block kernel works here (then no transposed copy is made);
+* two-token products are padded to four rows on AMD cores with AVX-512; the cached keys and values
+  are read ahead of a wide forward's products on AMD cores.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from mdcli import settings as settings_module
+from mdcli.backends.attention.gemm import onednn_linear_works
+from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512
+from mdcli.backends.forward_support import unsupported_reason
+from mdcli.backends.host import available_memory_bytes, cpu_capability, cpu_vendor
+from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import tiled as tiled_gemm
+from mdcli.backends.weights.blas import openblas_works
+from mdcli.backends.weights.int8 import has_int8_weights
+from mdcli.settings import Settings
+
+# Forwards of more queries than this attend with sdpa on the bmm core's hosts: bmm materializes
+# every score (notebook/attention.md): AVX2-only x86-64, and with oneDNN linears (AVX-512).
+BMM_MAX_QUERIES = 64
+BMM_MAX_QUERIES_AVX512 = 32
+# Where a lone token's products run on OpenBLAS, forwards of up to this many tokens also take its
+# weighted sum of the cached values (AVX-512: 3; AVX2-only: the lone token alone).
+SMALL_BLAS_QUERIES = 3
+SMALL_BLAS_QUERIES_AVX2 = 1
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the selector reads about the machine. The probes that build or run a kernel are
+    functions, called only where a rule gets that far."""
+
+    machine: str  # platform.machine(): "x86_64", "aarch64", ...
+    capability: str  # the ISA torch's CPU kernels dispatch to: "AVX512", "AVX2", "DEFAULT", ...
+    vendor: str  # "AMD", "Intel" or ""
+    threads: int  # torch's intra-op threads
+    onednn: Callable[[], bool] = onednn_linear_works
+    openblas: Callable[[], bool] = openblas_works
+    tiled_kernel: Callable[[], bool] = tiled_gemm.tiled_works
+    block_kernel: Callable[[], bool] = gguf_blocks.blocks_work
+    free_memory: Callable[[torch.device], int | None] = available_memory_bytes
+
+    @classmethod
+    def read(cls) -> Host:
+        return cls(platform.machine().lower(), cpu_capability(), cpu_vendor(), torch.get_num_threads())
+
+    @property
+    def x86(self) -> bool:
+        return self.machine in {"x86_64", "amd64"}
+
+    @property
+    def measured_isa(self) -> bool:
+        """AVX-512 or AVX2: the two host kinds the step rules were measured on."""
+        return "AVX512" in self.capability or self.capability == "AVX2"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which kernels float32 CPU linears and attention use, and why."""
+
+    name: str  # "oneDNN" | "torch"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How every forward of one model runs on this host. Built by `select`, read by the forward."""
+
+    device: str
+    dtype: str
+    own_forward: bool  # mdcli's own forward (mdcli.backends.llama) for masked forwards and lone tokens
+    own_forward_reason: str  # why not, where it is not used
+    linears: KernelChoice
+    attention: str  # own forward's core: "bmm" (batched products per group) or "sdpa"
+    bmm_max_queries: int | None  # wider forwards attend with sdpa
+    packed: bool  # a oneDNN-packed copy serves forwards the narrower copies do not
+    pair_padding: bool  # two-row products on a packed copy run as four rows (AMD with AVX-512)
+    transposed: bool  # a transposed copy serves a lone token
+    lone_blas: bool  # a lone token's products run on OpenBLAS where a transposed copy serves it
+    avx2: bool  # the AVX2-only x86-64 rules hold (torch's kernels for linears, bmm attention, packed copies)
+    tiled: bool  # a tiled copy serves forwards of up to tiled_rows tokens (mdcli's AVX2 kernel)
+    tiled_rows: int
+    blocks: str | None  # the .gguf block kinds serving forwards of up to block_rows tokens, e.g. "Q4_1/Q8_0"
+    blocks_reason: str | None  # why the blocks were looked for and not used
+    block_rows: int
+    blas_queries: int  # forwards of up to this many tokens take OpenBLAS's weighted sum of the values, where
+    # a lone token's products run on OpenBLAS or on a narrower copy (tiled, blocks): 1 on AVX2-only hosts
+    read_ahead: bool  # wide forwards read the cached keys and values before multiplying by them
+    gather_cost: float  # a gathered cache slot in query rows (sparse attention's rule)
+    sparse_attention: str  # "auto" | "off" | "always" | "prefix"
+    cudnn_attention: bool  # CUDA forwards may use cuDNN's attention
+    notes: tuple[str, ...] = field(default=())
+
+    def describe(self) -> str:
+        """One line: the kernels and why, as the `start` event's `kernels` field and --verbose show it."""
+        return str(KernelChoice(self.linears.name, "; ".join([self.linears.reason, *self.notes])))
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"description": self.describe()}
+
+
+def select(model, settings: Settings | None = None, host: Host | None = None) -> Plan:
+    """The plan for `model` (a loaded transformers model) on this host under `settings` (default:
+    the environment's)."""
+    settings = settings or settings_module.current()
+    host = host or Host.read()
+    device, dtype = weight_kind(model)
+    linears = linear_kernels(device, dtype, settings, host)
+    onednn = linears.name == "oneDNN"
+    auto_x86 = device.type == "cpu" and dtype == torch.float32 and settings.cpu_kernels == "auto" and host.x86
+    avx2 = auto_x86 and host.capability == "AVX2" and host.onednn()
+    lone_blas_host = auto_x86 and host.threads == 1 and host.measured_isa and host.onednn() and host.openblas()
+    tiled_host = _tiled_host(device, dtype, settings, host, avx2)
+    own_reason = "MDCLI_FORWARD=transformers" if settings.forward == "transformers" else unsupported_reason(model)
+    copies = own_reason is None and not has_int8_weights(model) and settings.packed_weights
+    fits = _fits(model, host)
+    packed = copies and (onednn or avx2) and fits(1)
+    tiled = copies and tiled_host and fits(2 if packed else 1)
+    blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
+    transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
+    notes = [f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
+        if blocks else []
+    if lone_blas_host and not blocks:
+        notes.append("one thread: a lone token on OpenBLAS")
+    if tiled_host:
+        notes.append(f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel")
+    return Plan(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        own_forward=own_reason is None,
+        own_forward_reason=own_reason or "",
+        linears=linears,
+        attention="bmm" if onednn or avx2 else "sdpa",
+        bmm_max_queries=BMM_MAX_QUERIES if avx2 else BMM_MAX_QUERIES_AVX512 if onednn else None,
+        packed=packed,
+        pair_padding=onednn and host.vendor == "AMD",
+        transposed=transposed,
+        lone_blas=lone_blas_host,
+        avx2=avx2,
+        tiled=tiled,
+        tiled_rows=tiled_gemm.TILED_MAX_ROWS,
+        blocks=blocks,
+        blocks_reason=blocks_reason,
+        block_rows=gguf_blocks.max_rows(),
+        blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2 else SMALL_BLAS_QUERIES,
+        read_ahead=auto_x86 and host.measured_isa and host.vendor == "AMD",
+        gather_cost=GATHER_COST_AVX512 if onednn else GATHER_COST,
+        sparse_attention=settings.sparse_attention,
+        cudnn_attention=settings.cudnn_attention,
+        notes=tuple(notes),
+    )
+
+
+def linear_kernels(device: torch.device, dtype: torch.dtype, settings: Settings, host: Host) -> KernelChoice:
+    """oneDNN for float32 CPU linears and masked attention only where measured to win (x86-64 with
+    AVX-512), unless MDCLI_CPU_KERNELS forces a side."""
+    name = settings_module.variable("cpu_kernels")
+    if device.type != "cpu" or dtype != torch.float32:
+        return KernelChoice("torch", "not a float32 CPU model")
+    if settings.cpu_kernels == "torch":
+        return KernelChoice("torch", f"{name}=torch")
+    if not host.onednn():
+        return KernelChoice("torch", "no working oneDNN in this torch build")
+    if settings.cpu_kernels == "onednn":
+        return KernelChoice("oneDNN", f"forced by {name}=onednn")
+    if not host.x86:
+        return KernelChoice("torch", "not x86-64, where oneDNN was measured")
+    if "AVX512" not in host.capability:
+        return KernelChoice("torch", f"{host.capability} without AVX-512: oneDNN measured slower there")
+    return KernelChoice("oneDNN", "AVX-512: measured faster there")
+
+
+def weight_kind(model) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of the model's weights, what the rules decide by; int8 weights
+    (mdcli.backends.weights.int8) count as float32: their activations and attention are."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    up = layers[0].mlp.up_proj if layers is not None and hasattr(layers[0], "mlp") else None
+    weight = getattr(up, "weight", None) if up is not None else None
+    if up is not None and weight is None and hasattr(up, "values"):
+        return up.values.device, torch.float32
+    if weight is None:
+        weight = head if head is not None else next(p for p in model.parameters() if p.dtype.is_floating_point)
+    return weight.device, weight.dtype
+
+
+def _tiled_host(device, dtype, settings: Settings, host: Host, avx2: bool) -> bool:
+    """mdcli's tiled kernel serves forwards of a few tokens: float32 on CPU, on an AVX2-only x86-64
+    CPU with torch on one thread (auto), anywhere it runs (always), never (off)."""
+    if settings.tiled_gemm == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if settings.tiled_gemm == "auto" and not (avx2 and host.threads == 1):
+        return False
+    return host.tiled_kernel()
+
+
+def _blocks(model, device, dtype, settings: Settings, host: Host, own_reason: str | None) -> tuple[str | None, str | None]:
+    """The .gguf block kinds the own forward multiplies forwards of a few tokens by, or why not."""
+    if own_reason is not None or not settings.gguf_blocks or not gguf_blocks.source_known(model):
+        return None, None
+    if has_int8_weights(model) or device.type != "cpu" or dtype != torch.float32:
+        return None, None
+    if gguf_blocks.max_rows() == 0 or not host.block_kernel():
+        return None, None
+    found = gguf_blocks.model_blocks(model, host.free_memory)
+    if isinstance(found, str):
+        return None, found
+    layers, head = found
+    return "/".join(sorted({weight.kind for weight in (*layers[0], head)})), None
+
+
+def _fits(model, host: Host) -> Callable[[int], bool]:
+    """fits(n): n copies of the layers' and head's float32 weights fit in half the free memory."""
+    def fits(copies: int) -> bool:
+        weight = model.model.layers[0].mlp.up_proj.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
+        needed = sum(p.numel() * p.element_size() for p in (*model.model.layers.parameters(), model.lm_head.weight))
+        free = host.free_memory(weight.device)
+        return free is not None and copies * needed <= free // 2
+
+    return fits
