@@ -18,8 +18,8 @@ from mdcli.core.run import Run, start_event
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
-from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, beam_prompts, check_beam_fits, run_beam
-from mdcli.strategies.explore import Explore, explore
+from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
+from mdcli.strategies.explore import Explore, run_explore
 from mdcli.strategies.margins import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_CLASSIFY_TOKENS,
@@ -141,89 +141,86 @@ def margins(
 
 def beam_search(
     model: LoadedModel,
-    prompt: str,
+    prompt: str | Beam,
     questions: list[str] | tuple[str, ...] = (),
     *,
-    width: int = 4,
-    num_return: int = 1,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-    max_new_tokens: int = 64,
-    system: str | None = None,
-    template: str | None = None,
-    chat_template: bool = True,
     max_forward_tokens: int = 1024,
     compact_ratio: float | None = None,
+    **options,
 ) -> Iterator[Event]:
     """Beam search with the rules and scores of `generate(num_beams=width, do_sample=False)`,
     every beam a leaf of one shared cache.
 
-    Without `questions`, `prompt` is the prompt text: one beam set. With them, `prompt` is a
-    document and each question gets its own beam set (the ask-many template), all stepping in
-    the same forward. Options are checked, and a width that cannot fit in memory refused, here,
-    before anything runs; the events come when the returned iterator is consumed.
+    `prompt` is a Beam job, or the prompt text with the job's fields as keywords (width=4,
+    num_return=1, length_penalty=1.0, early_stopping=False, max_new_tokens=64, system, template,
+    chat_template: see strategies.beam.Beam). Without `questions`, `prompt` is the prompt text: one
+    beam set. With them, `prompt` is a document and each question gets its own beam set (the
+    ask-many template), all stepping in the same forward. Options are checked, and a width that
+    cannot fit in memory refused, here, before anything runs; the events come when the returned
+    iterator is consumed.
     """
-    params = BeamParams(
-        width=width,
-        num_return=num_return,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,  # type: ignore[arg-type]
-        max_new_tokens=max_new_tokens,
-    )
-    params.validate()
-    prompts = beam_prompts(model.tokenizer, prompt, list(questions), system, template, chat_template)
+    job = prompt if isinstance(prompt, Beam) else Beam(prompt=prompt, questions=list(questions), **options)
+    job.validate()
+    prompts = beam_prompts(model.tokenizer, job.prompt, job.questions, job.system, job.template, job.chat_template)
+    params = job.params
     check_beam_fits(model, [len(p.prompt_ids) for p in prompts], params)
     ratio = DEFAULT_COMPACT_RATIO if compact_ratio is None else compact_ratio
     return run_beam(model, prompts, params, max_forward_tokens=max_forward_tokens, compact_ratio=ratio)
 
 
-def think(
-    model: LoadedModel,
-    question: str,
-    *,
-    paths: int = 4,
-    plan: bool = False,
-    max_paths: int = 8,
-    merge: str | None = None,
-    vote: bool = False,
-    answer_pattern: str | None = None,
-    path_instructions: list[str] | tuple[str, ...] = (),
-    system: str | None = None,
-    chat_template: bool = True,
-    sampling: SamplingParams | None = None,
-    max_new_tokens: int = 256,
-    plan_tokens: int = 128,
-    conclusion_tokens: int = 256,
-    stop: tuple[str, ...] = (),
-    **engine_options,
-) -> Iterator[Event]:
+def explore(model: LoadedModel, prompt: str | Explore, **options) -> Iterator[Event]:
+    """Step-level search: at each step boundary `k` sampled candidates per kept path decode
+    together, are scored ("logprob" or "judge"), and the best `keep` go on (see
+    mdcli/strategies/explore.py). `prompt` is an Explore job, or the prompt text with the job's
+    fields as keywords (k=4, keep=1, chunk_tokens=None, score="logprob", system, chat_template,
+    sampling: temperature 0.8 when not given, since greedy candidates would be identical,
+    max_new_tokens=256); `max_forward_tokens` and `compact_ratio` go to the run. Arguments are
+    checked here, before the first event is asked for."""
+    engine_options = {name: options.pop(name) for name in ("max_forward_tokens", "compact_ratio") if name in options}
+    if isinstance(prompt, Explore):
+        job = prompt
+    else:
+        if options.get("sampling", ...) is None:
+            del options["sampling"]
+        job = Explore(prompt=prompt, **options)
+    job.validate()
+    return run_explore(model, job, **engine_options)
+
+
+def think(model: LoadedModel, question: str | Think, **options) -> Iterator[Event]:
     """Parallel chains of thought: `paths` independent paths (or, with `plan=True`, one path per
     item of an outline the model writes first) decode together over the question's cache, then
     `merge` ("reencode": exact conclusion, "attend": approximate Multiverse-style conclusion,
     "none"; default reencode, or none when voting) and/or `vote` (majority over each path's
     extracted answer, reported in a Note with data {"answers": {...}, "winner": ...}).
 
-    Arguments are checked here, before the first event is asked for.
+    `question` is a Think job, or the question text with the job's fields as keywords (see
+    strategies.think.Think: paths=4, plan, max_paths=8, merge, vote, answer_pattern,
+    path_instructions, system, chat_template, sampling, max_new_tokens=256, plan_tokens=128,
+    conclusion_tokens=256, stop); `max_forward_tokens`, `compact_ratio` and `speculate` go to the
+    run. Arguments are checked here, before the first event is asked for.
     """
-    job = Think(
-        question=question,
-        paths=paths,
-        plan=plan,
-        max_paths=max_paths,
-        merge=merge if merge is not None else ("none" if vote else "reencode"),
-        vote=vote,
-        answer_pattern=answer_pattern,
-        path_instructions=tuple(path_instructions),
-        system=system,
-        chat_template=chat_template,
-        sampling=sampling or SamplingParams(),
-        max_new_tokens=max_new_tokens,
-        plan_tokens=plan_tokens,
-        conclusion_tokens=conclusion_tokens,
-        stop=tuple(stop),
-    )
+    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    if isinstance(question, Think):
+        job = question
+    else:
+        if options.get("sampling", ...) is None:
+            del options["sampling"]
+        job = Think(question=question, **{k: _listed(k, v) for k, v in options.items()})
     job.validate()
     return run_think(model, job, **engine_options)
+
+
+_ENGINE_OPTIONS = ("max_forward_tokens", "compact_ratio", "speculate")
+
+
+def _listed(name: str, value):
+    """path_instructions and stop as the job keeps them, from any sequence."""
+    if name == "path_instructions":
+        return list(value)
+    if name == "stop":
+        return tuple(value)
+    return value
 
 
 # -- the rest of the public API: what a caller (the command line among them) needs besides the
@@ -233,15 +230,14 @@ def think(
 from mdcli.core.decoding import BranchSpec  # noqa: E402, F811
 from mdcli.explain.forest import ForestLayout, plan_layout, render_explanation  # noqa: E402
 from mdcli.explain.step import describe_step, first_verified_step  # noqa: E402
-from mdcli.backends.weights.gguf_blocks import serving as gguf_blocks_serving  # noqa: E402
-from mdcli.backends.kernels import kernel_choice  # noqa: E402, F811
-from mdcli.models.load import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from mdcli.models.load import LoadedModel, LoadOptions, load_model, load_tokenizer  # noqa: E402
 from mdcli.core.sampling import SamplingParams  # noqa: E402, F811
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
 from mdcli.speculative.planner import Speculate, parse_speculate  # noqa: E402
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_TEMPLATE  # noqa: E402
 from mdcli.strategies.ask_many import AskMany  # noqa: E402
-from mdcli.strategies.beam import BeamParams, parse_early_stopping  # noqa: E402
+from mdcli.strategies.beam import Beam, BeamParams, parse_early_stopping  # noqa: E402
+from mdcli.strategies.job import FieldError  # noqa: E402
 from mdcli.strategies.margins import (  # noqa: E402
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_CLASSIFY_TOKENS,
@@ -255,14 +251,14 @@ __all__ = [
     # running: each returns an iterator of events (mdcli.events)
     "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
     # loading
-    "LoadedModel", "load_model", "load_tokenizer",
+    "LoadedModel", "LoadOptions", "load_model", "load_tokenizer",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded
-    "ASK_MANY_TEMPLATE", "AskMany", "BeamParams", "BranchSpec", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
-    "Speculate", "Think", "parse_early_stopping", "parse_speculate",
+    "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
+    "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",
     # describing a run without running it
-    "ForestLayout", "gguf_blocks_serving", "kernel_choice", "plan_layout", "render_explanation",
+    "ForestLayout", "plan_layout", "render_explanation",
     # one speculative step of a run, watched and drawn (mdcli explain --speculate)
     "describe_step", "first_verified_step",
 ]

@@ -256,7 +256,8 @@ def test_a_question_longer_than_the_context_is_refused_before_anything_runs(tiny
 
 
 def test_bad_arguments_fail_when_think_is_called(tiny):
-    with pytest.raises(UsageError, match="--paths must be at least 1"):
+    # the API names the job's field; the command line names its flag (test_cli_bad_input below)
+    with pytest.raises(UsageError, match="^paths must be at least 1"):
         think(tiny, QUESTION, paths=0)
     with pytest.raises(UsageError, match="unknown merge mode"):
         think(tiny, QUESTION, merge="blend")

@@ -10,7 +10,7 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load,
+    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
 )
 from mdcli.errors import UsageError
@@ -102,8 +102,7 @@ def ask_many(
         job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-                  cpu_weights=cpu_weights)
+        lm = load(load_options(locals()))
         events = api.ask_many(
             lm, job.document, job.questions, system=job.system, template=job.template,
             chat_template=job.chat_template, sampling=job.sampling, max_new_tokens=job.max_new_tokens, stop=job.stop,
@@ -155,10 +154,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         write_recipe(save_to, dump_recipe(plan))
     mode = Output.jsonl if p["jsonl"] else p["output"]
     check_progress(p["quiet"], p["progress"])
-    lm = load(
-        p["model"], p["device"], p["dtype"], p["attn"], p["load_in_4bit"], p["load_in_8bit"], p["device_map"],
-        p["trust_remote_code"], mode, p["quiet"], cpu_weights=p["cpu_weights"],
-    )
+    lm = load(load_options(p))
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 

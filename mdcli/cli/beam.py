@@ -10,8 +10,9 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
-    load, read_document, read_questions_file, render,
+    load, load_options, read_document, read_questions_file, render,
 )
+from mdcli.cli.flags import in_flags
 
 
 def beam(
@@ -73,41 +74,32 @@ def beam(
     token, a beam that loses leaves at once. With a document and several -q, each question gets
     its own beam set over the document's cache.
     """
-    with errors(debug):
+    with errors(debug), in_flags():
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-        params = api.BeamParams(
+        questions = list(question or []) + read_questions_file(questions_file)
+        job = api.Beam(
+            prompt=prompt,
+            questions=questions,
             width=width,
             num_return=num_return,
             length_penalty=length_penalty,
             early_stopping=api.parse_early_stopping(early_stopping),
             max_new_tokens=max_new_tokens,
+            system=system,
+            template=template,
+            chat_template=not no_chat_template,
         )
-        params.validate()  # before the model loads
-        questions = list(question or []) + read_questions_file(questions_file)
-        text = prompt
+        job.validate()  # before the model loads
         if _is_input_file(prompt):
             text = read_document(prompt)
             if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
                 text = text.rstrip("\r\n")
+            job = job.model_copy(update={"prompt": text})
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-                  cpu_weights=cpu_weights)
-        events = api.beam_search(
-            lm,
-            text,
-            questions,
-            width=params.width,
-            num_return=params.num_return,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-            max_new_tokens=params.max_new_tokens,
-            system=system,
-            template=template,
-            chat_template=not no_chat_template,
-            max_forward_tokens=max_forward_tokens,
-        )
+        lm = load(load_options(locals()))
+        events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm), progress=progress)
 
 

@@ -20,7 +20,7 @@ from mdcli.cli.common import (
     ModelOpt,
     QuietOpt,
     errors,
-    load,
+    load, load_options,
 )
 from mdcli.errors import UsageError
 
@@ -115,7 +115,7 @@ def bench(
                                  fix="drop one of them")
             lm = make_random(random_model, device=device, dtype=dtype, attn=attn)
         else:
-            lm = load(model, device, dtype, attn, False, False, None, False, None, quiet, cpu_weights=cpu_weights)
+            lm = load(load_options(locals()))
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
         facts = machine_facts(used_threads, lm.device, lm.dtype, lm.model) | {

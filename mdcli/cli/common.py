@@ -157,43 +157,40 @@ def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, 
         raise UsageError(str(error), fix="see mdcli --help") from error
 
 
-def load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-         cpu_weights: str = "float32"):
-    """Load the model; progress lines on stderr unless quiet (and silent loaders for JSONL)."""
+def load_options(params: dict, **overrides):
+    """A command's loading flags (its `ctx.params` or locals, by name) as api.LoadOptions, with
+    `overrides` on top. `quiet`: progress lines on stderr unless it is set."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-    # transformers' own bars are noise next to our one-line progress: always silence them
-    progress = None if quiet else stderr_line
-    return api.load_model(
-        model,
-        device=device,
-        dtype=dtype,
-        attn=attn,
-        load_in_4bit=load_in_4bit,
-        load_in_8bit=load_in_8bit,
-        device_map=device_map,
-        trust_remote_code=trust_remote_code,
-        quiet=True,
-        progress=progress,
-        cpu_weights=cpu_weights,
-    )
+    names = ("model", "device", "dtype", "attn", "load_in_4bit", "load_in_8bit", "device_map", "trust_remote_code",
+             "cpu_weights")
+    fields = {name: params[name] for name in names if name in params}
+    quiet = overrides.pop("quiet", params.get("quiet", False))
+    return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else stderr_line)
+
+
+def load(options):
+    """Load the model `options` (api.LoadOptions) name; transformers' own bars and warnings are
+    always silenced: they are noise next to our one-line progress."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    return api.load_model(options.model_copy(update={"quiet": True}))
 
 
 def stderr_line(message: str) -> None:
     print(f"mdcli: {message}", file=sys.stderr, flush=True)
 
 
-def header(lm) -> str:
-    """The run's header line; on CPU it says which kernels mdcli's forwards use and why."""
-    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
-
+def header(lm, verbose: bool = False) -> str:
+    """The run's header line: model, device, dtype (and why). With `verbose`, the kernel plan
+    chosen at load and its reasons too (all of it: `mdcli info`)."""
     dtype = str(lm.dtype).removeprefix("torch.")
-    line = f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason}) · {lm.attn}"
+    line = f"{lm.name} · {lm.device} · {dtype} ({lm.dtype_reason})"
+    if not verbose:
+        return line
     if lm.cpu_weights == "int8":  # the products run on torch's int8 kernel whatever the float32 routing
-        line += " · kernels torch int8 weight-only (bf16 activations)"
-    elif lm.device.type == "cpu":
-        line += f" · kernels {api.kernel_choice(lm.device, lm.dtype, api.gguf_blocks_serving(lm.model))}"
-    return line
+        return f"{line} · {lm.attn} · kernels torch int8 weight-only (bf16 activations)"
+    return f"{line} · {lm.attn} · kernels {lm.forward.describe()}"
 
 
 def check_progress(quiet: bool, progress: bool) -> None:

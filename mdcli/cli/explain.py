@@ -19,7 +19,7 @@ from mdcli.cli.common import (
     RemoteCodeOpt,
     SystemOpt,
     errors,
-    load,
+    load, load_options,
 )
 from mdcli.cli.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
 from mdcli.errors import MdcliError, UsageError
@@ -108,7 +108,7 @@ def explain_speculative_step(plan, input_text, values, most: int, model, device,
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
     from mdcli.recipes import recipe_events  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
 
-    lm = load(model, device, "auto", "sdpa", False, False, None, trust_remote_code, Output.plain, quiet=False)
+    lm = load(load_options({"model": model, "device": device, "trust_remote_code": trust_remote_code}))
 
     def run(setting):
         return recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens,

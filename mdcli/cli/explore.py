@@ -10,8 +10,9 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TopKOpt, TopPOpt, check_progress, errors, header, load, read_document, render, sampling_params,
+    TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
 )
+from mdcli.cli.flags import in_flags
 
 
 def explore(
@@ -78,7 +79,7 @@ def explore(
     candidate is a fork ending in a prune whose reason holds its score and rank; the answer is the
     final finish.
     """
-    with errors(debug):
+    with errors(debug), in_flags():
         # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
         from mdcli.api import Explore
         from mdcli.api import explore as run_explore
@@ -97,13 +98,8 @@ def explore(
         job.validate()  # bad input exits 2 before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-                  cpu_weights=cpu_weights)
-        events = run_explore(
-            lm, job.prompt, k=job.k, keep=job.keep, chunk_tokens=job.chunk_tokens, score=job.score,
-            system=job.system, chat_template=job.chat_template, sampling=job.sampling,
-            max_new_tokens=job.max_new_tokens, max_forward_tokens=max_forward_tokens,
-        )
+        lm = load(load_options(locals()))
+        events = run_explore(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm), progress=progress)
 
 

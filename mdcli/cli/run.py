@@ -36,7 +36,7 @@ from mdcli.cli.common import (
     check_progress,
     errors,
     header,
-    load,
+    load, load_options,
     read_document,
     render,
     speculate_setting,
@@ -112,8 +112,7 @@ def run(
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-                  cpu_weights=cpu_weights)
+        lm = load(load_options(locals()))
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )

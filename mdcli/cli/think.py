@@ -12,9 +12,10 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load,
+    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
 )
+from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
 _QUESTION_FILE_SUFFIXES = (".txt", ".md", ".text")
@@ -116,17 +117,17 @@ def think(
     writes for that prompt alone. A --vote that finds no answer says so on stderr and still exits 0:
     the paths were produced; there was just nothing to count.
     """
-    with errors(debug):
+    with errors(debug), in_flags():
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         speculation = speculate_setting(speculate)
-        instructions = tuple(path_instruction or ())
+        instructions = list(path_instruction or ())
         job = api.Think(
             question=read_question(question),
-            paths=paths if paths is not None else (len(instructions) or 4),
+            paths=paths if paths is not None else (len(instructions) or api.Think.model_fields["paths"].default),
             plan=plan,
             max_paths=max_paths,
-            merge=resolve_merge(merge, vote),
+            merge=None if merge is None else merge.value,
             vote=vote,
             answer_pattern=answer_pattern,
             path_instructions=instructions,
@@ -141,15 +142,8 @@ def think(
         job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(model, device, dtype, attn, load_in_4bit, load_in_8bit, device_map, trust_remote_code, mode, quiet,
-                  cpu_weights=cpu_weights)
-        events = api.think(
-            lm, job.question, paths=job.paths, plan=job.plan, max_paths=job.max_paths, merge=job.merge, vote=job.vote,
-            answer_pattern=job.answer_pattern, path_instructions=job.path_instructions, system=job.system,
-            chat_template=job.chat_template, sampling=job.sampling, max_new_tokens=job.max_new_tokens,
-            plan_tokens=job.plan_tokens, conclusion_tokens=job.conclusion_tokens, stop=job.stop,
-            max_forward_tokens=max_forward_tokens, speculate=speculation,
-        )
+        lm = load(load_options(locals()))
+        events = api.think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
         render(events, mode, quiet, header=header(lm), progress=progress)
@@ -172,13 +166,6 @@ def read_question(source: str) -> str:
     if not source.strip():
         raise UsageError("the question is empty", fix="give the question as text, a file, or - for stdin")
     return source
-
-
-def resolve_merge(merge: MergeMode | None, vote: bool) -> str:
-    """reencode by default; a vote alone needs no conclusion (ask for one with --merge)."""
-    if merge is None:
-        return "none" if vote else "reencode"
-    return merge.value
 
 
 def say_when_no_vote(events: Iterable) -> Iterator:

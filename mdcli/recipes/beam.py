@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
-
 from mdcli import api
 from mdcli.errors import RecipeError
 from mdcli.recipes.checks import check_questions, question_sites
 from mdcli.recipes.errors import Problem, short
 from mdcli.recipes.schema import RecipeBase, TemplateSite
 from mdcli.recipes.templates import ask_many_default_template, escape_dollars, fill
+from mdcli.strategies.beam import BeamOptions, BeamParams
 
 if TYPE_CHECKING:
     from mdcli.events import Event
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
     from mdcli.speculative.planner import Speculate
 
 
-class BeamRecipe(RecipeBase):
+class BeamRecipe(RecipeBase, BeamOptions):
     """beam: exact beam search (generate(num_beams=width)). `prompt` is the whole prompt (it may
     use $context and $vars); or `questions` (+ optional `template`), one beam set per question
     over the context. Greedy by nature: of `sampling`, only max_new_tokens applies (default 64)."""
@@ -29,10 +28,8 @@ class BeamRecipe(RecipeBase):
     prompt: str | None = None
     questions: list[str] | None = None
     template: str | None = None
-    width: int = Field(4, ge=1)
-    num_return: int = Field(1, ge=1)
-    length_penalty: float = 1.0
-    early_stopping: Any = False  # true | false | "never", checked in check() (one clear message)
+    # width, num_return, length_penalty: beam's own parameters, with their defaults and bounds (BeamOptions)
+    early_stopping: Any = BeamOptions.model_fields["early_stopping"].default  # checked in check(): one clear message
 
     field_fixes: ClassVar[dict[str, str]] = {
         "width": "use a whole number of at least 1 (the number of beams)",
@@ -80,9 +77,9 @@ class BeamRecipe(RecipeBase):
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
         max_forward_tokens: int, speculation: Speculate | None,
     ) -> Iterator[Event]:
-        options = {
-            "width": self.width, "num_return": self.num_return, "length_penalty": self.length_penalty,
-            "early_stopping": self.early_stopping, "max_new_tokens": self.sampling.new_tokens(64),
+        options = {name: getattr(self, name) for name in BeamOptions.model_fields}
+        options |= {
+            "max_new_tokens": self.sampling.new_tokens(BeamParams.model_fields["max_new_tokens"].default),
             "system": self.system, "chat_template": self.chat_template, "max_forward_tokens": max_forward_tokens,
         }
         if self.questions is None:

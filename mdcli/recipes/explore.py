@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field
-
 from mdcli import api
 from mdcli.errors import RecipeError
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RecipeBase, Sampling, TemplateSite
 from mdcli.recipes.templates import fill
-from mdcli.strategies.explore import DEFAULT_TEMPERATURE
+from mdcli.strategies.explore import DEFAULT_TEMPERATURE, Explore, ExploreOptions
 
 if TYPE_CHECKING:
     from mdcli.events import Event
@@ -20,17 +18,14 @@ if TYPE_CHECKING:
     from mdcli.speculative.planner import Speculate
 
 
-class ExploreRecipe(RecipeBase):
+class ExploreRecipe(RecipeBase, ExploreOptions):
     """explore: at each step (a sentence or line, or `chunk_tokens` tokens) `k` sampled candidates
     per kept path decode together, the best `keep` by `score` go on. `prompt` may use $context and
     $vars. `sampling.temperature` defaults to 0.8 (greedy candidates would all be the same)."""
 
     strategy: Literal["explore"]
     prompt: str
-    k: int = Field(4, ge=1)
-    keep: int = Field(1, ge=1)
-    chunk_tokens: int | None = Field(None, ge=1)
-    score: Literal["logprob", "judge"] = "logprob"
+    # the rest of the fields are explore's own parameters, with their defaults and bounds: ExploreOptions
 
     field_fixes: ClassVar[dict[str, str]] = {
         "k": "use a whole number of at least 1 (candidates per kept path at each step)",
@@ -60,8 +55,9 @@ class ExploreRecipe(RecipeBase):
         max_forward_tokens: int, speculation: Speculate | None,
     ) -> Iterator[Event]:
         settings = Sampling(temperature=DEFAULT_TEMPERATURE).then(self.sampling)
-        return api.explore(
-            model, fill(self.prompt, values), k=self.k, keep=self.keep, chunk_tokens=self.chunk_tokens,
-            score=self.score, system=self.system, chat_template=self.chat_template, sampling=settings.params(),
-            max_new_tokens=settings.new_tokens(), max_forward_tokens=max_forward_tokens,
+        job = Explore(
+            prompt=fill(self.prompt, values), system=self.system, chat_template=self.chat_template,
+            sampling=settings.params(), max_new_tokens=settings.new_tokens(Explore.model_fields["max_new_tokens"].default),
+            **{name: getattr(self, name) for name in ExploreOptions.model_fields},
         )
+        return api.explore(model, job, max_forward_tokens=max_forward_tokens)

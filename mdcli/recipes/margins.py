@@ -24,7 +24,7 @@ from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase, TemplateSite
 from mdcli.recipes.templates import escape_dollars, fill
 from mdcli.strategies.margins import run_margins
-from mdcli.strategies.margins_job import Margins, MarginsPrompts
+from mdcli.strategies.margins.job import Margins, MarginsPrompts
 
 if TYPE_CHECKING:
     from mdcli.events import Event

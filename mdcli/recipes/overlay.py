@@ -30,7 +30,7 @@ from mdcli.recipes.templates import (
     is_identifier,
     names_or_none,
 )
-from mdcli.strategies.margins_job import Margins
+from mdcli.strategies.margins.job import Margins
 
 
 def with_flags(

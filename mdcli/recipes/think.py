@@ -6,12 +6,11 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
-
 from mdcli import api
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RecipeBase, TemplateSite
 from mdcli.recipes.templates import fill
+from mdcli.strategies.think import Think, ThinkOptions
 
 if TYPE_CHECKING:
     from mdcli.events import Event
@@ -19,21 +18,13 @@ if TYPE_CHECKING:
     from mdcli.speculative.planner import Speculate
 
 
-class ThinkRecipe(RecipeBase):
+class ThinkRecipe(RecipeBase, ThinkOptions):
     """think: parallel chains of thought over one question (which may use $context), then a
     merged conclusion and/or a vote."""
 
     strategy: Literal["think"]
     question: str
-    paths: int = Field(4, ge=1)
-    plan: bool = False
-    max_paths: int = Field(8, ge=1)
-    merge: Literal["reencode", "attend", "none"] | None = None
-    vote: bool = False
-    answer_pattern: str | None = None
-    path_instructions: list[str] = Field(default_factory=list)
-    plan_tokens: int = Field(128, ge=1)
-    conclusion_tokens: int = Field(256, ge=1)
+    # the rest of the fields are think's own parameters, with their defaults and bounds: ThinkOptions
 
     def check(self, var_names: set[str]) -> None:
         if not self.question.strip():
@@ -55,12 +46,9 @@ class ThinkRecipe(RecipeBase):
         max_forward_tokens: int, speculation: Speculate | None,
     ) -> Iterator[Event]:
         settings = self.sampling
-        return api.think(
-            model, fill(self.question, values), paths=self.paths, plan=self.plan, max_paths=self.max_paths,
-            merge=self.merge, vote=self.vote, answer_pattern=self.answer_pattern,
-            path_instructions=list(self.path_instructions),
-            system=self.system, chat_template=self.chat_template, sampling=settings.params(),
-            max_new_tokens=settings.new_tokens(), plan_tokens=self.plan_tokens,
-            conclusion_tokens=self.conclusion_tokens, stop=settings.stop_strings(), max_forward_tokens=max_forward_tokens,
-            speculate=speculation,
+        job = Think(
+            question=fill(self.question, values), system=self.system, chat_template=self.chat_template,
+            sampling=settings.params(), max_new_tokens=settings.new_tokens(Think.model_fields["max_new_tokens"].default),
+            stop=settings.stop_strings(), **{name: getattr(self, name) for name in ThinkOptions.model_fields},
         )
+        return api.think(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from mdcli.errors import UsageError
 from mdcli.events import BranchInfo, Event, Finish, Progress, Prune
@@ -50,6 +52,7 @@ from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.core.run import Run
 from mdcli.core.sampling import Sampler, SamplingParams
 from mdcli.core.steps import Policy, StepLoop, Tip
+from mdcli.strategies.job import FieldError, Job, Options
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -61,39 +64,53 @@ RATING_QUESTION = "Is the last sentence of your answer correct and helpful? Answ
 _CLOSERS = "\"')]*_`\u201d\u2019"
 
 
-@dataclass
-class Explore:
+class ExploreOptions(Options):
+    """explore's parameters: the job's and the recipe's (mdcli/recipes/explore.py) alike."""
+
+    k: int = Field(4, ge=1)  # candidates per kept path at each step
+    keep: int = Field(1, ge=1)  # paths kept after each step (at most k)
+    chunk_tokens: int | None = Field(None, ge=1)  # None: a step ends at the end of a sentence or line
+    score: Literal["logprob", "judge"] = "logprob"
+
+
+class Explore(Job, ExploreOptions):
     """One explore job: the prompt and the search's settings (checked by `validate`)."""
 
     prompt: str
-    k: int = 4
-    keep: int = 1
-    chunk_tokens: int | None = None  # None: a step ends at the end of a sentence or line
-    score: str = "logprob"
     system: str | None = None
     chat_template: bool = True
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
-    max_new_tokens: int = 256
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
+    max_new_tokens: int = Field(256, ge=1)
+
+    @classmethod
+    def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
+        if name == "k":
+            return FieldError(f"{{k}} {value}: explore needs at least 1 candidate per step", fix="use {k} 1 or more")
+        if name == "keep":
+            return _keep_problem(value, data.get("k", cls.model_fields["k"].default))
+        if name == "chunk_tokens":
+            return FieldError(
+                f"{{chunk_tokens}} {value} must be at least 1",
+                fix="give a positive number, or leave it out to end steps at sentences and lines",
+            )
+        if name == "score":
+            return FieldError(f"unknown {{score}} '{value}'", fix=f"use one of: {', '.join(SCORES)}")
+        if name == "max_new_tokens":
+            return FieldError("{max_new_tokens} must be at least 1", fix="use a positive number")
+        return super().problem(name, value, data, message)
 
     def validate(self) -> None:
         if not self.prompt.strip():
             raise UsageError("the prompt is empty", fix="give some text, a file, or - for stdin")
-        if self.k < 1:
-            raise UsageError(f"--k {self.k}: explore needs at least 1 candidate per step", fix="use --k 1 or more")
-        if not 1 <= self.keep <= self.k:
-            raise UsageError(
-                f"--keep {self.keep} must be between 1 and --k ({self.k})",
-                fix="keep at most as many paths as there are candidates per step",
-            )
-        if self.chunk_tokens is not None and self.chunk_tokens < 1:
-            raise UsageError(
-                f"--chunk-tokens {self.chunk_tokens} must be at least 1",
-                fix="give a positive number, or leave it out to end steps at sentences and lines",
-            )
-        if self.score not in SCORES:
-            raise UsageError(f"unknown --score '{self.score}'", fix=f"use one of: {', '.join(SCORES)}")
-        if self.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1", fix="use a positive number")
+        if self.keep > self.k:
+            raise _keep_problem(self.keep, self.k)
+
+
+def _keep_problem(keep: Any, k: Any) -> FieldError:
+    return FieldError(
+        f"{{keep}} {keep} must be between 1 and {{k}} ({k})",
+        fix="keep at most as many paths as there are candidates per step",
+    )
 
 
 def ends_step(text: str, tokens: int, chunk_tokens: int | None) -> bool:
@@ -296,29 +313,3 @@ def run_explore(
     yield from search.run()
     yield run.done()
 
-
-def explore(
-    model: LoadedModel,
-    prompt: str,
-    *,
-    k: int = 4,
-    keep: int = 1,
-    chunk_tokens: int | None = None,
-    score: str = "logprob",
-    system: str | None = None,
-    chat_template: bool = True,
-    sampling: SamplingParams | None = None,
-    max_new_tokens: int = 256,
-    **engine_options,
-) -> Iterator[Event]:
-    """Step-level search: at each step boundary `k` sampled candidates per kept path decode
-    together, are scored ("logprob" or "judge"), and the best `keep` go on (see the module
-    docstring). `sampling` defaults to temperature 0.8 (greedy candidates would be identical).
-    Arguments are checked here, before the first event is asked for."""
-    job = Explore(
-        prompt=prompt, k=k, keep=keep, chunk_tokens=chunk_tokens, score=score, system=system,
-        chat_template=chat_template, sampling=sampling or SamplingParams(temperature=DEFAULT_TEMPERATURE),
-        max_new_tokens=max_new_tokens,
-    )
-    job.validate()
-    return run_explore(model, job, **engine_options)

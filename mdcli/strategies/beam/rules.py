@@ -25,16 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING
 
-from mdcli.errors import UsageError
+from mdcli.strategies.beam.job import BeamParams
 
 if TYPE_CHECKING:
     import torch
 
     from mdcli.core.steps import Tip
-
-EarlyStopping = Union[bool, Literal["never"]]
 
 IMPOSSIBLE = -1.0e9
 """HF's score for "cannot be chosen": added, never assigned, so the order of additions matters."""
@@ -44,44 +42,6 @@ DEFAULT_COMPACT_RATIO = 0.1
 1,000-token prompt, W=8, 1 CPU thread; BENCHMARKS.md): the time did not depend on it within noise
 (a compaction copies the cache once; dead slots cost a little attention), while the peak cache
 fell from 3,040 tokens (never compacting) to 2,477 (0.25) and 2,042 (0.1) over 256 new tokens."""
-
-
-@dataclass(frozen=True)
-class BeamParams:
-    """HF's beam-search knobs, with HF's defaults (GenerationConfig: early_stopping=False,
-    length_penalty=1.0)."""
-
-    width: int = 4
-    num_return: int = 1
-    length_penalty: float = 1.0
-    early_stopping: EarlyStopping = False
-    max_new_tokens: int = 64
-
-    def validate(self) -> None:
-        if not isinstance(self.width, int) or self.width < 1:
-            raise UsageError(f"--width must be at least 1 (got {self.width})", fix="use --width 1 or more")
-        if not isinstance(self.num_return, int) or self.num_return < 1:
-            raise UsageError(f"--num-return must be at least 1 (got {self.num_return})", fix="use --num-return 1 or more")
-        if self.num_return > self.width:
-            raise UsageError(
-                f"--num-return {self.num_return} is more than --width {self.width}",
-                fix="beam search keeps only `width` hypotheses: raise --width or lower --num-return",
-            )
-        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise UsageError(
-                f"--early-stopping must be true, false or never (got {self.early_stopping!r})",
-                fix="use --early-stopping true|false|never",
-            )
-        if self.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1", fix="use a positive number")
-
-
-def parse_early_stopping(text: str) -> EarlyStopping:
-    """The command line's spelling of HF's `early_stopping` (True, False or "never")."""
-    value = {"true": True, "false": False, "never": "never"}.get(text.strip().lower())
-    if value is None:
-        raise UsageError(f"--early-stopping must be true, false or never (got '{text}')", fix="use true|false|never")
-    return value
 
 
 # -- memory ---------------------------------------------------------------------------------

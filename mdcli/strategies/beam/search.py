@@ -4,7 +4,7 @@ Every live beam is a tip of the step loop (mdcli/core/steps.py). Each step ONE e
 the newest token of every live beam of every beam set (one set per prompt); a beam that forks
 costs one new token hanging off its parent's row (`loop.fork` + `loop.feed`), and a beam that
 loses is pruned at once (`loop.prune`: its cache slots are reclaimed by compaction once enough
-of the cache is dead). The selection rules and scores, HF's exactly, are in beam_rules.py.
+of the cache is dead). The selection rules and scores, HF's exactly, are in rules.py.
 
 This module also holds beam's input checks (`beam_prompts`, `check_beam_fits`) and its run
 (`run_beam`: Start, the search, Done over the run layer). It knows token ids only; texts come
@@ -25,25 +25,12 @@ from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.core.run import Run
 from mdcli.core.steps import Policy, StepLoop, Tip
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
-from mdcli.strategies.beam_rules import (
-    DEFAULT_COMPACT_RATIO,
-    IMPOSSIBLE,
-    BeamParams,
-    BeamSet,
-    EarlyStopping,
-    beam_memory_bytes,
-    parse_early_stopping,
-)
+from mdcli.strategies.beam.job import BeamParams
+from mdcli.strategies.beam.rules import DEFAULT_COMPACT_RATIO, BeamSet, beam_memory_bytes
+from mdcli.strategies.job import FieldError
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
-
-__all__ = [
-    "DEFAULT_COMPACT_RATIO", "IMPOSSIBLE", "BeamParams", "BeamPrompt", "BeamSearch", "EarlyStopping",
-    "beam_memory_bytes", "beam_prompts", "check_beam_fits", "ignored_generation_settings", "parse_early_stopping",
-    "run_beam",
-]
-
 
 @dataclass(frozen=True)
 class BeamPrompt:
@@ -85,11 +72,11 @@ def check_beam_fits(model: LoadedModel, prompt_lengths: list[int], params: BeamP
     )
     free = available_memory_bytes(model.device)
     if free is not None and needed > free:
-        raise UsageError(
-            f"--width {params.width} needs about {needed / 2**30:,.1f} GiB for the KV cache and scores "
+        raise FieldError(
+            f"{{width}} {params.width} needs about {needed / 2**30:,.1f} GiB for the KV cache and scores "
             f"({len(prompt_lengths)} beam set(s), {params.max_new_tokens} new tokens), but only "
             f"{free / 2**30:,.1f} GiB is free on {model.device}",
-            fix="lower --width or --max-new-tokens",
+            fix="lower {width} or {max_new_tokens}",
         )
 
 

@@ -16,7 +16,7 @@ from mdcli.errors import UsageError
 from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.segmenting import Segment
-from mdcli.strategies.margins_job import Margins
+from mdcli.strategies.margins.job import Margins
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel

@@ -57,8 +57,8 @@ from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
 from mdcli.core.run import Run
 from mdcli.strategies.segmenting import Segment
-from mdcli.strategies.margins_fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
-from mdcli.strategies.margins_job import (
+from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
+from mdcli.strategies.margins.job import (
     ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DEFAULT_ANSWER_TOKENS, DEFAULT_CLASSIFY_TOKENS, DEFAULT_MARGIN_TOKENS,
     DOCUMENT_SEPARATOR, KEEPS, LAYOUTS, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR, NOTE_TEMPLATE,
     NOTE_WITH_SEGMENT_TEMPLATE, Keep, Layout, MarginResult, Margins, MarginsPrompts, Verdict, parse_verdict,
@@ -66,15 +66,6 @@ from mdcli.strategies.margins_job import (
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
-
-__all__ = [
-    "ANSWER_TEMPLATE", "CLASSIFICATION_TEMPLATE", "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS",
-    "DEFAULT_MARGIN_TOKENS", "DOCUMENT_SEPARATOR", "KEEPS", "LAYOUTS", "MARGIN_TEMPLATE", "MEMORY_SHARE", "NO_NOTES",
-    "NOTE_SEPARATOR", "NOTE_TEMPLATE", "NOTE_WITH_SEGMENT_TEMPLATE", "Keep", "Layout", "MarginResult", "Margins",
-    "MarginsPrompts", "Verdict", "cache_tokens", "check_fits", "new_decoder", "parse_verdict", "radix_token_count",
-    "run_margins", "sources_note",
-]
-
 
 def new_decoder(
     model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "off"

@@ -31,180 +31,24 @@ Path i gets seed key i, so with a fixed seed its tokens are the same whether 1, 
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, Decoder, Independent
-from mdcli.errors import ContextTooLongError, UsageError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note
 from mdcli.core.forest import stack_rows
-from mdcli.strategies.prompts import fill_template
 from mdcli.core.run import Run
-from mdcli.core.sampling import SamplingParams
 from mdcli.core.steps import StepLoop
-from mdcli.strategies.think_text import (  # re-exported: think's texts and their parsing
-    ANSWER_MARKER_PATTERN,
-    ATTEND_INSTRUCTION,
-    CONCLUSION_INTRO_PATHS,
-    CONCLUSION_INTRO_PLAN,
-    CONCLUSION_TEMPLATE,
-    EMPTY_PATH_TEXT,
-    ITEM_TEMPLATE,
-    LABEL_WIDTH,
-    LAST_NUMBER_PATTERN,
-    PATH_ENTRY_TEMPLATE,
-    PLAN_INSTRUCTION,
-    REASONING_INSTRUCTION,
-    Turn,
-    Vote,
-    after_answer_token_ids,
-    conclusion_user_text,
-    conversation_token_ids,
-    extract_answer,
-    majority_vote,
-    normalize_answer,
-    parse_plan,
-    short_label,
-    with_instruction,
-)
+from mdcli.errors import ContextTooLongError
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.strategies.think.job import CONCLUSION_SEED_KEY, Think
+from mdcli.strategies.think.text import ATTEND_INSTRUCTION, after_answer_token_ids, extract_answer, majority_vote, parse_plan
 
 if TYPE_CHECKING:
     import torch
 
     from mdcli.models.load import LoadedModel
-
-__all__ = [
-    "ANSWER_MARKER_PATTERN", "ATTEND_INSTRUCTION", "CONCLUSION_INTRO_PATHS", "CONCLUSION_INTRO_PLAN",
-    "CONCLUSION_SEED_KEY", "CONCLUSION_TEMPLATE", "EMPTY_PATH_TEXT", "ITEM_TEMPLATE", "LABEL_WIDTH",
-    "LAST_NUMBER_PATTERN", "MERGE_MODES", "PATH_ENTRY_TEMPLATE", "PLAN_INSTRUCTION", "PLAN_SEED_KEY",
-    "REASONING_INSTRUCTION", "Think", "ThinkRun", "Turn", "Vote", "after_answer_token_ids", "conclusion_user_text",
-    "conversation_token_ids", "extract_answer", "majority_vote", "normalize_answer", "parse_plan", "run_think",
-    "short_label", "with_instruction",
-]
-
-MERGE_MODES = ("reencode", "attend", "none")
-
-PLAN_SEED_KEY = 1_000_000  # path i uses seed key i; the plan and conclusion keep out of their way
-CONCLUSION_SEED_KEY = 1_000_001
-
-
-# -- the job ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Think:
-    """Everything `mdcli think` was asked to do, checked before any model is loaded."""
-
-    question: str
-    paths: int = 4
-    plan: bool = False
-    max_paths: int = 8
-    merge: str = "reencode"
-    vote: bool = False
-    answer_pattern: str | None = None
-    path_instructions: tuple[str, ...] = ()
-    system: str | None = None
-    chat_template: bool = True
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 256
-    plan_tokens: int = 128
-    conclusion_tokens: int = 256
-    stop: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if not self.question.strip():
-            raise UsageError("the question is empty", fix="give the question as text, a file, or - for stdin")
-        for name, value in [
-            ("--paths", self.paths),
-            ("--max-paths", self.max_paths),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--plan-tokens", self.plan_tokens),
-            ("--conclusion-tokens", self.conclusion_tokens),
-        ]:
-            if value < 1:
-                raise UsageError(f"{name} must be at least 1 (got {value})", fix="use a positive number")
-        if self.merge not in MERGE_MODES:
-            raise UsageError(f"unknown merge mode '{self.merge}'", fix="use --merge reencode, attend or none")
-        if self.answer_pattern is not None:
-            try:
-                re.compile(self.answer_pattern)
-            except re.error as error:
-                raise UsageError(
-                    f"--answer-pattern is not a valid regular expression: {error}",
-                    fix="check the pattern, e.g. 'Answer: (.+)'",
-                ) from error
-        for number, instruction in enumerate(self.path_instructions, 1):
-            if not instruction.strip():
-                raise UsageError(f"path instruction {number} is empty", fix="remove it or write the instruction")
-
-    def instruction_for(self, index: int) -> str | None:
-        """Path `index`'s instruction: the instructions are dealt out in turn."""
-        if not self.path_instructions:
-            return None
-        return self.path_instructions[index % len(self.path_instructions)]
-
-    # prompts
-
-    def question_turns(self) -> list[Turn]:
-        """The conversation every path shares: the question, and with a plan the plan request."""
-        if self.plan:
-            return [("user", f"{self.question.strip()}\n\n{PLAN_INSTRUCTION}")]
-        return []
-
-    def plan_prompt_ids(self, tokenizer) -> list[int]:
-        return self._ids(tokenizer, self.question_turns())
-
-    def path_prompt_ids(self, tokenizer, index: int, plan_text: str | None = None, item: str | None = None) -> list[int]:
-        instruction = self.instruction_for(index)
-        if item is None:
-            return self._ids(tokenizer, [("user", with_instruction(self.question.strip(), instruction))])
-        work = fill_template(ITEM_TEMPLATE, "item", number=str(index + 1), item=item)
-        turns = self.question_turns() + [("assistant", plan_text or ""), ("user", with_instruction(work, instruction))]
-        return self._ids(tokenizer, turns)
-
-    def conclusion_prompt_ids(self, tokenizer, path_texts: list[str], plan_text: str | None = None) -> list[int]:
-        body = conclusion_user_text(path_texts, planned=plan_text is not None)
-        if plan_text is None:
-            return self._ids(tokenizer, [("user", f"{self.question.strip()}\n\n{body}")])
-        return self._ids(tokenizer, self.question_turns() + [("assistant", plan_text), ("user", body)])
-
-    def _ids(self, tokenizer, turns: list[Turn]) -> list[int]:
-        return conversation_token_ids(tokenizer, turns, system=self.system, chat_template=self.chat_template)
-
-    # branch specs
-
-    def path_spec(self, tokenizer, index: int, plan_text: str | None = None, item: str | None = None) -> BranchSpec:
-        detail = item if item is not None else self.instruction_for(index)
-        return BranchSpec(
-            label=short_label(f"path {index + 1}", detail),
-            prompt_ids=self.path_prompt_ids(tokenizer, index, plan_text, item),
-            sampling=self.sampling,
-            max_new_tokens=self.max_new_tokens,
-            stop=self.stop,
-            seed_key=index,
-        )
-
-    def plan_spec(self, tokenizer) -> BranchSpec:
-        return BranchSpec(
-            label="plan",
-            prompt_ids=self.plan_prompt_ids(tokenizer),
-            sampling=self.sampling,
-            max_new_tokens=self.plan_tokens,
-            seed_key=PLAN_SEED_KEY,
-        )
-
-    def conclusion_spec(self, tokenizer, path_texts: list[str], plan_text: str | None) -> BranchSpec:
-        return BranchSpec(
-            label="conclusion",
-            prompt_ids=self.conclusion_prompt_ids(tokenizer, path_texts, plan_text),
-            sampling=self.sampling,
-            max_new_tokens=self.conclusion_tokens,
-            stop=self.stop,
-            seed_key=CONCLUSION_SEED_KEY,
-        )
 
 
 # -- the run ------------------------------------------------------------------------------------
