@@ -38,7 +38,7 @@ class Settings(BaseSettings):
                                       extra="ignore", env_ignore_empty=True)
 
     device: str = Field(
-        "auto", description="Where models load when --device is auto: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
+        "auto", description="What --device auto means: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
     cache_dir: Path | None = Field(
         None, description="Where the embedded model's unpacked files are kept (default: $XDG_CACHE_HOME/mdcli).")
     cpu_kernels: Literal["auto", "torch", "onednn"] = Field(
@@ -48,11 +48,11 @@ class Settings(BaseSettings):
     packed_weights: bool = Field(
         True, description="Weight copies laid out for the CPU kernels (packed, transposed, tiled); off saves memory.")
     tiled_gemm: Literal["auto", "always", "off"] = Field(
-        "auto", description="mdcli's tiled AVX2 kernel for forwards of a few tokens: auto, always or off.")
+        "auto", description="mdcli's tiled AVX2 kernel for forwards of a few tokens (auto: AVX2-only CPUs, one thread).")
     gguf_blocks: bool = Field(
         True, description="Multiply forwards of a few tokens by the model's own .gguf blocks where they are its weights.")
     sparse_attention: Literal["auto", "off", "always", "prefix"] = Field(
-        "auto", description="Attention over each query's visible cache slots only: auto, off, always or prefix.")
+        "auto", description="Attention over each query's visible cache slots only (always, prefix: force a plan).")
     cudnn_attention: bool = Field(
         False, description="Allow cuDNN's attention on CUDA (off: it rebuilds a plan for every new cache length).")
     xdg_cache_home: Path | None = Field(None, description="The user's cache folder; mdcli's lives in it.",
@@ -121,6 +121,13 @@ def accepted(field: str) -> str:
     if choices and all(isinstance(choice, str) for choice in choices):
         return ", ".join(choices[:-1]) + f" or {choices[-1]}"
     return "a path" if "Path" in str(info.annotation) else "any text"
+
+
+def changed_settings() -> dict[str, str]:
+    """The variables set to something other than their default, by name: what `mdcli info` shows."""
+    now, default = current(), Settings.model_construct()
+    return {variable(field): str(value) for field, value in now.model_dump().items()
+            if value != getattr(default, field)}
 
 
 def markdown_table() -> str:

@@ -85,3 +85,53 @@ def available_memory_bytes(device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def total_memory_bytes() -> int | None:
+    """The machine's memory: MemTotal on Linux, else physical pages from sysconf; None when unknown."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_report() -> dict:
+    """The machine and the software mdcli runs on, for `mdcli info` and bug reports (llama.cpp's
+    and ollama's system info are the model): CPU, ISA, cores, memory, GPU, versions."""
+    import os
+    import sys
+
+    import torch
+    import transformers
+
+    from mdcli import __version__
+
+    flags = cpuinfo_fields().get("flags", "").split()
+    gpus = [{"name": torch.cuda.get_device_name(i),
+             "memory_bytes": torch.cuda.get_device_properties(i).total_memory} for i in range(torch.cuda.device_count())]
+    return {
+        "mdcli": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_vendor": cpu_vendor() or None,
+        "isa": cpu_capability(),
+        "avx512": has_avx512(),
+        "avx2": "avx2" in flags if flags else None,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": total_memory_bytes(),
+        "memory_available_bytes": available_memory_bytes("cpu"),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

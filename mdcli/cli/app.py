@@ -56,11 +56,12 @@ app.command("margins")(margins.margins)
 app.command("think")(think.think)
 app.command("bench")(bench.bench)
 
-from mdcli.cli import explain, explore, recipes, run  # noqa: E402
+from mdcli.cli import explain, explore, info, recipes, run  # noqa: E402
 
 app.command("run")(run.run)
 app.command("explain")(explain.explain)
 app.command("explore")(explore.explore)
+app.command("info")(info.info)
 app.add_typer(recipes.app, name="recipes")
 
 

@@ -1,0 +1,98 @@
+"""`mdcli info`: the host, the versions, and the kernel plan chosen for a model, for bug reports.
+
+The plan is what the selector (mdcli.backends.select) decides when the model loads: which forward
+runs, which kernels its linears and attention use, which weight copies serve which forward
+widths, and why. Runs print it in their header only with --verbose.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from mdcli.cli.common import (
+    CpuWeightsOpt,
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    RemoteCodeOpt,
+    errors,
+    load,
+    load_options,
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="The same facts as one JSON object, for bug reports.")]
+NoModelOpt = Annotated[bool, typer.Option("--no-model", help="The host and versions only: load no model.")]
+
+
+def info(
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    cpu_weights: CpuWeightsOpt = "float32",
+    trust_remote_code: RemoteCodeOpt = False,
+    json_output: JsonOpt = False,
+    no_model: NoModelOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Print the host (CPU, ISA, cores, memory, GPU), the torch and transformers versions, the
+    settings that differ from their defaults, and the kernel plan chosen for -m MODEL (default:
+    the embedded model) with its reasons."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    with errors(debug):
+        report = {"host": api.host_report(), "settings": api.changed_settings()}
+        if not no_model:
+            lm = load(load_options(locals(), quiet=True))
+            report["model"] = {"name": lm.name, "device": str(lm.device),
+                               "dtype": str(lm.dtype).removeprefix("torch."), "dtype_reason": lm.dtype_reason,
+                               "attn": lm.attn, "cpu_weights": lm.cpu_weights}
+            report["plan"] = lm.forward.plan.as_dict()
+        typer.echo(json.dumps(report, indent=2) if json_output else _text(report))
+
+
+def _text(report: dict) -> str:
+    host = report["host"]
+    gib = 2**30
+    lines = [
+        f"mdcli {host['mdcli']} · Python {host['python']} · torch {host['torch']} · transformers {host['transformers']}",
+        f"cpu: {host['cpu']} · ISA {host['isa']} · AVX-512 {'yes' if host['avx512'] else 'no'} · "
+        f"{host['cores']} cores · torch threads {host['torch_threads']}",
+        f"memory: {_gib(host['memory_bytes'], gib)} total, {_gib(host['memory_available_bytes'], gib)} available",
+        "gpu: " + (", ".join(f"{g['name']} ({g['memory_bytes'] / gib:.0f} GiB)" for g in host["gpus"]) or "none"),
+        "settings: " + (" ".join(f"{k}={v}" for k, v in report["settings"].items()) or "defaults"),
+    ]
+    if "plan" in report:
+        model, plan = report["model"], report["plan"]
+        lines += [
+            f"model: {model['name']} · {model['device']} · {model['dtype']} ({model['dtype_reason']}) · {model['attn']}",
+            "forward: " + ("mdcli's own (masked forwards and lone tokens), transformers' for causal prefills"
+                           if plan["own_forward"] else f"transformers' ({plan['own_forward_reason']})"),
+            f"kernels: {plan['description']}",
+            f"attention: {plan['attention']}" + (f" up to {plan['bmm_max_queries']} queries, sdpa beyond"
+                                                  if plan["attention"] == "bmm" and plan["bmm_max_queries"] else ""),
+            "weight copies: " + (", ".join(_copies(plan)) or "none (the model's own weights)"),
+        ]
+        if plan["blocks_reason"]:
+            lines.append(f".gguf blocks not used: {plan['blocks_reason']}")
+    return "\n".join(lines)
+
+
+def _copies(plan: dict) -> list[str]:
+    copies = []
+    if plan["blocks"]:
+        copies.append(f".gguf {plan['blocks']} blocks for 1-{plan['block_rows']} tokens")
+    if plan["tiled"]:
+        copies.append(f"tiled for up to {plan['tiled_rows']} tokens")
+    if plan["transposed"]:
+        copies.append("transposed for a lone token" + (" (OpenBLAS)" if plan["lone_blas"] else ""))
+    if plan["packed"]:
+        copies.append("oneDNN-packed for wider forwards" + (" (pairs padded to 4 rows)" if plan["pair_padding"] else ""))
+    return copies
+
+
+def _gib(value: int | None, gib: int) -> str:
+    return "unknown" if value is None else f"{value / gib:.1f} GiB"
