@@ -1,0 +1,106 @@
+"""mdcli's kernel choices stay inside mdcli's own forwards.
+
+The plan (mdcli.backends.select) is made per model at load, and the oneDNN routing of transformers'
+forward is a torch function mode entered by that forward in its own thread: torch's and
+transformers' functions are never replaced, so code beside mdcli in the same process (another
+model, a plain `nn.Linear`, another thread) runs exactly as it would without mdcli.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from mdcli.backends.attention.gemm import onednn_linear_works
+from tests.reference import generate_alone
+from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, settings_with, tiny_model
+
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+needs_onednn = pytest.mark.skipif(not onednn_linear_works(), reason="this torch build has no working oneDNN linear")
+
+
+def ops_run(fn) -> set[str]:
+    """The operator names `fn` ran in this thread."""
+    with profile() as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@needs_onednn
+def test_a_forest_running_in_another_thread_leaves_torch_and_transformers_to_everyone_else():
+    model = tiny_model("llama", "sdpa")
+
+    def routed_engine():  # oneDNN routing whatever this host is, on transformers' forward (the routed path)
+        return engine_for(model, settings=settings_with(cpu_kernels="onednn"), own_forward=False)
+
+    assert ONEDNN_OP in ops_run(lambda: greedy_forest(routed_engine(), random_prompts(9, [2, 3]), 2))
+    stock_linear, stock_sdpa = F.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    other = tiny_model("qwen2", "sdpa")
+    plain = torch.nn.Linear(64, 32)
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def forests() -> None:
+        try:
+            while not done.is_set():
+                greedy_forest(routed_engine(), random_prompts(20, [3, 5, 2]), 4)
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            failures.append(error)
+
+    worker = threading.Thread(target=forests)
+    worker.start()
+    try:
+        seen: set[str] = set()
+        for _ in range(20):
+            assert F.linear is stock_linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is stock_sdpa
+            assert torch.nn.functional.linear is stock_linear
+            with torch.inference_mode():
+                seen |= ops_run(lambda: (plain(torch.randn(5, 64)), other(torch.tensor([[3, 4, 5, 6]]))))
+        assert "aten::linear" in seen  # the evidence is there: the plain layers ran in this thread
+        assert ONEDNN_OP not in seen
+    finally:
+        done.set()
+        worker.join()
+    assert not failures, failures
+
+
+@needs_onednn
+def test_two_models_with_different_plans_in_one_process_are_both_exact_side_by_side():
+    routed = tiny_model("llama", "sdpa")
+    stock = tiny_model("qwen2", "sdpa")
+    prompts = random_prompts(30, [4, 1, 9], seed=5)
+    engines = {
+        "routed": engine_for(routed, settings=settings_with(cpu_kernels="onednn")),
+        "stock": engine_for(stock, settings=settings_with(cpu_kernels="torch", packed_weights=False)),
+    }
+    assert engines["routed"].model_forward.plan.linears.name == "oneDNN"
+    assert engines["stock"].model_forward.plan.linears.name == "torch"
+    assert not engines["stock"].model_forward.plan.packed
+    results: dict[str, list[list[int]]] = {}
+
+    def decode(name: str) -> None:
+        results[name] = greedy_forest(engines[name], prompts, steps=10, drop_at=3)
+
+    threads = [threading.Thread(target=decode, args=(name,)) for name in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, model in (("routed", routed), ("stock", stock)):
+        for i, prompt in enumerate(prompts):
+            assert results[name][i] == generate_alone(model, prompt, len(results[name][i])), f"{name} branch {i}"
+
+
+def test_the_plan_is_made_once_at_load_and_read_by_every_run(embedded):
+    from mdcli.core.run import Run
+
+    plan = embedded.forward.plan
+    first, second = Run.for_model(embedded), Run.for_model(embedded)
+    assert first.engine.model_forward is second.engine.model_forward is embedded.forward
+    assert first.engine.model_forward.plan is plan
+    assert embedded.forward.describe() == plan.describe()
