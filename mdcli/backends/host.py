@@ -113,13 +113,10 @@ def host_report() -> dict:
     import torch
     import transformers
 
-    from mdcli import __version__
-
     flags = cpuinfo_fields().get("flags", "").split()
     gpus = [{"name": torch.cuda.get_device_name(i),
              "memory_bytes": torch.cuda.get_device_properties(i).total_memory} for i in range(torch.cuda.device_count())]
     return {
-        "mdcli": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": cpu_model(),

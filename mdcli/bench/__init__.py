@@ -54,7 +54,12 @@ def random_model(shape: str, *, device: str = "auto", dtype: str = "auto", attn:
     """A random-weight Llama (or Qwen3) of a named shape with the embedded tokenizer: GPU speed can
     be measured where no weights can be downloaded (the tokens are meaningless, the work is real)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        Qwen3Config,
+    )
 
     # lazy: see the module's imports
     from mdcli.models.embedded import embedded_model_dir

@@ -29,28 +29,32 @@ the CPU kernels mdcli's engine uses (mdcli.backends.kernels) to show what the al
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mdcli.backends.weights import gguf_blocks
+import torch
+
+from mdcli import settings
 from mdcli.api import run_specs
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.reference import cache_argument
+from mdcli.backends.select import select
+from mdcli.backends.weights.int8 import described, quantize_model
+from mdcli.backends.weights.packed import copies_set_aside
 from mdcli.bench import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
-from mdcli.backends.reference import cache_argument
 from mdcli.core.cache import new_cache
 from mdcli.core.decoding import BranchSpec, common_prefix_length
-from mdcli import settings
-from mdcli.backends.forward import ModelForward
-from mdcli.backends.select import select
 from mdcli.events import Done, Finish
 from mdcli.models.memory import kv_bytes_per_token
-from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
 
 if TYPE_CHECKING:
-
     from mdcli.models.load import LoadedModel
 
 APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
@@ -128,7 +132,6 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'.
     reverse runs the approaches last to first (repeats alternate, so a machine that drifts over
     minutes favours no approach); the results come back in the order asked either way."""
-    from contextlib import nullcontext
 
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
@@ -210,10 +213,6 @@ _INT8_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float32
 def int8_copy(model: LoadedModel) -> LoadedModel:
     """A copy of `model` with its projections made int8 (mdcli.backends.weights.int8), made once and kept
     while the float32 model lives."""
-    import copy
-
-    from mdcli.backends.weights.int8 import described, quantize_model  # lazy: only this approach needs it
-    from mdcli.backends.weights.packed import copies_set_aside  # lazy: as above
 
     if model.model not in _INT8_COPIES:
         with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
@@ -243,8 +242,6 @@ def weight_bytes(model) -> int:
 
 
 def sequential(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
-    import torch
-
     started = time.perf_counter()
     tokens, kv = [], 0
     for prompt in prompts:
@@ -260,8 +257,6 @@ def sequential(model: LoadedModel, prompts: list[list[int]], case: Case) -> Meas
 
 
 def hf_prompt_lookup(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
-    import torch
-
     calls = [0]
     hook = model.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     started = time.perf_counter()
@@ -284,8 +279,6 @@ def hf_prompt_lookup(model: LoadedModel, prompts: list[list[int]], case: Case) -
 
 
 def batched(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
-    import torch
-
     width = max(len(p) for p in prompts)
     pad = _pad_id(model)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
@@ -303,7 +296,6 @@ def batched(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measure
 
 def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     """The best hand-made alternative: shared prefill, then a batch over per-branch KV copies."""
-    import torch
 
     shared = _common_prefix_length(prompts)
     suffixes = [p[shared:] for p in prompts]

@@ -20,12 +20,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import torch
+
 from mdcli.backends.attention import sparse as sa
+from mdcli.backends.attention.prefix import (
+    PrefixPlan,
+    bucket_prefixes,
+    dense_work,
+    plan_prefixes,
+)
+from mdcli.backends.attention.prefix import grouped_attention as prefix_attention
+from mdcli.backends.llama import _grouped_attention
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.margins import machine
-from mdcli.backends.llama import _grouped_attention
-from mdcli.backends.attention.prefix import PrefixPlan, bucket_prefixes, dense_work, plan_prefixes
-from mdcli.backends.attention.prefix import grouped_attention as prefix_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -65,7 +72,6 @@ def _branches(reads: list[int], own_start: int, own: int, written: int):
     """[B, N] bool: branch b sees the first reads[b] slots, then its own `own` slots (laid one branch
     after another from `own_start`), the `written` tokens it wrote (interleaved, one step at a time
     for all branches) and this step's own new slot."""
-    import torch
 
     branches = len(reads)
     start = own_start + branches * own
@@ -89,8 +95,6 @@ def scenes() -> list[Scene]:
 
 
 def measure(scene: Scene, repeats: int) -> dict:
-    import torch
-
     gather_cost = sa.host_gather_cost(torch.device("cpu"), torch.float32)
 
     torch.manual_seed(0)
@@ -132,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
-    import torch
 
     torch.set_num_threads(args.threads)
     print(f"# {machine()}; torch threads {args.threads}; one layer, H={HEADS} G={KV_HEADS} D={DIM}, bmm core, "

@@ -12,17 +12,32 @@ the process's resident peak cannot be split between two approaches run in one pr
 
 from __future__ import annotations
 
+import argparse
+import copy
 import os
 import time
 from typing import TYPE_CHECKING
 
-from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+import torch
+import transformers
+
+from mdcli.bench import (
+    BASELINE_KERNELS,
+    BASELINE_KERNELS_HELP,
+    baseline_kernels,
+    kernels_line,
+)
 from mdcli.core.cache import output_cache
 from mdcli.core.engine import Engine
 from mdcli.events import Finish
 from mdcli.models.load import load_model
 from mdcli.models.memory import kv_bytes_per_token
-from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, BeamParams, BeamPrompt, BeamSearch
+from mdcli.strategies.beam import (
+    DEFAULT_COMPACT_RATIO,
+    BeamParams,
+    BeamPrompt,
+    BeamSearch,
+)
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -52,7 +67,6 @@ def bench_beam(
     whether the returned sequences are identical (they must be; a difference is reported, not
     hidden).
     """
-    import torch
 
     torch.set_num_threads(threads)
     prompt = benchmark_prompt(lm.tokenizer, prompt_tokens)
@@ -137,9 +151,6 @@ def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, 
 def _run_generate(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int) -> dict:
     """generate(num_beams=W) with EOS disabled (eos_token_id=None: no stopping, K = 2W, no
     processor), so it runs the same `new_tokens` steps as mdcli with no EOS ids."""
-    import copy
-
-    import torch
 
     config = copy.deepcopy(lm.model.generation_config)
     config.update(
@@ -184,9 +195,6 @@ def _storage_bytes(cache) -> int:
 
 
 def markdown(rows: list[dict], lm: LoadedModel, threads: int, kernels: str = "stock") -> str:
-    import torch
-    import transformers
-
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
         f"Model: {lm.name}, {str(lm.dtype).removeprefix('torch.')}, {lm.attn}, {lm.device}. Machine: "
@@ -211,8 +219,6 @@ def markdown(rows: list[dict], lm: LoadedModel, threads: int, kernels: str = "st
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.beam", description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--widths", type=int, nargs="+", default=[4, 8])

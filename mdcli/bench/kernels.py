@@ -15,13 +15,16 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+import torch
+import torch.nn.functional as F
+
+from mdcli.backends.attention.gemm import (
+    gemm_attention,
+    onednn_linear_works,
+    routed_linear,
+)
 from mdcli.bench.margins import machine
-from mdcli.backends.attention.gemm import gemm_attention, onednn_linear_works, routed_linear
-
-if TYPE_CHECKING:
-    import torch
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, VOCAB = 30, 49152
@@ -40,7 +43,6 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def random_forest_mask(queries: int, keys: int, generator) -> torch.Tensor:
     """[1, 1, M, N] additive float32 mask: each query sees a random 60% of the keys, and always the
     last M keys (the new tokens themselves, query i key N - M + i), as a forest step's rows do."""
-    import torch
 
     allowed = torch.rand(queries, keys, generator=generator) < 0.6
     allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
@@ -48,9 +50,6 @@ def random_forest_mask(queries: int, keys: int, generator) -> torch.Tensor:
 
 
 def linear_table(token_counts: list[int], repeats: int) -> str:
-    import torch
-    import torch.nn.functional as F
-
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) for _ in range(LAYERS) for shape in SMOLLM2_LAYER]
     weights.append(torch.randn(VOCAB, 576, generator=generator))
@@ -73,9 +72,6 @@ def linear_table(token_counts: list[int], repeats: int) -> str:
 
 
 def attention_table(shapes: list[tuple[int, int]], repeats: int) -> str:
-    import torch
-    import torch.nn.functional as F
-
     generator = torch.Generator().manual_seed(0)
     lines = ["| queries x cached tokens | sdpa, us | oneDNN products, us | ratio | max difference |",
              "|---|---:|---:|---:|---:|"]
@@ -102,8 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-
-    import torch
 
     torch.set_num_threads(args.threads)
     if not onednn_linear_works():

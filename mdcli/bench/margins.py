@@ -25,20 +25,30 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import time
 from dataclasses import dataclass
 
-from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
-from mdcli.bench.margins_questions import compare_questions
+import torch
+import transformers
+from transformers import DynamicCache
+
+from mdcli.backends.host import cpu_line
 from mdcli.backends.reference import cache_argument
+from mdcli.bench import (
+    BASELINE_KERNELS,
+    BASELINE_KERNELS_HELP,
+    baseline_kernels,
+    kernels_line,
+)
+from mdcli.bench.margins_questions import compare_questions
 from mdcli.core.decoding import common_prefix_length
 from mdcli.events import Finish
-from mdcli.backends.host import cpu_line
 from mdcli.models.load import load_model
-from mdcli.strategies.segmenting import split_text, token_counter
 from mdcli.strategies.margins import Margins, new_decoder
+from mdcli.strategies.segmenting import split_text, token_counter
 
 OVER_BUDGET = [
     ("Falcon", "steel prices rose", "steel"),
@@ -132,8 +142,6 @@ def run_mdcli(lm, specs) -> SideResult:
 def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int = 1024) -> SideResult:
     """The paper's algorithm with plain transformers calls: one growing cache, rolled back to the
     end of each segment after its margin is generated."""
-    import torch
-    from transformers import DynamicCache
 
     model, eos = lm.model, lm.eos_token_ids
     cache, cached, prefilled = DynamicCache(), 0, 0
@@ -227,10 +235,7 @@ def sweep(lm, document: str, sizes: list[int], margin_tokens: int, layout: str) 
 
 
 def machine() -> str:
-    import os
 
-    import torch
-    import transformers
 
     return (f"{cpu_line()}, nproc {os.cpu_count()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}, torch threads {torch.get_num_threads()}")
@@ -261,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=str, default=None)
     parser.add_argument("--baseline-kernels", choices=BASELINE_KERNELS, default="stock", help=BASELINE_KERNELS_HELP)
     args = parser.parse_args(argv)
-
-    import torch
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype="float32", device="cpu", quiet=True)

@@ -8,6 +8,9 @@ from dataclasses import asdict
 from statistics import median
 from typing import TYPE_CHECKING
 
+import torch
+import transformers
+
 from mdcli.backends.host import cpu_model, has_avx512
 
 if TYPE_CHECKING:
@@ -18,8 +21,6 @@ if TYPE_CHECKING:
 def machine_facts(threads: int, plan: Plan | None = None) -> dict:
     """The machine, versions and mdcli's kernels (for `model`: whether its forward reads a .gguf's
     blocks, mdcli.backends.weights.gguf_blocks)."""
-    import torch
-    import transformers
 
     kernels = plan.linears if plan is not None else None
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)

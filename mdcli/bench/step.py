@@ -24,26 +24,36 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mdcli.core import cache as kv
-from mdcli.core import engine as engine_module
 from mdcli.backends import llama as fastforward
+from mdcli.backends import reference
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights import tiled as tiled_gemm
+from mdcli.backends.weights.blas import one_blas_thread, openblas_linear
+from mdcli.backends.weights.int8 import dequantized_product, kernel_product, quantize
+from mdcli.backends.weights.packed import (
+    pack,
+    packed_linear,
+    transpose,
+    transposed_linear,
+)
 from mdcli.bench import RANDOM_SHAPES, random_model
 from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
-from mdcli.bench.steppers import EngineStepper, ReferenceStepper, median_step_seconds, memory_read_gbps
-from mdcli.backends.weights.blas import one_blas_thread, openblas_linear
-from mdcli.backends.weights.int8 import dequantized_product, kernel_product, quantize
-from mdcli.backends import reference
+from mdcli.bench.steppers import (
+    EngineStepper,
+    ReferenceStepper,
+    median_step_seconds,
+    memory_read_gbps,
+)
+from mdcli.core import cache as kv
+from mdcli.core import engine as engine_module
 from mdcli.models.load import load_model
-from mdcli.backends.weights.packed import pack, packed_linear, transpose, transposed_linear
 
 if TYPE_CHECKING:
-    import torch
-
     from mdcli.models.load import LoadedModel
 
 __all__ = ["EngineStepper", "ReferenceStepper", "StepProfile", "median_step_seconds", "memory_read_gbps"]
@@ -85,8 +95,6 @@ class StepProfile:
 
     @contextmanager
     def _wrapped(self):
-        import torch.nn.functional as F
-
         vocab = self.lm.model.config.vocab_size
         linear = F.linear
 
@@ -202,8 +210,6 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
     the embedded model's Q4_1 / Q8_0 blocks) where they build; with int8_weights also the int8 kernel and the
     dequantized product `--cpu-weights int8` chooses between (mdcli.backends.weights.int8; "best vs stock"
     then counts them too). Median ms over `repeats`."""
-    import torch
-    import torch.nn.functional as F
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     generator = torch.Generator().manual_seed(0)
@@ -249,8 +255,6 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--branches", default="1,8")

@@ -9,11 +9,14 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import torch
+from transformers import DynamicCache
+
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.llama import FastForward
 from mdcli.backends.reference import cache_argument
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
-from mdcli.backends.forward import ModelForward
-from mdcli.backends.llama import FastForward
 from mdcli.core.forest import pad_rows
 
 if TYPE_CHECKING:
@@ -25,9 +28,6 @@ class ReferenceStepper:
     then one greedy token per forward, on torch's stock kernels (what `generate` does per token)."""
 
     def __init__(self, lm: LoadedModel, prompt: list[int]) -> None:
-        import torch
-        from transformers import DynamicCache
-
         self.model, self.cache = lm.model, DynamicCache()
         with torch.inference_mode():
             ids = torch.tensor([prompt], device=lm.device)
@@ -35,8 +35,6 @@ class ReferenceStepper:
                                      logits_to_keep=1).logits[:, -1]  # [1, V]
 
     def step(self) -> None:
-        import torch
-
         with torch.inference_mode():
             token = self.logits.argmax(-1, keepdim=True)  # [1, 1]
             self.logits = self.model(input_ids=token, **cache_argument(self.model, self.cache),
@@ -60,8 +58,6 @@ class EngineStepper:
     (the tree a speculative step feeds, mdcli.speculative.planner); the step then continues from the last."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli", guesses: int = 0) -> None:
-        import torch
-
         model_forward = ModelForward(lm.model, lm.forward.plan, sliding_window=lm.sliding_window,
                                      own=forward.startswith("mdcli"))
         if forward.count(":") == 2:  # a variant, for comparing the choices the plan makes
@@ -78,8 +74,6 @@ class EngineStepper:
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
     def step(self) -> None:
-        import torch
-
         tokens = self.logits.argmax(-1).tolist()
         stacked = torch.stack([_pad(r, len(self.engine)) for r in self.rows])  # [B, N]
         if self.guesses:  # a chain of 1 + guesses nodes per branch; its guesses repeat its token
@@ -109,7 +103,6 @@ def median_step_seconds(steppers: dict[str, object], steps: int, observe=None) -
 def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
     """What one thread reads per second here: the best of a few sums over a buffer much larger
     than any cache (a decode step's weights are read the same way, once each)."""
-    import torch
 
     buffer = torch.ones(megabytes * 2**20 // 4)
     best = float("inf")

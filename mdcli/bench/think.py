@@ -23,10 +23,18 @@ import platform
 import time
 from dataclasses import dataclass, replace
 
-from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP, baseline_kernels, kernels_line
+import torch
+import transformers
+
+from mdcli.bench import (
+    BASELINE_KERNELS,
+    BASELINE_KERNELS_HELP,
+    baseline_kernels,
+    kernels_line,
+)
+from mdcli.core.sampling import SamplingParams
 from mdcli.events import Finish, Fork, Note, Token
 from mdcli.models.load import load_model
-from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.think import Think, run_think
 
 QUESTION = (
@@ -69,7 +77,6 @@ class MergeCost:
 
 def main(argv: list[str] | None = None) -> None:
     args = _arguments(argv)
-    import torch
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32", quiet=True)
@@ -124,8 +131,6 @@ def _path_prompt(lm) -> list[int]:
 
 
 def _warm_up(lm, prompt: list[int]) -> None:
-    import torch
-
     with torch.inference_mode():
         lm.model.generate(torch.tensor([prompt[:32]]), max_new_tokens=2, do_sample=False)
 
@@ -160,8 +165,6 @@ def _time_think(lm, args, *, merge: str, greedy: bool = False) -> tuple[Timing, 
 
 
 def _time_generate_batch(lm, prompt: list[int], args) -> Timing:
-    import torch
-
     started = time.perf_counter()
     torch.manual_seed(SEED)
     out = _generate_sampled(lm, prompt, args, num_return_sequences=args.paths)
@@ -170,8 +173,6 @@ def _time_generate_batch(lm, prompt: list[int], args) -> Timing:
 
 
 def _time_generate_sequential(lm, prompt: list[int], args) -> Timing:
-    import torch
-
     started = time.perf_counter()
     tokens = 0
     torch.manual_seed(SEED)
@@ -183,7 +184,6 @@ def _time_generate_sequential(lm, prompt: list[int], args) -> Timing:
 
 def _generate_sampled(lm, prompt: list[int], args, **extra):
     """HF `generate` with the bench's sampling settings and exactly `args.new_tokens` new tokens."""
-    import torch
 
     with torch.inference_mode():
         return lm.model.generate(
@@ -199,9 +199,6 @@ def _generate_sampled(lm, prompt: list[int], args, **extra):
 
 
 def _environment(lm, args, prompt_tokens: int, load_before, load_after) -> str:
-    import torch
-    import transformers
-
     lines = [
         (
             f"- command: `python -m mdcli.bench.think --paths {args.paths} --new-tokens {args.new_tokens} "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
+from transformers import AutoTokenizer
+
+from mdcli.backends.host import cpu_line
 from mdcli.bench.ask import QUESTIONS
 from mdcli.bench.margins import bench_document
-from mdcli.models.embedded import embedded_model_dir
 from mdcli.errors import UsageError
+from mdcli.models.embedded import embedded_model_dir
 from mdcli.settings import child_environment
-from mdcli.backends.host import cpu_line
 
 PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
 PLAIN_MODES = ("sequential", "batched", "prefill-once")
@@ -104,7 +105,6 @@ def report_text(tokenizer, tokens: int) -> str:
 def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: int, workdir: Path,
             approaches: tuple[str, ...] = PLAIN_MODES) -> list[ProcessRun]:
     """Every approach in turn, mdcli first (its answers pick the longest question)."""
-    from transformers import AutoTokenizer
 
     model_dir = embedded_model_dir()  # converted once, outside the timings
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

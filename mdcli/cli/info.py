@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from mdcli import __version__
 from mdcli.cli.common import (
     CpuWeightsOpt,
     DebugOpt,
@@ -44,7 +45,7 @@ def info(
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
     with errors(debug):
-        report = {"host": api.host_report(), "settings": api.changed_settings()}
+        report = {"mdcli": __version__, "host": api.host_report(), "settings": api.changed_settings()}
         if not no_model:
             lm = load(load_options(locals(), quiet=True))
             report["model"] = {"name": lm.name, "device": str(lm.device),
@@ -58,7 +59,7 @@ def _text(report: dict) -> str:
     host = report["host"]
     gib = 2**30
     lines = [
-        f"mdcli {host['mdcli']} · Python {host['python']} · torch {host['torch']} · transformers {host['transformers']}",
+        f"mdcli {report['mdcli']} · Python {host['python']} · torch {host['torch']} · transformers {host['transformers']}",
         f"cpu: {host['cpu']} · ISA {host['isa']} · AVX-512 {'yes' if host['avx512'] else 'no'} · "
         f"{host['cores']} cores · torch threads {host['torch_threads']}",
         f"memory: {_gib(host['memory_bytes'], gib)} total, {_gib(host['memory_available_bytes'], gib)} available",

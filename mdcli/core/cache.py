@@ -16,11 +16,9 @@ Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transforme
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-    from transformers import Cache
+import torch
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def output_cache(output):
@@ -31,7 +29,6 @@ def output_cache(output):
 
 def new_cache(*, preallocate: bool = True) -> Cache:
     """An empty cache of plain full-attention layers (see the module notes for why no config)."""
-    from transformers import Cache, DynamicCache
 
     if not preallocate:
         return DynamicCache()
@@ -46,7 +43,6 @@ def _growing_layer_class():
     global _GROWING_LAYER
     if _GROWING_LAYER is not None:
         return _GROWING_LAYER
-    from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
         """A full-attention layer whose keys/values live in a buffer that doubles when full."""
@@ -131,7 +127,6 @@ def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """Keep slots [0, start) and, after them, only `keep` ([K] long, ascending, >= start), moved
     down to [start, start + K). A growing layer moves them inside its buffer (no copy of the
     cache); other layers fall back to a full `compact`."""
-    import torch
 
     with torch.inference_mode():  # the buffers were made inside the model's forward
         for layer in _layers(cache):
@@ -140,8 +135,6 @@ def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:
 
 
 def _keep_tail_of_layer(layer, start: int, keep: torch.Tensor) -> None:
-    import torch
-
     index = keep.to(layer.keys.device)
     if type(layer) is _growing_layer_class():
         kept_k, kept_v = layer._k.index_select(-2, index), layer._v.index_select(-2, index)  # [B, H, K, D]
@@ -165,8 +158,6 @@ def cache_bytes(cache: Cache) -> int:
 
 
 def _layers(cache: Cache) -> list:
-    from transformers.cache_utils import DynamicLayer
-
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise RuntimeError("this transformers version has no Cache.layers; mdcli needs transformers 5")

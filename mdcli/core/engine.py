@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TypeVar
-
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 

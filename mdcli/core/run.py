@@ -24,9 +24,9 @@ from typing import Protocol, TypeVar
 import torch
 
 from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
+from mdcli.core.forest import common_prefix_length, pad_rows
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
-from mdcli.core.forest import common_prefix_length, pad_rows
 from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
 
 R = TypeVar("R")
@@ -223,7 +223,6 @@ class Run:
         """Reclaim the cache slots none of `rows` (every row anyone still holds) attends to, once
         they are `compact_ratio` of the cache. Returns the rows remapped ([L, K] bool), or None
         when nothing was compacted (the rows stay valid as they are)."""
-        import torch
 
         n = len(self.engine)
         if not rows or n == 0:
@@ -236,7 +235,6 @@ class Run:
 
     def empty_cache(self) -> None:
         """Free every slot (between phases whose later prompts reuse nothing)."""
-        import torch
 
         engine = self.engine
         if len(engine):
