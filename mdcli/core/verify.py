@@ -41,7 +41,7 @@ class Loop(Protocol):
 
     engine: Engine
     counters: DecodeCounters
-    speculation: SpeculationPolicy
+    speculation: SpeculationPolicy  # set: the walk runs only in a loop that speculates
     deferred: list[Tip]
 
     def forward(self, fed: list[tuple[Tip, list[int]]]) -> None: ...
