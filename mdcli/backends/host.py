@@ -44,7 +44,8 @@ def cpu_capability() -> str:
 
 @cache
 def cpu_model() -> str:
-    """e.g. "AMD EPYC (family 26, model 2)": the marketing name alone does not tell Zen 3 from Zen 5."""
+    """The model name with its family and model numbers, "<name> (family F, model M)": the marketing
+    name alone does not tell one core generation from the next."""
     fields = cpuinfo_fields()
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
@@ -61,7 +62,8 @@ def has_avx512() -> bool:
 
 
 def cpu_line() -> str:
-    """One line for a benchmark table: "AMD EPYC (family 26, model 2), AVX-512: yes"."""
+    """One line for a benchmark table: `cpu_model()` and whether it has AVX-512,
+    "<name> (family F, model M), AVX-512: yes"."""
     return f"{cpu_model()}, AVX-512: {'yes' if has_avx512() else 'no'}"
 
 

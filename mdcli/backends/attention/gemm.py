@@ -9,7 +9,7 @@ Rules (the selector decides where they apply, docs/cpu-backends.md):
 * every other call keeps torch's own kernels (`sdpa_attention`: sdpa with grouped-query heads read
   natively, never copied per query head).
 
-Measurements: docs/performance.md, notebook/cpu-kernels.md.
+(measured: notebook/cpu-kernels.md, "Kernels: which matrix multiply mdcli's forwards use")
 """
 
 from __future__ import annotations
@@ -126,6 +126,6 @@ def read_ahead(*views: torch.Tensor) -> None:
 
     Between two uses of a layer's cached keys and values a step streams the whole model's weights,
     so they arrive from memory, where a few queries' batched products read at a fraction of the
-    rate a plain sum does (notebook/cpu-kernels.md, "Reading the cache ahead")."""
+    rate a plain sum does (measured: notebook/attention.md, "Reading the cache ahead")."""
     for view in views:
         view.sum()  # the result is not wanted: the reading is the point

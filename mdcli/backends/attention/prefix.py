@@ -27,12 +27,13 @@ if TYPE_CHECKING:
 
 MAX_BUCKETS = 32  # more distinct prefixes than this: per-bucket operations would cost more than they save
 # The rule's costs, in query-slot products (one query scored against one slot and its value
-# summed: what dense attention does M x N of), fitted to `python -m mdcli.bench.attention` (Zen 4,
-# BENCHMARKS.md issue 14): reading a slot for a product costs about READ_ROWS query rows whatever
-# the number of queries (so a bucket of one query over a long prefix is dear: dense reads the
-# cache once for all queries, the buckets once each), and a bucket's own dozen operations about
-# BUCKET_COST products. The plan is taken when its work is at most PREFIX_FRACTION of the dense
-# work: the same products on the same kernel, so little margin is needed.
+# summed: what dense attention does M x N of), fitted to `python -m mdcli.bench.attention`: reading
+# a slot for a product costs about READ_ROWS query rows whatever the number of queries (so a bucket
+# of one query over a long prefix is dear: dense reads the cache once for all queries, the buckets
+# once each), and a bucket's own dozen operations about BUCKET_COST products. The plan is taken when
+# its work is at most PREFIX_FRACTION of the dense work: the same products on the same kernel, so
+# little margin is needed (measured: notebook/attention.md, "Prefixes read in place, the document
+# laid down first").
 READ_ROWS = 2.0
 BUCKET_COST = 200.0
 PREFIX_FRACTION = 0.8

@@ -14,11 +14,13 @@ Exact: a masked key's weight is exp(dtype-min - max) = 0 in the dense softmax, s
 changes nothing but the order of float sums (logits agree to float32 rounding, tokens identical).
 Padding keys carry the same dtype-min; padding query rows repeat a real row and are dropped.
 
-`plan_for` is the rule (measured, BENCHMARKS.md issue 14): this gathered plan where its padded
+`plan_for` is the rule: this gathered plan where its padded
 work (groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N, the
 prefix plan of mdcli.backends.attention.prefix where its work is at most PREFIX_FRACTION of the dense work,
 the cheaper when both qualify, else dense. `MDCLI_SPARSE_ATTENTION=0` turns both off, `=always`
-takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix plan.
+takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix plan. (measured:
+notebook/attention.md, "Attention over each chain's visible slots only" and "Prefixes read in
+place, the document laid down first")
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ if TYPE_CHECKING:
 
 SPARSE_FRACTION = 0.5  # sparse when its padded work is at most this share of the dense work
 MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, nothing to save
-# A gathered key/value slot costs about as much as this many query rows (`python -m mdcli.bench.attention`,
-# BENCHMARKS.md issue 14): Zen 3 (AVX2) 12; Zen 4 (AVX-512, oneDNN linears) 4, where 32 lone queries
-# each seeing 1/24 of a 5,000-slot cache attend in 164 ms a step gathered against 326 ms dense.
+# A gathered key/value slot costs about as much as this many query rows (`python -m
+# mdcli.bench.attention`): 12 on AVX2-only x86-64, 4 on AVX-512 with oneDNN linears (measured:
+# notebook/attention.md, "Attention over each chain's visible slots only"; AVX-512: "Prefixes read in
+# place, the document laid down first").
 GATHER_COST = 12.0
 GATHER_COST_AVX512 = 4.0
 

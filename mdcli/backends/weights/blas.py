@@ -1,23 +1,23 @@
 """A lone token's products on OpenBLAS (the BLAS inside numpy's wheels), for mdcli's own forward.
 
-A decode step of one branch is matrix-vector products: every weight read once for one row of
-activations. On one AMD EPYC Zen 4 core (AVX-512) every kernel torch ships reads the weights at
-about half the core's bandwidth (the embedded model's 121 fused matrices and its head, 538 MB, one
-token, one thread: `F.linear` 47.9 ms, oneDNN packed 36.5, MKL on a transposed copy 33.3), while
-OpenBLAS's sgemv on the same transposed copy ([in, out], contiguous) streams it at the core's rate:
-23.5 ms, 22.8 GB/s (BENCHMARKS.md, "A lone token on OpenBLAS"). numpy already ships
-that OpenBLAS, built for every x86 level and picking its kernels from the CPU (it calls Zen 4
-"SkylakeX"), so no new binary is needed: `openblas_linear` views torch's tensors as numpy arrays
-(no copy), multiplies, and views the result back.
+Rule: with torch on one thread, on x86-64 with AVX-512 or AVX2 only, a lone token's products run on
+OpenBLAS over the transposed copy of its weights (`openblas_linear`; the copy:
+mdcli.backends.weights.packed), and so does bmm attention's weighted sum of the cached values for
+forwards of up to the plan's `blas_queries` tokens (`openblas_bmm`), OpenBLAS pinned to one thread
+inside mdcli's forwards (`one_blas_thread`, its setting restored afterwards). With more torch
+threads, torch's own multi-threaded kernels on the packed copy keep the step. The selector
+(mdcli.backends.select) applies the rule; `MDCLI_CPU_KERNELS=torch` turns it off with the rest of
+mdcli's CPU kernel choices.
 
-Where it is used (`mdcli.backends.kernels.lone_blas_step`): float32 CPU models on x86-64 with AVX-512 or AVX2
-only (measured on Zen 4 and Zen 3; on Zen 3, where MKL on the transposed copy already streams well,
-the step gains 3-5%), with torch on one thread. OpenBLAS has its own thread pool, which spins while torch's
-OpenMP threads want the same cores: with two threads each the step took 381 ms instead of 41, so
-mdcli runs OpenBLAS on one thread during its forwards (`one_blas_thread`, restored afterwards) and
-only when torch runs one thread too; with more threads torch's own multi-threaded kernels on the
-packed copy are level or faster (2 threads: 42 ms packed against 41 ms) and keep the step.
-`MDCLI_CPU_KERNELS=torch` turns it off with the rest of mdcli's CPU kernel choices.
+Why: a decode step of one branch is matrix-vector products, every weight read once for one row of
+activations. On AVX-512 cores every kernel torch ships reads the weights at about half the core's
+bandwidth there, while OpenBLAS's sgemv on a transposed copy ([in, out], contiguous) streams it at
+the core's rate. numpy already ships that OpenBLAS, built for every x86 level and picking its
+kernels from the CPU, so no new binary is needed: `openblas_linear` views torch's tensors as numpy
+arrays (no copy), multiplies, and views the result back. OpenBLAS's own thread pool spins while
+torch's OpenMP threads want the same cores, hence one thread each and only when torch runs one.
+(measured: notebook/cpu-kernels.md, "A lone token on OpenBLAS"; AVX2: "Zen 3 again: OpenBLAS,
+reading ahead, two-row padding")
 
 Results differ from torch's kernels only by float32 rounding (another summation order); the tests
 compare logits with transformers' forward and tokens with `generate`, as for every other kernel.
@@ -56,8 +56,8 @@ def openblas_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor 
 def openblas_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm(a, b) on OpenBLAS: a [B, M, K], b [B, K, N] (each matrix with unit stride in its
     last dimension, e.g. a view of mdcli.core.cache's buffer) -> [B, M, N]. For a lone query's
-    probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values at 2.5x the rate
-    of torch's bmm (Zen 4, 30 layers over 1,530 cached tokens: 1.6 against 4.0 ms)."""
+    probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values faster than torch's
+    bmm (measured: notebook/cpu-kernels.md, "A lone token on OpenBLAS")."""
     import numpy as np
     import torch
 

@@ -1,13 +1,18 @@
-"""A decode step that reads the GGUF file's own blocks: the same float32 weights in a sixth of the bytes.
+"""Forwards of a few tokens multiply by the .gguf file's own blocks: the same float32 weights in a sixth of the bytes.
+
+Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bit for bit) and the
+block kernel builds here, forwards of up to 16 tokens multiply by the blocks on AVX-512, up to 8 on
+AVX2 (MAX_ROWS_BY_CAPABILITY); wider forwards (a prefill) keep the float32 kernels. The selector
+(mdcli.backends.select) applies it; `MDCLI_GGUF_BLOCKS=0` turns it off.
 
 The embedded model ships as a Q4_1 GGUF (its output head Q8_0), and so does any `.gguf` a user
 passes: transformers dequantizes every block to float32 at load (gguf-py's `dequantize`), so the
 model mdcli runs has float32 weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) of the
 file's codes and float16 scales. A CPU decode step of a few tokens is bound by reading those
-weights: 538 MB of float32 for the embedded model, ~41 ms at one Intel core's 13 GB/s. The file's
-blocks hold the same numbers in 96 MB.
+weights: 538 MB of float32 for the embedded model, where the file's blocks hold the same numbers in
+96 MB.
 
-`gguf_blocks.c` (next to this file) multiplies by the blocks directly: each block is turned back
+`gguf_blocks.c` (mdcli/backends/native/) multiplies by the blocks directly: each block is turned back
 into its 32 float32 weights in registers, rounded as gguf-py rounds them (d * q is exact in float32,
 so its sum with m rounds once either way), then multiplied and summed in float32 like any other
 float32 kernel. So the
@@ -26,10 +31,10 @@ kernel's own code and compared bit for bit with the model's float32 weight (`rea
 whose blocks are not the model's weights (another model, a transposition mdcli does not know, a
 block type the kernel does not read), or whose blocks would not fit in half the free memory (the
 rule of mdcli.backends.weights.packed's copies), gives no copy, with the reason, and the step keeps its float32
-kernels. Measured in BENCHMARKS.md ("The GGUF's own blocks").
+kernels. (measured: notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32 weights in a
+sixth of the bytes")
 
 Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
-`MDCLI_GGUF_BLOCKS=0` turns it off.
 """
 
 from __future__ import annotations
@@ -55,14 +60,11 @@ FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # mdcli.backends.llama multiplies forwards of up to this many tokens by the blocks, wider ones (a
-# prefill) by its float32 kernels. Intel Xeon with AVX-512, one thread, the embedded model's 211
-# matrices, blocks / oneDNN's packed copy (`python -m mdcli.bench.step --linears`): 1 row 18.0 / 48.8
-# ms, 8 rows 39.1 / 53.0, 16 rows 69.3 / 84.4, 64 rows 285.3 / 162.4; whole steps over 1,500 tokens,
-# blocks / oneDNN's packed copy, two of each interleaved: 8 branches 58.9 / 83.2 ms, 12: 88.2 /
-# 117.7, 16: 114.4 / 126.1, 24: 165.7 / 145.1, 32: 248.6 / 199.2. So 16 with AVX-512. The AVX2
-# build passes over 4 rows at a time, not 8 (its 16 registers), and costs 1.2-1.7x more from 8
-# rows on (measured on the same core: 8 rows 44.7 ms, 16 rows 91.5): 8 there, not measured on an
-# AVX2-only CPU.
+# prefill) by its float32 kernels: 16 with AVX-512, where whole steps of up to 16 branches beat
+# oneDNN's packed copy; 8 with AVX2, whose build passes over 4 rows at a time, not 8 (its 16
+# registers), and costs more per row from 8 rows on (measured: notebook/gguf-blocks.md, "The .gguf's
+# own blocks: the same float32 weights in a sixth of the bytes"; the AVX2 build on an AVX-512 core,
+# not on an AVX2-only CPU).
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
 SOURCE_KEY = "_mdcli_gguf_source"  # model.__dict__: the .gguf file its weights were dequantized from
 CACHE_KEY = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
@@ -271,7 +273,7 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
 
 
 def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
-    """One weight of the parts' rows in order (q/k/v, gate/up, as fastforward fuses), or None if
+    """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses), or None if
     their kinds differ."""
     import torch
 

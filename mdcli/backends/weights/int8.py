@@ -1,8 +1,11 @@
 """CPU int8 weights (`--cpu-weights int8`): a decode step reads a quarter of float32's bytes.
 
-A CPU decode step of a small batch is bound by reading the weights (BENCHMARKS.md, "A faster decode
-step"): the embedded model's 538 MB of float32 projections take ~41 ms at one core's ~13 GB/s. Stored
-as int8, one byte per weight and one scale per output row, they are 135 MB.
+Rule: with `--cpu-weights int8`, every decoder projection and the output head multiply by int8
+copies: forwards of up to KERNEL_MAX_ROWS tokens on torch's int8 kernel, longer ones (a prefill) by
+the dequantized weight in float32. Why: a CPU decode step of a small batch is bound by reading the
+weights, and the embedded model's 538 MB of float32 projections are 135 MB as int8 (one byte per
+weight, one scale per output row). (measured: notebook/int8.md, "int8 weights on CPU:
+`--cpu-weights int8`")
 
 Every projection of the decoder layers and the output head is quantized once at load time:
 symmetric, per output row, round to nearest, the scale a bf16 number (`quantize`). Products run on
@@ -40,13 +43,12 @@ if TYPE_CHECKING:
 
 CHOICES = ("float32", "int8")
 # Forwards of up to this many tokens take the int8 kernel, longer ones the dequantized float32
-# product. The embedded model's 211 matrices, one thread, Intel Xeon with AVX-512 (`python -m
-# mdcli.bench.step --linears --cpu-weights int8`), kernel / dequantized ms: 1 row 22.0 / 96.9,
-# 16 rows 77.6 / 132.1, 32 rows 152.0 / 161.1, 64 rows 327.7 / 263.9, 512 rows 2227 / 1266.
+# product, which is the faster past 32 rows (measured: notebook/int8.md, "int8 weights on CPU:
+# `--cpu-weights int8`").
 KERNEL_MAX_ROWS = 32
-# The kernel reads the inner dimension in blocks and does not check it: other widths gave garbage or
-# crashed the process (torch 2.13; blocks of 16 on AVX-512, of 8 under ATEN_CPU_CAPABILITY=avx2).
-# Such a matrix always takes the dequantized product.
+# The kernel reads the inner dimension in blocks and does not check it: other widths give garbage or
+# crash the process (torch 2.13; blocks of 16 on AVX-512, of 8 under ATEN_CPU_CAPABILITY=avx2), so
+# such a matrix always takes the dequantized product.
 KERNEL_INNER_MULTIPLE = 16
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

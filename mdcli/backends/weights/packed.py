@@ -1,27 +1,26 @@
-"""Projection weights copied once into oneDNN's blocked layout, for mdcli's own forward (fastforward.py).
+"""Weight copies laid out for the kernel that takes a forward's size, for mdcli's own forward
+(mdcli.backends.llama): packed in oneDNN's blocked layout, transposed, or tiled.
 
-oneDNN multiplies by a weight faster when the weight is stored in the blocked layout its kernel
-reads, instead of being reordered from a plain row-major matrix on every call. Measured on one AMD
-EPYC (Zen 5, AVX-512) core, the embedded model's 211 projections (BENCHMARKS.md, "A faster decode
-step"): 8 tokens 83 -> 48 ms, 1 token 44 -> 40 ms; the output head is packed too. The cost is memory: the packed copy sits beside
-the plain weights, which transformers' own forward (prefill, the reference) still reads, so it is
-made only where mdcli.backends.kernels runs linears on oneDNN, only when it fits in half the free memory,
-and `MDCLI_PACKED_WEIGHTS=0` turns it off. Results differ from the plain kernels' by float32
-rounding only (a different summation order).
+Rules (the selector, mdcli.backends.select, decides where they apply):
 
-On an x86-64 CPU with AVX2 only (Zen 3) the packed copy is made too (there it is the only oneDNN
-part mdcli uses: 8 tokens 97 -> 68 ms, 1 token 44 -> 40), and a second, transposed copy for the
-lone-token step: MKL's product `x @ w_t` with the weight stored [in, out] streams it at 1.35x
-the speed of `F.linear` on the [out, in] one (211 matrices, 1 token: 38.8 -> 28.7 ms), but not
-at 8 tokens (92 ms), so each copy serves the step size it wins at. The same memory rule covers
-both: the packed copy first, then the transposed one if it still fits.
+* a packed copy (`packed_weights`: every projection and the output head) serves the forwards no
+  narrower copy takes, where linears run on oneDNN (x86-64 with AVX-512) and on AVX2-only x86-64
+  (where it is the only oneDNN part mdcli uses): oneDNN multiplies faster by a weight stored in the
+  blocked layout its kernel reads than by one reordered from row-major on every call;
+* a transposed copy (`transposed_weights`, [in, out]) serves a lone token on AVX2-only x86-64, and
+  with torch on one thread on AVX-512 too, where its products run on OpenBLAS
+  (mdcli.backends.weights.blas): stored [in, out] a weight streams at the core's rate for one row
+  but not for several, so each copy serves the step size it wins at;
+* a tiled copy (`tiled_weights`, mdcli.backends.weights.tiled) serves forwards of 2 to
+  TILED_MAX_ROWS tokens on an AVX2-only x86-64 CPU with torch on one thread;
+* two-row products on the packed copy run as four rows on AMD cores with AVX-512 (`pair_padded_linear`);
+* every copy sits beside the plain weights, which transformers' forward (prefill, the reference)
+  still reads, so each is made only if it fits in half the free memory, in the order packed, tiled,
+  transposed; `MDCLI_PACKED_WEIGHTS=0` makes none.
 
-On an x86-64 CPU with AVX-512 the transposed copy is made too where a lone token's products run
-on OpenBLAS (mdcli.backends.weights.blas: torch on one thread), which streams it at the core's rate.
-
-On an AVX2-only x86-64 CPU with torch on one thread, a tiled copy (mdcli.backends.weights.tiled) serves forwards
-of 2 to TILED_MAX_ROWS tokens, where every kernel torch and numpy ship costs 1.6-1.8x a lone row; it
-is made before the transposed copy (it gains more) under the same memory rule.
+Results differ from the plain kernels' by float32 rounding only (a different summation order).
+(measured: notebook/cpu-kernels.md, "A faster decode step"; AVX2: "Zen 3 (AVX2), measured on the
+real host kind")
 """
 
 from __future__ import annotations
@@ -37,11 +36,11 @@ from mdcli.backends.weights import tiled as tiled_gemm
 if TYPE_CHECKING:
     import torch
 
-BATCH_HINT = 8  # the token count oneDNN chooses the layout for; measured as good from 1 to 16 tokens
+BATCH_HINT = 8  # the token count oneDNN chooses the layout for; it serves 1 to 16 tokens alike
 
 
 def packed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
-    """(qkv, o, gate_up, down) packed per fastforward layer, and the output head packed: made once
+    """(qkv, o, gate_up, down) packed per mdcli.backends.llama layer, and the output head packed: made once
     per model and kept on it, so every engine over the same model shares one packed copy (the
     weights do not change while mdcli runs: it only runs inference)."""
     return _copied(model, layers, _CACHE, pack)
@@ -100,9 +99,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # oneDNN's product with a packed weight takes a slower path for exactly two rows than for three to
-# six (Zen 4, AVX-512, one thread, the embedded model's 120 layer projections: 2 rows 35.2 ms, the
-# same 2 rows padded to 4 25.4 ms, 3 rows 26.5 ms; BENCHMARKS.md "Two-token forwards"), so two rows
-# are multiplied as four (two of zeros). Each output row depends on its own input row only.
+# six on AMD cores with AVX-512, so there two rows are multiplied as four (two of zeros); each output
+# row depends on its own input row only (measured: notebook/cpu-kernels.md, "Two-token forwards").
 PAIR_PADDED_ROWS = 4
 
 

@@ -1,23 +1,23 @@
 """Products of a few rows by a weight read once: mdcli's own small kernel for AVX2 x86-64 CPUs.
 
-A decode forward of 2-64 tokens (several branches, or a branch and its guesses) multiplies a few
-rows of activations by every weight. Memory-bound, it should cost about what one row costs: the
-weight is read once either way. On a Zen 3 core (AVX2, one thread) no kernel torch or numpy ships
-does that: the embedded model's 121 fused projections and its head (538 MB) take 43 ms for one row
-on OpenBLAS, but 71 ms for 2 rows on OpenBLAS and 72 on oneDNN's packed copy, 63-77 for 4 and
-96-104 for 8. `tiled_gemm.c` (next to this file) streams a copy of each weight laid out in tiles
-of 16 output columns once, each loaded weight vector serving up to 4 rows (more rows re-read the
-tile from the core's caches): `python -m mdcli.bench.step --linears`, oneDNN packed -> tiled, 2
-rows 61 -> 41 ms, 4: 74 -> 48, 8: 124 -> 61, 16: 132 -> 88, 64: 339 -> 252, one row 37.0 on
-OpenBLAS and 38.6 tiled (BENCHMARKS.md, "Small products on Zen 3").
+Rule: on an AVX2-only x86-64 CPU with torch on one thread, mdcli.backends.llama multiplies forwards
+of 2 to TILED_MAX_ROWS tokens by a tiled copy of each weight (the selector, mdcli.backends.select,
+applies it). `MDCLI_TILED_GEMM=0` turns it off, `=always` uses it on any x86-64 CPU with AVX2
+(tests, measurement).
+
+Why: a decode forward of 2-64 tokens (several branches, or a branch and its guesses) multiplies a
+few rows of activations by every weight. Memory-bound, it should cost about what one row costs, the
+weight being read once either way; on AVX2-only cores no kernel torch or numpy ships does that (2 to
+8 rows cost 1.6-1.8x one). `tiled_gemm.c` (mdcli/backends/native/) streams a copy of each weight laid
+out in tiles of 16 output columns once, each loaded weight vector serving up to 4 rows (more rows
+re-read the tile from the core's caches). (measured: notebook/cpu-kernels.md, "Small products on
+Zen 3: mdcli's own kernel")
 
 The kernel is C with AVX2 intrinsics, compiled once per machine with the system's C compiler
-(`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see mdcli.models.embedded), and
-loaded with ctypes: nothing to build at install, nothing new to download. Without a compiler, or
-if the library fails its check against torch, mdcli keeps torch's and numpy's kernels (the step
-is slower, the tokens the same). `MDCLI_TILED_GEMM=0` turns it off, `=always` uses it on any
-x86-64 CPU with AVX2 (tests, measurement); where it is used by default: mdcli.backends.kernels.tiled_step
-(an AVX2-only x86-64 CPU, torch on one thread) and TILED_MAX_ROWS below.
+(`$CC`, else `cc`) into mdcli's cache folder (`$MDCLI_CACHE_DIR/kernels`, see
+mdcli.backends.native.build), and loaded with ctypes: nothing to build at install, nothing new to
+download. Without a compiler, or if the library fails its check against torch, mdcli keeps torch's
+and numpy's kernels (the step is slower, the tokens the same).
 
 Each output sums blocks of 128 inputs, each a multiply-add chain in input order: another summation
 order than other BLAS kernels, so logits agree with them to float32 rounding (tested like every
@@ -43,10 +43,8 @@ TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
 SOURCE = Path(__file__).parent.parent / "native" / "tiled_gemm.c"
 FLAGS = ("-O3", "-mavx2", "-mfma")
 # mdcli.backends.llama multiplies forwards of up to this many tokens by the tiled copy where it makes
-# one, wider ones by its packed copy. Zen 3, one thread, interleaved whole steps of the embedded
-# model over 1,529 tokens, packed -> tiled: 2 branches 119 -> 82 ms, 8: 161 -> 115, 16: 249 -> 199,
-# 32: 461 -> 414; the products alone (`python -m mdcli.bench.step --linears`), oneDNN packed ->
-# tiled: 16 rows 132 -> 88 ms, 64 rows 339 -> 252 (wider not measured).
+# one, wider ones by its packed copy: tiled beats packed at every width measured, up to 64 (measured:
+# notebook/cpu-kernels.md, "Small products on Zen 3: mdcli's own kernel"; wider not measured).
 TILED_MAX_ROWS = 64
 
 
