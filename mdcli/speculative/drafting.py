@@ -48,8 +48,8 @@ class PromptLookup:
     """Candidates from earlier occurrences of the branch's last n tokens (n = max_ngram..1).
 
     Branches of one run mostly read the same document, so the first branch's index serves every
-    later branch for the tokens they share, and each branch indexes only its own rest (eight
-    branches over a 1,500-token document, Zen 3: 21 ms -> 4 ms).
+    later branch for the tokens they share, and each branch indexes only its own rest (measured:
+    notebook/gpu.md, "Eight questions on the GPU: every branch guessing").
     """
 
     shared_at_least = 64  # a shorter common prefix is indexed again rather than shared
