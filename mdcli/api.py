@@ -59,31 +59,25 @@ def run_specs(
 
 def ask_many(
     model: LoadedModel,
-    document: str,
-    questions: list[str],
-    *,
-    system: str | None = None,
-    template: str | None = None,
-    chat_template: bool = True,
-    sampling: SamplingParams | None = None,
-    max_new_tokens: int = 256,
-    stop: tuple[str, ...] = (),
-    **engine_options,
+    document: str | AskMany,
+    questions: list[str] | tuple[str, ...] = (),
+    **options,
 ) -> Iterator[Event]:
-    """Answer every question about `document`, all decoding together over the document's cache."""
-    job = AskMany(
-        document=document,
-        questions=list(questions),
-        system=system,
-        template=template or DEFAULT_TEMPLATE,
-        chat_template=chat_template,
-        sampling=sampling or SamplingParams(),
-        max_new_tokens=max_new_tokens,
-        stop=tuple(stop),
-    )
+    """Answer every question about `document`, all decoding together over the document's cache.
+
+    `document` is an AskMany job, or the document text with `questions` and the job's fields as
+    keywords (system, template, chat_template, sampling, max_new_tokens=256, stop: see
+    strategies.ask_many.AskMany); `max_forward_tokens`, `compact_ratio` and `speculate` go to the run."""
+    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    if isinstance(document, AskMany):
+        job = document
+    else:
+        for name in ("template", "sampling"):  # not given (None or empty): the job's default
+            if name in options and not options[name]:
+                del options[name]
+        job = AskMany(document=document, questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
     specs = job.branches(model.tokenizer)
-    seed = job.sampling.seed
-    return run_specs(model, specs, strategy="ask-many", seed=seed, **engine_options)
+    return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, **engine_options)
 
 
 def margins(
@@ -231,6 +225,8 @@ from mdcli.core.decoding import BranchSpec  # noqa: E402, F811
 from mdcli.explain.forest import ForestLayout, plan_layout, render_explanation  # noqa: E402
 from mdcli.explain.step import describe_step, first_verified_step  # noqa: E402
 from mdcli.models.load import LoadedModel, LoadOptions, load_model, load_tokenizer  # noqa: E402
+from mdcli.backends.host import host_report  # noqa: E402
+from mdcli.settings import changed_settings  # noqa: E402
 from mdcli.core.sampling import SamplingParams  # noqa: E402, F811
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
 from mdcli.speculative.planner import Speculate, parse_speculate  # noqa: E402
@@ -252,6 +248,8 @@ __all__ = [
     "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
     # loading
     "LoadedModel", "LoadOptions", "load_model", "load_tokenizer",
+    # what `mdcli info` reports: the host, the settings that differ from their defaults
+    "host_report", "changed_settings",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded
     "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",

@@ -394,8 +394,8 @@ def test_a_larger_segment_size_is_suggested_when_one_question_does_not_fit(tiny)
     with pytest.raises(UsageError, match="KV cache") as error:
         next(margins(tiny, document, questions=QUESTIONS[:2], segment_tokens=32, max_new_tokens=6,
                      memory_budget_bytes=room * per_token))
-    assert "--segment-tokens" in error.value.fix
-    suggested = int(error.value.fix.split("--segment-tokens ")[1].split()[0])
+    assert "segment_tokens" in error.value.fix  # the API names the job's field (the command line: its flag)
+    suggested = int(error.value.fix.split("segment_tokens ")[1].split()[0])
     assert job.segment_tokens < suggested <= 128
 
 
@@ -421,7 +421,7 @@ def test_a_chain_longer_than_the_context_suggests_independent(tiny):
     long_document = "The quick brown fox jumps over the lazy dog. " * 260  # > 2,048 tokens
     with pytest.raises(UsageError, match="context") as error:
         next(margins(tiny, long_document, QUERY, segment_tokens=512))
-    assert "--context independent" in error.value.fix
+    assert "layout independent" in error.value.fix  # the job's field (the command line: --context)
     assert isinstance(next(margins(tiny, long_document, QUERY, segment_tokens=512, context="independent")), Start)
 
 
@@ -440,7 +440,7 @@ def test_a_sentence_longer_than_a_segment_is_split_and_said_so(tiny):
         ([REPORT], "  ", {}, "query is missing"),
         ([REPORT], QUERY, {"segment_tokens": 8}, "too small"),
         ([REPORT], QUERY, {"context": "tree"}, "unknown context layout"),
-        ([REPORT], QUERY, {"keep": "some"}, "--keep"),
+        ([REPORT], QUERY, {"keep": "some"}, "unknown keep 'some'"),
     ],
 )
 def test_bad_input_is_a_usage_error_before_the_model_runs(tiny, documents, query, options, needle):

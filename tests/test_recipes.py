@@ -690,3 +690,69 @@ def test_a_margins_recipe_with_questions_runs_every_question_as_margins_does(tin
 def test_the_shipped_margins_recipe_asks_several_questions():
     recipe = load_recipe(Path(__file__).parent.parent / "mdcli" / "recipes" / "builtin" / "margins.yaml")
     assert recipe.strategy == "margins" and recipe.query is None and len(recipe.questions) >= 2
+
+
+# -- one model per strategy: the recipe's schema, the API's job and the command's defaults -------
+
+
+def _command_defaults(command) -> dict:
+    import inspect
+
+    return {name: parameter.default for name, parameter in inspect.signature(command).parameters.items()}
+
+
+def _strategy_models():
+    """(options class, job class, recipe class, command, the command's parameter for each field
+    where it is not the field's own name, a minimal recipe)."""
+    from mdcli import api
+    from mdcli.cli import beam as beam_command
+    from mdcli.cli import explore as explore_command
+    from mdcli.cli import think as think_command
+    from mdcli.recipes import BeamRecipe, ThinkRecipe
+    from mdcli.recipes.explore import ExploreRecipe
+    from mdcli.strategies.beam import BeamOptions
+    from mdcli.strategies.explore import ExploreOptions
+    from mdcli.strategies.think import ThinkOptions
+
+    return [
+        (ThinkOptions, api.Think, ThinkRecipe, think_command.think, {"path_instructions": "path_instruction"},
+         "version: 1\nstrategy: think\nquestion: Why?\n"),
+        (BeamOptions, api.BeamParams, BeamRecipe, beam_command.beam, {}, "version: 1\nstrategy: beam\nprompt: Hi\n"),
+        (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {},
+         "version: 1\nstrategy: explore\nprompt: Hi\n"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["think", "beam", "explore"])
+def test_the_recipe_the_api_and_the_command_share_one_model_per_strategy(index):
+    from mdcli import api
+    from mdcli.recipes import BeamRecipe
+
+    options, job, recipe_class, command, parameters, text = _strategy_models()[index]
+    # the same class: the job and the recipe are both made of the strategy's options model
+    assert issubclass(job, options) and issubclass(recipe_class, options)
+    recipe = load_recipe_text(text)
+    assert isinstance(recipe, recipe_class) and isinstance(recipe, options)
+    for name, field in options.model_fields.items():
+        model_default = field.get_default(call_default_factory=True)
+        # the recipe's and the job's field is the options model's own field (default and bounds)
+        assert repr(field) == repr(job.model_fields[name]), name
+        if (recipe_class, name) != (BeamRecipe, "early_stopping"):  # any value, checked in check() for one clear line
+            assert repr(recipe_class.model_fields[name]) == repr(field), name
+        assert getattr(recipe, name) == model_default, name
+        # the command's default is the model's, or None: not given, so the model's default applies
+        command_default = _command_defaults(command)[parameters.get(name, name)]
+        if name == "early_stopping":  # the command line spells it as text
+            command_default = api.parse_early_stopping(command_default)
+        assert command_default is None or command_default == model_default, (name, command_default, model_default)
+    if "max_new_tokens" in job.model_fields:
+        assert _command_defaults(command)["max_new_tokens"] == job.model_fields["max_new_tokens"].default
+
+
+def test_ask_many_command_api_and_recipe_agree_on_the_answer_budget():
+    from mdcli import api
+    from mdcli.cli import ask_many as ask_many_command
+    from mdcli.recipes.schema import DEFAULT_MAX_NEW_TOKENS
+
+    default = api.AskMany.model_fields["max_new_tokens"].default
+    assert _command_defaults(ask_many_command.ask_many)["max_new_tokens"] == default == DEFAULT_MAX_NEW_TOKENS

@@ -13,6 +13,7 @@ from mdcli.cli.common import (
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
 )
+from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
 
@@ -80,7 +81,7 @@ def ask_many(
     and still runs; `mdcli run FILE --input DOC` then gives the same tokens. --recipe FILE starts
     from a saved or built-in ask-many recipe.
     """
-    with errors(debug):
+    with errors(debug), in_flags():
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         if recipe is not None or save_recipe is not None:
@@ -103,11 +104,7 @@ def ask_many(
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(load_options(locals()))
-        events = api.ask_many(
-            lm, job.document, job.questions, system=job.system, template=job.template,
-            chat_template=job.chat_template, sampling=job.sampling, max_new_tokens=job.max_new_tokens, stop=job.stop,
-            max_forward_tokens=max_forward_tokens, speculate=speculation,
-        )
+        events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm), progress=progress)
 
 

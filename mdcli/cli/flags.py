@@ -16,6 +16,7 @@ FLAGS = {
     "margin_tokens": "--max-new-tokens",  # margins: -n is the margins' budget
     "layout": "--context",  # margins: chain | independent
     "path_instructions": "--path-instruction",  # think: repeatable, one per flag
+    "questions": '-q "..." or --questions-file FILE',  # ask-many: where questions come from
 }
 
 

@@ -15,6 +15,7 @@ from mdcli.cli.common import (
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
 )
+from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
 # The API's defaults, as literals: importing the API for them would load the decoding stack on
@@ -148,7 +149,7 @@ def margins(
     "classification" notes and an "answer-sources" note per answer, each naming its question.
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
     """
-    with errors(debug):
+    with errors(debug), in_flags():
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from mdcli.errors import RecipeError
 from mdcli.core.sampling import SamplingParams
 from mdcli.speculative.planner import parse_speculate
+from mdcli.strategies.ask_many import AskMany
 
 if TYPE_CHECKING:
     from mdcli.core.decoding import BranchSpec
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from mdcli.speculative.planner import Speculate
 
 RECIPE_VERSION = 1
-DEFAULT_MAX_NEW_TOKENS = 256  # per branch, when no layer states max_new_tokens
+DEFAULT_MAX_NEW_TOKENS = AskMany.model_fields["max_new_tokens"].default  # per branch, when no layer states it
 
 
 class Strict(BaseModel):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mdcli.errors import UsageError
+from mdcli.strategies.job import FieldError
 
 TokenCounter = Callable[[str], int]
 Boundary = Literal["end", "paragraph", "sentence", "word", "character"]
@@ -130,8 +131,8 @@ def split_documents(
 
 def check_segment_tokens(max_tokens: int) -> None:
     if max_tokens < MIN_SEGMENT_TOKENS:
-        raise UsageError(
-            f"--segment-tokens {max_tokens} is too small",
+        raise FieldError(
+            f"{{segment_tokens}} {max_tokens} is too small",
             fix=f"use at least {MIN_SEGMENT_TOKENS} (a margin needs some text to read)",
         )
 

@@ -2,7 +2,7 @@
 
 Checked before any forward pass. A run has (questions x segments) margin branches, as many
 classifications, and one answer per question; the phase with the largest cache decides. A refusal
-is one line that says what would fit: at most N questions per run, or a --segment-tokens that
+is one line that says what would fit: at most N questions per run, or a segment_tokens that
 gives fewer, larger segments (fewer branches).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, common_prefix_length
-from mdcli.errors import UsageError
+from mdcli.strategies.job import FieldError
 from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.segmenting import Segment
@@ -26,7 +26,7 @@ MEMORY_SHARE = 0.8
 NOTE_OVERHEAD_TOKENS = 12
 """A note's label and separators in the answer prompt, beyond the margin's own tokens (generous)."""
 LARGER_SEGMENTS = (2, 4, 8, 16)
-"""The --segment-tokens multiples tried when suggesting fewer, larger segments."""
+"""The segment_tokens multiples tried when suggesting fewer, larger segments."""
 
 
 def radix_token_count(prompts: Sequence[Sequence[int]]) -> int:
@@ -84,7 +84,7 @@ def check_fits(model: LoadedModel, job: Margins, segments: list[Segment], specs:
     budget = memory_budget(model, job)
     tokens = cache_tokens(job, tokenizer, segments, specs, questions)
     if budget is not None and tokens * bytes_per_token > budget:
-        raise UsageError(
+        raise FieldError(
             f"{len(specs)} margins need about {_size(tokens * bytes_per_token)} of KV cache ({tokens:,} tokens)"
             + (f" for {questions} questions x {len(segments)} segments" if questions > 1 else "")
             + f", more than the {_size(budget)} available",
@@ -107,11 +107,11 @@ def _check_context(model: LoadedModel, job: Margins, specs: list[BranchSpec]) ->
         if limit is not None and len(spec.prompt_ids) >= limit:
             what = "the document up to here" if layout == "chain" else "its segment"
             fix = (
-                "use --context independent, or a model with a longer context"
+                "use {layout} independent, or a model with a longer context"
                 if layout == "chain"
-                else "lower --segment-tokens"
+                else "lower {segment_tokens}"
             )
-            raise UsageError(
+            raise FieldError(
                 f"the margin prompt of {spec.label} ({what}) is {len(spec.prompt_ids):,} tokens; "
                 f"the model's context is {limit:,}",
                 fix=fix,
@@ -121,7 +121,7 @@ def _check_context(model: LoadedModel, job: Margins, specs: list[BranchSpec]) ->
 def _what_fits(
     job: Margins, tokenizer, segments: list[Segment], specs: list[BranchSpec], room: int, limit: int | None
 ) -> str:
-    """The fix: the most questions that fit, and/or the smallest larger --segment-tokens that fits
+    """The fix: the most questions that fit, and/or the smallest larger segment_tokens that fits
     every question (tried at 2x, 4x, 8x and 16x the current size)."""
     questions = len(job.all_questions())
     fitting = 0
@@ -134,9 +134,9 @@ def _what_fits(
         options.append(f"ask at most {fitting} question{'s' if fitting > 1 else ''} per run")
     larger = _segment_tokens_that_fit(job, tokenizer, room, len(segments), limit)
     if larger is not None:
-        options.append(f"use --segment-tokens {larger} (fewer, larger segments)")
+        options.append(f"use {{segment_tokens}} {larger} (fewer, larger segments)")
     if not options:
-        return "use fewer or shorter documents per run, or a smaller --max-new-tokens"
+        return "use fewer or shorter documents per run, or a smaller {margin_tokens}"
     return " or ".join(options)
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 
 from mdcli.core.decoding import BranchSpec
 from mdcli.errors import UsageError
+from mdcli.strategies.job import FieldError
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, Segment, check_segment_tokens, split_documents, token_counter
@@ -150,16 +151,12 @@ class Margins:
                 raise UsageError(f"{name} is empty", fix="give a document with some text")
         check_segment_tokens(self.segment_tokens)
         if self.layout is not None and self.layout not in LAYOUTS:
-            raise UsageError(f"unknown context layout '{self.layout}'", fix="use --context chain or independent")
+            raise FieldError(f"unknown context layout '{self.layout}'", fix="use {layout} chain or independent")
         if self.keep not in KEEPS:
-            raise UsageError(f"unknown --keep '{self.keep}'", fix="use --keep all or relevant")
-        for flag, value in (
-            ("--max-new-tokens", self.margin_tokens),
-            ("--classify-tokens", self.classify_tokens),
-            ("--answer-tokens", self.answer_tokens),
-        ):
-            if value < 1:
-                raise UsageError(f"{flag} must be at least 1", fix="use a positive number")
+            raise FieldError(f"unknown {{keep}} '{self.keep}'", fix="use {keep} all or relevant")
+        for name in ("margin_tokens", "classify_tokens", "answer_tokens"):
+            if getattr(self, name) < 1:
+                raise FieldError(f"{{{name}}} must be at least 1", fix="use a positive number")
         self.prompts.check()
 
     def _check_questions(self) -> None:
