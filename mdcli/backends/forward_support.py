@@ -8,12 +8,14 @@ keeps transformers' own forward, the reference.
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from mdcli.backends.weights.int8 import has_int8_weights, int8_linear_class
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 def unsupported_reason(model) -> str | None:
     """Why this model keeps transformers' forward (None: it can use mdcli's)."""
-    import torch.nn as nn
 
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -47,8 +49,6 @@ def unsupported_reason(model) -> str | None:
 
 
 def _plain(tensor) -> bool:
-    import torch
-
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
 
 

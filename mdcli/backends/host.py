@@ -4,9 +4,14 @@ benchmark tables name the CPU with `cpu_line`."""
 
 from __future__ import annotations
 
+import os
 import platform
+import sys
 from functools import cache
 from pathlib import Path
+
+import torch
+import transformers
 
 CPUINFO = Path("/proc/cpuinfo")
 _VENDORS = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}
@@ -37,7 +42,6 @@ def cpu_vendor() -> str:
 def cpu_capability() -> str:
     """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
     (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
-    import torch  # host facts are read before torch is needed elsewhere: `mdcli info` without a model
 
     return str(torch.backends.cpu.get_cpu_capability())
 
@@ -70,11 +74,7 @@ def cpu_line() -> str:
 def available_memory_bytes(device) -> int | None:
     """Memory free where the cache lives: CUDA's free bytes; on Linux MemAvailable (free plus
     reclaimable page cache), else free pages from sysconf; None when unknown."""
-    import os
-
     if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
         return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as meminfo:
@@ -91,7 +91,6 @@ def available_memory_bytes(device) -> int | None:
 
 def total_memory_bytes() -> int | None:
     """The machine's memory: MemTotal on Linux, else physical pages from sysconf; None when unknown."""
-    import os
 
     try:
         with open("/proc/meminfo") as meminfo:
@@ -109,11 +108,6 @@ def total_memory_bytes() -> int | None:
 def host_report() -> dict:
     """The machine and the software mdcli runs on, for `mdcli info` and bug reports (llama.cpp's
     and ollama's system info are the model): CPU, ISA, cores, memory, GPU, versions."""
-    import os
-    import sys
-
-    import torch
-    import transformers
 
     flags = cpuinfo_fields().get("flags", "").split()
     gpus = [{"name": torch.cuda.get_device_name(i),

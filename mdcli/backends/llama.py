@@ -45,23 +45,22 @@ step"; each rule's own measurement is linked from mdcli.backends.select)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import torch
+import torch.nn.functional as F
+
+from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.attention.prefix import PrefixPlan
+from mdcli.backends.attention.sparse import plan_for
+from mdcli.backends.select import Plan
 from mdcli.backends.weights import gguf_blocks
-
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights.blas import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.backends.weights.gguf_blocks import block_linear
 from mdcli.backends.weights.int8 import fused_int8, has_int8_weights, int8_linear
-from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
-from mdcli.backends.select import Plan
-from mdcli.backends.attention.prefix import PrefixPlan
 from mdcli.backends.weights.row_slices import joined_rows
-from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.weights.tiled import TILED_MAX_ROWS, tiled_linear
 
-if TYPE_CHECKING:
-    import torch
 
 @dataclass
 class _Layer:
@@ -165,7 +164,6 @@ class FastForward:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
         type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
         indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
-        import torch.nn.functional as F
 
         m = tokens.shape[0]
         if self.int8:
@@ -267,7 +265,6 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
     query seeing everything); weighted_sum: the batched product for probabilities x values (None:
     torch.bmm; OpenBLAS's reads the values faster for a few queries: mdcli.backends.weights.blas).
     Returns [1, M, H * D]."""
-    import torch
 
     _, heads, m, dim = query.shape
     per_group = heads // groups
@@ -309,7 +306,6 @@ def _blas_linear(x, weight_t, bias=None):
 
 def _rms_norm(x, weight, eps: float):
     """LlamaRMSNorm's operations, in its order (x: [..., hidden])."""
-    import torch
 
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -322,7 +318,6 @@ def _normed_heads(qk, heads: int, norms: tuple | None):
     queries first); unchanged for models without them."""
     if norms is None:
         return qk
-    import torch
 
     q_weight, q_eps, k_weight, k_eps = norms
     queries, keys = _rms_norm(qk[:, :, :heads], q_weight, q_eps), _rms_norm(qk[:, :, heads:], k_weight, k_eps)
@@ -339,7 +334,6 @@ def _head_norms(attention) -> tuple | None:
 def _rotate(x, cos, sin):
     """Rotary embedding of x: [1, M, heads, D] (queries and keys together), as transformers'
     `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin."""
-    import torch
 
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -369,7 +363,6 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [sum of outputs, in] weight for several linears that read the same input; each linear's
     weight (and bias) becomes a row slice of it, so memory is not doubled. Done once per model:
     a model fused before is recognised by its weights already being consecutive slices."""
-    import torch
 
     if hasattr(linears[0], "int8"):  # int8 weights (mdcli.backends.weights.int8), fused when quantized
         fused = fused_int8(linears)
@@ -404,8 +397,6 @@ def _weight(linear):
 
 
 def _repoint(linears, name: str, fused) -> None:
-    import torch
-
     start = 0
     for m in linears:
         rows = getattr(m, name).shape[0]

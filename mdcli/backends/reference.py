@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mdcli.backends.attention.gemm import gemm_attention, gemm_attention_applies, routed_linear
+from mdcli.backends.attention.gemm import (
+    gemm_attention,
+    gemm_attention_applies,
+    routed_linear,
+)
 
 
 def cache_argument(model, cache) -> dict:

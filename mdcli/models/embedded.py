@@ -16,6 +16,7 @@ Cache layout (root: `$MDCLI_CACHE_DIR`, else `$XDG_CACHE_HOME/mdcli`, else `~/.c
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import io
@@ -27,6 +28,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from mdcli import settings
 from mdcli.errors import ModelLoadError, first_line
@@ -108,8 +114,6 @@ def _convert_into(gguf: Path, target: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF to fp32 and save model, configs and tokenizer (chat template kept)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -128,7 +132,6 @@ def gguf_progress_bar_follows_transformers() -> Iterator[None]:
     transformers draws that one bar with plain `tqdm`, which ignores `disable_progress_bar()`;
     the bar writes to `sys.stderr`, so swap that for the duration of the GGUF load only.
     """
-    from transformers.utils import logging as hf_logging
 
     if hf_logging.is_progress_bar_enabled():
         yield
@@ -145,9 +148,6 @@ def save_dequantized(model: PreTrainedModel, out_dir: Path) -> None:
     The weights are already dequantized floats, so write them ourselves: tied tensors (lm_head
     sharing the embedding) are stored once, under the first name, as transformers itself does.
     """
-    import copy
-
-    from safetensors.torch import save_file
 
     tensors: dict[str, object] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()

@@ -2,8 +2,8 @@
 
 Every refusal happens before the weights are read: options are checked first, then the config
 alone (`check_exact_support`), so a model MultiDecode cannot run exactly fails in a second, not
-after a multi-gigabyte download. torch and transformers are imported inside the functions so that
-importing this module (and `mdcli --help`) stays instant.
+after a multi-gigabyte download. The kernel plan (mdcli.backends.select) is chosen here, once,
+and the loaded model carries the forward built from it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import huggingface_hub
+import huggingface_hub.utils as hub_utils
+import torch
 from pydantic import BaseModel, ConfigDict
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import logging as hf_logging
 
+from mdcli import settings
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.select import select
+from mdcli.backends.weights.gguf_blocks import remember_source
+from mdcli.backends.weights.int8 import (
+    CHOICES,
+    described,
+    quantize_model,
+    setting_refusal,
+)
+from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
 from mdcli.models.architectures import (
     check_attn_implementation,
     check_exact_support,
@@ -26,16 +49,14 @@ from mdcli.models.architectures import (
     model_type,
     sliding_window_layout,
 )
-from mdcli.models.embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, gguf_progress_bar_follows_transformers
-from mdcli import settings
-from mdcli.errors import ModelLoadError, UnsupportedModelError, UsageError, first_line
-from mdcli.backends.forward import ModelForward
-from mdcli.backends.select import select
-from mdcli.backends.weights.gguf_blocks import remember_source
-from mdcli.backends.weights.int8 import CHOICES, described, quantize_model, setting_refusal
+from mdcli.models.embedded import (
+    EMBEDDED_NAME,
+    embedded_gguf_path,
+    embedded_model_dir,
+    gguf_progress_bar_follows_transformers,
+)
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 Progress = Callable[[str], None]
@@ -183,7 +204,6 @@ def load_tokenizer(
 def resolve_device(device: str) -> torch.device:
     """The device to run on: "auto" is $MDCLI_DEVICE when set, else CUDA when present, else CPU; an
     absent GPU is an error."""
-    import torch
 
     name = device.strip().lower()
     if name != "auto":
@@ -200,7 +220,6 @@ def resolve_device(device: str) -> torch.device:
 def _named_device(name: str, unknown: str, fix: str) -> torch.device:
     """cpu, cuda, cuda:N or mps as a torch.device; `unknown` and `fix` word the error for any other
     name after where it came from (--device or $MDCLI_DEVICE)."""
-    import torch
 
     if name == "cpu":
         return torch.device("cpu")
@@ -215,7 +234,6 @@ def _named_device(name: str, unknown: str, fix: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device, bits: int | None = None) -> tuple[torch.dtype, str]:
     """The dtype to load in and a short reason to show the user."""
-    import torch
 
     name = dtype.strip().lower()
     if name != "auto" and name not in _DTYPE_ALIASES:
@@ -250,9 +268,6 @@ def quiet_loading(quiet: bool) -> Iterator[None]:
     if not quiet:
         yield
         return
-    import huggingface_hub.utils as hub_utils
-    from transformers.utils import logging as hf_logging
-
     verbosity = hf_logging.get_verbosity()
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hub_bars_were_off = hub_utils.are_progress_bars_disabled()
@@ -279,7 +294,6 @@ def _quantization_bits(load_in_4bit: bool, load_in_8bit: bool, device: torch.dev
     if not (load_in_4bit or load_in_8bit):
         return None
     bits = 4 if load_in_4bit else 8
-    import torch
 
     if not torch.cuda.is_available():
         raise UsageError(
@@ -305,8 +319,6 @@ def _check_cpu_weights(cpu_weights: str, device: torch.device, dtype: torch.dtyp
 
 
 def _cuda_device(name: str) -> torch.device:
-    import torch
-
     if not torch.cuda.is_available():
         raise UsageError("CUDA is not available", fix="use --device cpu")
     index_text = name.partition(":")[2]
@@ -319,8 +331,6 @@ def _cuda_device(name: str) -> torch.device:
 
 
 def _check_requested_dtype(dtype: str, device: torch.device) -> None:
-    import torch
-
     if dtype == "float16" and device.type == "cpu":
         raise UsageError("float16 on CPU is slow and inexact", fix="use --dtype float32 or bfloat16")
     if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -361,8 +371,6 @@ def _looks_like_path(model: str) -> bool:
 
 
 def _load_config(source: _Source, trust_remote_code: bool) -> PretrainedConfig:
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(
             source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
@@ -387,7 +395,6 @@ def _check_model_class(config: PretrainedConfig, attn: str, trust_remote_code: b
     """Refuse, from the config alone, models with no causal-LM class or no sdpa (Gemma2, GPT-J)."""
     if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -413,8 +420,6 @@ def _placement(bits: int | None, dtype: torch.dtype, device_map: str | None, dev
 
 
 def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
-
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     try:
@@ -431,22 +436,17 @@ def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> Pr
 
 def _weight_errors() -> tuple[type[BaseException], ...]:
     """What broken or missing weight files raise (safetensors' error is no OSError)."""
-    from safetensors import SafetensorError
 
     return (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 
 def _bitsandbytes_config(bits: int, compute_dtype: torch.dtype) -> object:
-    from transformers import BitsAndBytesConfig
-
     if bits == 4:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def _load_tokenizer(source: _Source, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(
             source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
@@ -479,9 +479,4 @@ def _load_error(source: _Source, exc: BaseException) -> Exception:
 def _hub_offline() -> bool:
     if settings.current().offline:
         return True
-    try:
-        import huggingface_hub
-
-        return bool(huggingface_hub.is_offline_mode())
-    except (ImportError, AttributeError):
-        return False
+    return bool(huggingface_hub.is_offline_mode())

@@ -16,6 +16,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 if TYPE_CHECKING:
     import torch
 
@@ -26,6 +28,5 @@ def cuda_attention(device: torch.device, allow_cudnn: bool = False) -> AbstractC
     `allow_cudnn`: the plan's MDCLI_CUDNN_ATTENTION), else nothing."""
     if device.type != "cuda" or allow_cudnn:
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

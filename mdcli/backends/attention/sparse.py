@@ -26,13 +26,18 @@ place, the document laid down first")
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from mdcli.backends.attention import gemm
-from mdcli.backends.attention.prefix import PREFIX_FRACTION, PrefixPlan, bucket_prefixes, dense_work, plan_prefixes, work_floor
-
-if TYPE_CHECKING:
-    import torch
+from mdcli.backends.attention.prefix import (
+    PREFIX_FRACTION,
+    PrefixPlan,
+    bucket_prefixes,
+    dense_work,
+    plan_prefixes,
+    work_floor,
+)
 
 SPARSE_FRACTION = 0.5  # sparse when its padded work is at most this share of the dense work
 MIN_QUERIES = 2  # a lone query: the dense product over the cache is one row, nothing to save
@@ -123,7 +128,6 @@ def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool =
               beat: float | None = None) -> SparsePlan | None:
     """The gathered plan where `sparse_wanted` takes it and its work is at most `beat` (the prefix
     plan's, if any), or whatever it costs when `forced`."""
-    import torch
 
     m, n = allowed.shape
 
@@ -157,7 +161,6 @@ def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool =
 def group_starts(allowed: torch.Tensor) -> torch.Tensor:
     """[B] long: rows that begin a group. Row r + 1 joins row r's group when it sees row r's own
     new slot (the next token of the same chain); allowed: [M, N], the last M columns the new tokens."""
-    import torch
 
     m, n = allowed.shape
     rows = torch.arange(1, m, device=allowed.device)
@@ -166,8 +169,6 @@ def group_starts(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(mask, visible, counts, starts, sizes, group_of_row, q_max: int, k_max: int) -> SparsePlan:
-    import torch
-
     b, n = visible.shape
     m = group_of_row.shape[0]
     device = visible.device
@@ -203,7 +204,6 @@ def gather(plan: SparsePlan, query, keys, values):
 
 def _rows(plan: SparsePlan, cache):
     """[B * G * K, D]: cache [1, G, N, D] rows in the plan's order (group, head, key)."""
-    import torch
 
     heads, _, dim = cache.shape[1:]
     one = cache[0]  # [G, N, D]
@@ -224,7 +224,6 @@ def _rows(plan: SparsePlan, cache):
 def grouped_attention(plan: SparsePlan, query, keys, values, mask, scale: float):
     """The bmm core on gathered operands: the H / G query heads of a key/value group stacked.
     query [1, H, M, D], keys/values [1, G, N, D], mask [B, Q, K] additive. Returns [1, M, H * D]."""
-    import torch
 
     q_small, k_small, v_small = gather(plan, query, keys, values)
     b, heads, q, dim = q_small.shape

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
+from threadpoolctl import ThreadpoolController
 
 
 def openblas_works() -> bool:
@@ -43,8 +43,6 @@ def openblas_works() -> bool:
 def openblas_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight_t (+ bias) on OpenBLAS. x: [..., in] float32 CPU; weight_t: [in, out] contiguous
     -> [..., out]. One row is a GEMV reading weight_t once; several rows are a GEMM."""
-    import numpy as np
-    import torch
 
     flat = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = torch.from_numpy(np.dot(flat.numpy(), weight_t.numpy()))  # [rows, out]
@@ -58,8 +56,6 @@ def openblas_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     last dimension, e.g. a view of mdcli.core.cache's buffer) -> [B, M, N]. For a lone query's
     probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values faster than torch's
     bmm (measured: notebook/cpu-kernels.md, "A lone token on OpenBLAS")."""
-    import numpy as np
-    import torch
 
     return torch.from_numpy(np.matmul(a.numpy(), b.numpy()))
 
@@ -86,11 +82,6 @@ def openblas_library():
     """threadpoolctl's handle on the OpenBLAS numpy loaded, or None (numpy on MKL or another BLAS,
     or threadpoolctl missing). Only numpy's own: another library's OpenBLAS in the process is not
     the one `np.dot` calls, and setting its threads would pin nothing."""
-    try:
-        import numpy  # noqa: F401 - loads its BLAS, which threadpoolctl then finds
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
     libraries = ThreadpoolController().select(internal_api="openblas").lib_controllers
     numpy_libs = [lib for lib in libraries if "numpy" in str(lib.filepath)]
     return numpy_libs[0] if numpy_libs else None
@@ -98,8 +89,6 @@ def openblas_library():
 
 @cache
 def _agrees_with_torch() -> bool:
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*shape, generator=generator) for shape in ((2, 3, 64), (64, 48), (48,)))
     try:

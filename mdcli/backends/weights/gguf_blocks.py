@@ -45,14 +45,14 @@ import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from mdcli.backends.host import available_memory_bytes
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_file import read_tensors
-from mdcli.backends.host import available_memory_bytes
-
-if TYPE_CHECKING:
-    import torch
 
 SOURCE = Path(__file__).parent.parent / "native" / "gguf_blocks.c"
 _COMMON = ("-O3", "-mfma", "-mf16c")
@@ -104,7 +104,6 @@ def source_known(model) -> bool:
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for W in blocks. x: [..., in] float32 CPU -> [..., out]."""
-    import torch
 
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
@@ -122,7 +121,6 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
 
 def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
     """Whether the weights the kernel multiplies by are `expected` ([out, in] float32), bit for bit."""
-    import torch
 
     if tuple(expected.shape) != weight.shape or expected.dtype != torch.float32 or expected.device.type != "cpu":
         return False
@@ -133,7 +131,6 @@ def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
 
 def dequantize(weight: BlockWeight) -> torch.Tensor:
     """The float32 weights [out, in] the kernel multiplies by, written out by the kernel's own code."""
-    import torch
 
     out = torch.empty(weight.shape, dtype=torch.float32)
     expand = getattr(library(), f"{weight.kind.lower()}_dequantize")
@@ -159,9 +156,6 @@ def library() -> ctypes.CDLL | None:
 
 def rounded_to(values, kind: str) -> BlockWeight:
     """values [out, in] float32 (numpy) as `kind`, by gguf-py's quantizer, as a .gguf would hold them."""
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType, quants
 
     codes = np.ascontiguousarray(quants.quantize(values, GGMLQuantizationType[kind]))  # F16 / BF16: 2-byte numbers
     return BlockWeight(kind, torch.from_numpy(codes.view(np.uint8).reshape(values.shape[0], -1)), values.shape[1])
@@ -170,9 +164,6 @@ def rounded_to(values, kind: str) -> BlockWeight:
 @cache
 def blocks_work() -> bool:
     """The kernel built here, writes gguf-py's weights bit for bit and multiplies as torch does."""
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType, quants
 
     if library() is None:
         return False
@@ -252,8 +243,6 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
     """The tensor's blocks as BlockWeight candidates: as stored and, for q and k (`heads`), with the
     rows in the order transformers' GGUF loader puts Llama's (it undoes llama.cpp's rotary
     permutation); which one is the model's, `_matching` finds."""
-    import numpy as np
-    import torch
 
     tensor = tensors.get(name)
     if tensor is None:
@@ -275,7 +264,6 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
 def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
     """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses), or None if
     their kinds differ."""
-    import torch
 
     if len({(w.kind, w.in_features) for w in parts}) != 1:
         return None
@@ -288,8 +276,6 @@ def _matching(candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeigh
 
 
 def _capability() -> str | None:
-    import torch
-
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return None
     return torch.backends.cpu.get_cpu_capability()

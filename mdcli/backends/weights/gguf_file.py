@@ -14,10 +14,8 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -38,7 +36,6 @@ class TensorEntry:
 
 def read_tensors(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the .gguf at `path` by name; ValueError if it is not a GGUF file mdcli reads."""
-    import numpy as np
 
     with open(path, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)

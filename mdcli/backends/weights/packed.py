@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+
+import torch
 
 from mdcli.backends.weights import gguf_blocks
-
 from mdcli.backends.weights import tiled as tiled_gemm
-
-if TYPE_CHECKING:
-    import torch
 
 BATCH_HINT = 8  # the token count oneDNN chooses the layout for; it serves 1 to 16 tokens alike
 
@@ -85,7 +82,6 @@ def copies_set_aside(model) -> Iterator[None]:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 -> the same matrix as an opaque oneDNN tensor for `packed_linear`."""
-    import torch
 
     with torch.inference_mode(False), torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
@@ -93,7 +89,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a packed weight. x: [..., in] -> [..., out]."""
-    import torch
 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -117,7 +112,6 @@ def pair_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def transpose(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> a contiguous [in, out] copy for `transposed_linear`."""
-    import torch
 
     with torch.inference_mode(False), torch.no_grad():
         return weight.detach().t().contiguous()
@@ -125,7 +119,6 @@ def transpose(weight: torch.Tensor) -> torch.Tensor:
 
 def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight_t (+ bias) for a transposed weight [in, out]. x: [..., in] -> [..., out]."""
-    import torch
 
     flat = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)  # [rows, out]

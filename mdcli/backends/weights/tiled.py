@@ -27,17 +27,14 @@ other kernel).
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from mdcli.backends.native import build as native
-
-if TYPE_CHECKING:
-    import torch
 
 TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
 SOURCE = Path(__file__).parent.parent / "native" / "tiled_gemm.c"
@@ -55,7 +52,6 @@ def tiled_works() -> bool:
 
 def tile(weight: torch.Tensor) -> TiledWeight:
     """[out, in] float32 -> the weight as tiles of TILE output columns: [ceil(out / TILE), in, TILE]."""
-    import torch
 
     with torch.inference_mode(False), torch.no_grad():
         out, inner = weight.shape
@@ -80,7 +76,6 @@ class TiledWeight:
 
 def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for a tiled W. x: [..., in] float32 CPU -> [..., out]."""
-    import torch
 
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
@@ -107,7 +102,6 @@ def library() -> ctypes.CDLL | None:
 
 def _cpu_has_avx2_fma() -> bool:
     """x86-64 whose torch build found AVX2 (which implies FMA for ATen) or AVX-512."""
-    import torch
 
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return False
@@ -117,7 +111,6 @@ def _cpu_has_avx2_fma() -> bool:
 @cache
 def _agrees_with_torch() -> bool:
     """Every row count the kernel branches on (1-4 and a second pass) and a partial last tile."""
-    import torch
 
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(37, 24, generator=generator), torch.randn(37, generator=generator)
