@@ -83,10 +83,6 @@ COMMANDS_OFF_API: set[str] = set()
 LAYER_BREACHES: set[str] = set()
 # imports inside functions outside LAZY_BOUNDARY: each file's imports move to its top
 IMPORTS_INSIDE_FUNCTIONS: set[str] = {
-    "mdcli/bench/__init__.py",
-    "mdcli/bench/margins_questions.py",
-    "mdcli/bench/plain_transformers.py",
-    "mdcli/bench/report.py",
     "mdcli/strategies/beam/rules.py",
     "mdcli/strategies/margins/fit.py",
     "mdcli/strategies/think/run.py",

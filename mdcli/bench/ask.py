@@ -45,7 +45,7 @@ from mdcli.backends.reference import cache_argument
 from mdcli.backends.select import select
 from mdcli.backends.weights.int8 import described, quantize_model
 from mdcli.backends.weights.packed import copies_set_aside
-from mdcli.bench import baseline_kernels as alternatives_context
+from mdcli.bench.harness import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
 from mdcli.core.cache import new_cache
 from mdcli.core.decoding import BranchSpec, common_prefix_length

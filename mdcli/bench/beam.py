@@ -21,12 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import transformers
 
-from mdcli.bench import (
-    BASELINE_KERNELS,
-    BASELINE_KERNELS_HELP,
-    baseline_kernels,
-    kernels_line,
-)
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+from mdcli.bench.harness import baseline_kernels, kernels_line
 from mdcli.core.cache import output_cache
 from mdcli.core.engine import Engine
 from mdcli.events import Finish

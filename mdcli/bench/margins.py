@@ -37,12 +37,8 @@ from transformers import DynamicCache
 
 from mdcli.backends.host import cpu_line
 from mdcli.backends.reference import cache_argument
-from mdcli.bench import (
-    BASELINE_KERNELS,
-    BASELINE_KERNELS_HELP,
-    baseline_kernels,
-    kernels_line,
-)
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+from mdcli.bench.harness import baseline_kernels, kernels_line
 from mdcli.bench.margins_questions import compare_questions
 from mdcli.core.decoding import common_prefix_length
 from mdcli.events import Finish

@@ -22,6 +22,7 @@ first answer fork, answers at Done.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -130,8 +131,6 @@ def run_processes(document: str, questions: list[str], segment_tokens: int, limi
             if model:
                 command += ["-m", model]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            import json
-
             events = [json.loads(line) for line in out.splitlines()]
             tokens[question] = [e["token_ids"] for e in events if e["type"] == "finish"]
         return time.perf_counter() - started, tokens

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import time
 
 started = time.perf_counter()
 
 import torch  # noqa: E402  (timed: the import is part of what the user waits for)
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 TEMPLATE = "{document}\n\nAnswer this question about the text above.\nQuestion: {question}"  # mdcli's ask-many
 
@@ -99,8 +100,6 @@ def batched(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> 
 
 
 def prefill_once(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from transformers import DynamicCache
-
     shared = 0
     while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
         shared += 1
@@ -118,8 +117,6 @@ def prefill_once(model, tokenizer, prompts: list[list[int]], max_new_tokens: int
 def cache_argument(model, cache) -> dict:
     """`cache=` where the installed transformers takes it (5.24 renamed `past_key_values`), else
     `past_key_values=` (what mdcli.backends.reference.cache_argument does; this script imports no mdcli)."""
-    import inspect
-
     return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
 
 

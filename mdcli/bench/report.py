@@ -12,6 +12,15 @@ import torch
 import transformers
 
 from mdcli.backends.host import cpu_model, has_avx512
+from mdcli.errors import UsageError
+
+try:  # optional: only `mdcli bench --plot` draws
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
 
 if TYPE_CHECKING:
     from mdcli.backends.select import Plan
@@ -125,11 +134,8 @@ def markdown_table(table: list[dict]) -> str:
 
 def plot(table: list[dict], path: str) -> None:
     """Speedup of the forest against each alternative, by branch count, one line per context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if plt is None:
+        raise UsageError("--plot needs matplotlib", fix="pip install matplotlib")
     figure, axis = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple, list[tuple[int, float]]] = {}
     for r in table:

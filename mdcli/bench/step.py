@@ -40,7 +40,8 @@ from mdcli.backends.weights.packed import (
     transpose,
     transposed_linear,
 )
-from mdcli.bench import RANDOM_SHAPES, random_model
+from mdcli.bench import RANDOM_SHAPES
+from mdcli.bench.harness import random_model
 from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import (

@@ -26,12 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import transformers
 
-from mdcli.bench import (
-    BASELINE_KERNELS,
-    BASELINE_KERNELS_HELP,
-    baseline_kernels,
-    kernels_line,
-)
+from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
+from mdcli.bench.harness import baseline_kernels, kernels_line
 from mdcli.core.sampling import SamplingParams
 from mdcli.events import Finish, Fork, Note, Token
 from mdcli.models.load import load_model
