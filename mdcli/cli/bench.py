@@ -88,7 +88,7 @@ def bench(
         import torch
 
         # lazy: the harness costs `mdcli --help` ~15 ms
-        from mdcli.bench import random_model as make_random
+        from mdcli.bench.harness import random_model as make_random
         from mdcli.bench.ask import ALL_APPROACHES, Case, run_case
         from mdcli.bench.report import (
             as_json,
@@ -118,7 +118,7 @@ def bench(
             lm = load(load_options(locals()))
         used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
         torch.set_num_threads(used_threads)
-        facts = machine_facts(used_threads, lm.device, lm.dtype, lm.model) | {
+        facts = machine_facts(used_threads, lm.forward.plan) | {
             "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "cpu_weights": lm.cpu_weights,
             "baseline_kernels": baseline_kernels,
             "peak_bandwidth_gbps": peak_bandwidth}
