@@ -7,8 +7,8 @@ import json
 
 from typer.testing import CliRunner
 
-from mdcli.bench import random_model
 from mdcli.bench.ask import APPROACHES, Case, run_case
+from mdcli.bench.harness import random_model
 from mdcli.cli.app import app
 
 
@@ -146,14 +146,20 @@ def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(
 
 
 def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_whole_step():
-    from mdcli.bench.step import EngineStepper, ReferenceStepper, StepProfile, median_step_seconds
+    from mdcli.bench.step import (
+        EngineStepper,
+        ReferenceStepper,
+        StepProfile,
+        median_step_seconds,
+    )
 
     lm = random_model("tiny")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
     steppers = {"reference": ReferenceStepper(lm, prompts[0]),
                 "transformers": EngineStepper(lm, prompts, "transformers"),
                 "mdcli": EngineStepper(lm, prompts, "mdcli")}
-    assert steppers["mdcli"].engine.own_forward and not steppers["transformers"].engine.own_forward
+    assert steppers["mdcli"].engine.model_forward.own is not None
+    assert steppers["transformers"].engine.model_forward.own is None
     assert all(seconds > 0 for seconds in median_step_seconds(steppers, 2).values())
     profile = StepProfile(lm)
     median_step_seconds({"mdcli": EngineStepper(lm, prompts, "mdcli")}, 2, observe=profile.observe)
@@ -169,7 +175,7 @@ def test_step_benchmark_variants_name_the_forwards_choices_and_guesses_feed_a_sp
     prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
     plain = EngineStepper(lm, prompts, "mdcli:bmm:packed")
     ahead = EngineStepper(lm, prompts, "mdcli:bmm:packed+ahead", guesses=2)
-    assert not plain.engine._fast.read_ahead and ahead.engine._fast.read_ahead
+    assert not plain.engine.model_forward.own.read_ahead and ahead.engine.model_forward.own.read_ahead
     before = len(ahead.engine)
     ahead.step()
     plain.step()
@@ -230,8 +236,8 @@ def test_ratios_over_repeats_are_taken_pair_by_pair_so_a_drifting_machine_cannot
 
 
 def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_tokens(tmp_path):
-    from mdcli.bench.ask import int8_copy
     from mdcli.backends.weights.int8 import has_int8_weights
+    from mdcli.bench.ask import int8_copy
 
     lm = random_model("tiny")
     run_case(lm, Case(2, 40, 2), ("forest",))  # a forest first: it may leave weight copies on the model
@@ -242,16 +248,22 @@ def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_toke
     assert int8_copy(lm) is int8_copy(lm)  # quantized once per model
 
 
-def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_tokens(embedded, monkeypatch):
-    """forest-no-blocks: the embedded model's forest on the float32 kernels only (MDCLI_GGUF_BLOCKS=0
-    while it runs, the setting given back after), the same weights, so the same tokens are required."""
+def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_tokens(embedded):
+    """forest-no-blocks: the embedded model's forest on the float32 kernels only (a plan chosen
+    with gguf_blocks off for that run, the environment untouched and the loaded model's plan kept),
+    the same weights, so the same tokens are required."""
     import os
 
-    from mdcli.backends.weights.gguf_blocks import OPT_OUT, library, serving
+    from mdcli.backends.select import select
+    from mdcli.backends.weights.gguf_blocks import blocks_work, library
 
-    monkeypatch.delenv(OPT_OUT, raising=False)
+    environment = dict(os.environ)
+    forward, plan = embedded.forward, embedded.forward.plan
     results = {r.approach: r for r in run_case(embedded, Case(2, 40, 4), ("forest", "forest-no-blocks"))}
     assert results["forest-no-blocks"].matches_forest is True
-    assert OPT_OUT not in os.environ
-    assert serving(embedded.model) == ("Q4_1/Q8_0" if library() is not None else None)  # read again after it
+    assert dict(os.environ) == environment
+    serving = "Q4_1/Q8_0" if library() is not None and blocks_work() else None
+    assert embedded.forward is forward and embedded.forward.plan is plan and plan.blocks == serving
+    assert (embedded.forward.own.blocks is not None) == (serving is not None)
+    assert select(embedded.model).blocks == serving  # read again after it
 

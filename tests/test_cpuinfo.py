@@ -1,6 +1,6 @@
 """The CPU's vendor, read from /proc/cpuinfo (or the platform string where there is none): kernel
-choices measured on one vendor's cores (mdcli.backends.kernels.read_ahead_step, mdcli.backends.weights.packed's pair
-padding) follow it."""
+choices measured on one vendor's cores (the plan's read_ahead and pair_padding, mdcli.backends.select)
+follow it; `Host.read()` hands it to the selector."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from mdcli.backends import host as cpuinfo
 from mdcli.backends.host import cpu_model
+from mdcli.backends.select import Host
 
 CPUINFO_TEXT = """processor\t: 0
 vendor_id\t: {vendor}
@@ -74,3 +75,10 @@ def test_this_machine_reports_its_own_vendor():
     if vendor_id not in ("AuthenticAMD", "GenuineIntel"):
         pytest.skip(f"no x86 vendor_id here ({vendor_id!r})")
     assert cpuinfo.cpu_vendor() == {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}[vendor_id]
+
+
+def test_the_selector_reads_this_machines_vendor_and_kernel_isa():
+    """The host facts the selector decides by are the ones mdcli.backends.host reads."""
+    read = Host.read()
+    assert read.vendor == cpuinfo.cpu_vendor() and read.capability == cpuinfo.cpu_capability()
+    assert read.machine == platform.machine().lower()

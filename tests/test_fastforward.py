@@ -12,42 +12,60 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.backends.weights.blas import one_blas_thread, openblas_library, openblas_works
-from mdcli.backends.host import cpu_vendor
-from mdcli.core.decoding import prefill_prompts
-from mdcli.backends.llama import (
+from mdcli.backends.attention.gemm import onednn_linear_works
+from mdcli.backends.forward import forward_for
+from mdcli.backends.forward_support import unsupported_reason
+from mdcli.backends.llama import FastForward
+from mdcli.backends.select import (
     BMM_MAX_QUERIES,
     BMM_MAX_QUERIES_AVX512,
     SMALL_BLAS_QUERIES,
     SMALL_BLAS_QUERIES_AVX2,
-    FastForward,
-    fast_forward_for,
-    unsupported_reason,
+    Host,
+    select,
 )
-from mdcli.core.forest import pad_rows
-from mdcli.backends.kernels import avx2_step, kernel_choice, kernel_name, onednn_works
+from mdcli.backends.weights.blas import (
+    one_blas_thread,
+    openblas_library,
+    openblas_works,
+)
 from mdcli.backends.weights.packed import pack, packed_linear, pair_padded_linear
-from mdcli.backends.weights.tiled import tiled_works
+from mdcli.core.decoding import prefill_prompts
+from mdcli.core.forest import pad_rows
 from tests.reference import generate_alone
-from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_engine_exactness import (
+    engine_for,
+    greedy_forest,
+    random_prompts,
+    settings_with,
+    tiny_model,
+)
 
 SUPPORTED = ["llama", "qwen2", "qwen3", "mistral"]
 # only OpenBLAS's presence decides the skip: a kernel that disagreed with torch must fail these tests
 needs_openblas = pytest.mark.skipif(openblas_library() is None, reason="numpy's BLAS is not OpenBLAS")
-VARIANTS = [("bmm", False), ("transformers", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
+VARIANTS = [("bmm", False), ("sdpa", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
+
+
+def own_variant(engine, **overrides) -> FastForward:
+    """Replace the engine's own forward by one built on its plan with some decisions overridden
+    (FastForward's keywords), as benchmarks compare the variants; returns it."""
+    engine.model_forward.own = FastForward(engine.model_forward.model, engine.model_forward.plan, **overrides)
+    return engine.model_forward.own
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None):
+                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None, settings=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
     so each test exercises the copies it names; the .gguf's blocks (mdcli.backends.weights.gguf_blocks) as chosen
-    unless `blocks` says."""
-    hf = engine_for(model, own_forward=False, max_forward_tokens=max_forward_tokens)
-    own = engine_for(model, max_forward_tokens=max_forward_tokens)
+    unless `blocks` says. Both engines' plans are chosen under `settings` (default: the environment's)."""
+    hf = engine_for(model, settings=settings, own_forward=False, max_forward_tokens=max_forward_tokens)
+    own = engine_for(model, settings=settings, max_forward_tokens=max_forward_tokens)
+    assert hf.model_forward.own is None and own.model_forward.own is not None
     attention, packed = variant
-    own._fast = FastForward(model, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
-                            pair_padded=pair_padded, tiled=tiled, blocks=blocks)
+    own_variant(own, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
+                pair_padded=pair_padded, tiled=tiled, blocks=blocks)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -75,7 +93,7 @@ def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{'packed' if v[1] else 'plain'}")
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_own_forward_gives_transformers_logits_through_forks_chunks_and_compaction(arch, variant):
-    if variant[1] and not onednn_works():
+    if variant[1] and not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(37, [3, 9, 1, 5])
@@ -87,7 +105,7 @@ def test_own_forward_gives_transformers_logits_through_forks_chunks_and_compacti
 def test_engine_on_own_forward_gives_generate_tokens_for_every_branch(arch):
     model = tiny_model(arch, "sdpa")
     engine = engine_for(model)
-    assert engine.own_forward
+    assert engine.model_forward.own is not None and engine.model_forward.plan.own_forward
     prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=3)
     generated = greedy_forest(engine, prompts, steps=12, drop_at=3)
     for i, prompt in enumerate(prompts):
@@ -105,27 +123,35 @@ def test_a_lone_branch_uses_own_forward_without_a_mask_and_stays_exact():
 @pytest.mark.parametrize("arch,attn", [("gpt2", "sdpa"), ("gemma3", "sdpa"), ("llama", "eager")])
 def test_other_models_keep_transformers_forward(arch, attn):
     model = tiny_model(arch, attn)
-    assert unsupported_reason(model)
-    assert fast_forward_for(model) is None
-    assert not engine_for(model).own_forward
+    reason = unsupported_reason(model)
+    assert reason
+    plan = select(model)
+    assert not plan.own_forward and plan.own_forward_reason == reason
+    assert forward_for(model).own is None
+    assert engine_for(model).model_forward.own is None
 
 
-def test_the_opt_out_keeps_transformers_forward(monkeypatch):
-    monkeypatch.setenv("MDCLI_FORWARD", "transformers")
-    assert not engine_for(tiny_model("llama", "sdpa")).own_forward
+def test_the_opt_out_keeps_transformers_forward():
+    model = tiny_model("llama", "sdpa")
+    settings = settings_with(forward="transformers")
+    plan = select(model, settings)
+    assert not plan.own_forward and plan.own_forward_reason == "MDCLI_FORWARD=transformers"
+    assert engine_for(model, settings=settings).model_forward.own is None
+    assert engine_for(model, settings=settings_with(forward="auto")).model_forward.own is not None
 
 
 def test_fused_projections_are_views_of_one_buffer_made_once():
     model = tiny_model("qwen2", "sdpa")  # biased q/k/v
     before = sum(p.numel() for p in model.parameters())
-    first = FastForward(model, packed=False).layers[0]
+    plan = select(model)
+    first = FastForward(model, plan, packed=False).layers[0]
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert linear.weight.untyped_storage().data_ptr() == first.qkv.untyped_storage().data_ptr()
         assert linear.bias.untyped_storage().data_ptr() == first.qkv_bias.untyped_storage().data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == first.gate_up.untyped_storage().data_ptr()
     assert sum(p.numel() for p in model.parameters()) == before
-    again = FastForward(model, packed=False).layers[0]
+    again = FastForward(model, plan, packed=False).layers[0]
     assert again.qkv.data_ptr() == first.qkv.data_ptr()  # a second engine reuses the fused buffer
 
 
@@ -156,10 +182,11 @@ def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(em
 
 
 def test_packed_weights_are_made_once_per_model():
-    if not onednn_works():
+    if not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model("llama", "sdpa")
-    first, second = FastForward(model, packed=True), FastForward(model, packed=True)
+    plan = select(model)
+    first, second = FastForward(model, plan, packed=True), FastForward(model, plan, packed=True)
     assert first.layers[0].qkv is second.layers[0].qkv
     assert model.model.layers[0].self_attn.q_proj.weight.layout == torch.strided  # the model keeps its own
 
@@ -168,7 +195,7 @@ def test_packed_weights_are_made_once_per_model():
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_transposed_weights_for_lone_tokens_give_transformers_logits_and_generate_tokens(arch, packed):
     """The lone-token step on transposed weight copies (AVX2 hosts), wider steps on the others."""
-    if packed and not onednn_works():
+    if packed and not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(41, [6, 2, 8], seed=5)
@@ -187,7 +214,7 @@ def test_transposed_weights_for_lone_tokens_give_transformers_logits_and_generat
 def test_lone_tokens_on_openblas_give_transformers_logits_and_generate_tokens(arch, packed):
     """A lone token's products (and its attention's weighted sum) on OpenBLAS over the transposed
     copies, wider steps on the others: logits within float32 rounding, the tokens of generate."""
-    if packed and not onednn_works():
+    if packed and not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(41, [6, 2, 8], seed=5)
@@ -204,7 +231,7 @@ def test_lone_tokens_on_openblas_give_transformers_logits_and_generate_tokens(ar
 def test_two_token_forwards_multiplied_as_four_rows_give_transformers_logits_and_generate_tokens(arch):
     """Two branches step as two-token forwards, which the packed weights multiply padded to four
     rows (AVX-512 hosts): logits within float32 rounding, each branch's tokens those of generate."""
-    if not onednn_works():
+    if not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(43, [4, 7], seed=11)
@@ -215,7 +242,7 @@ def test_two_token_forwards_multiplied_as_four_rows_give_transformers_logits_and
 
 
 def test_pair_padding_changes_only_two_row_products_and_keeps_their_values():
-    if not onednn_works():
+    if not onednn_linear_works():
         pytest.skip("packed weights need torch's oneDNN linear")
     weight, bias = torch.randn(96, 64), torch.randn(96)
     packed = pack(weight)
@@ -236,7 +263,7 @@ def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logit
     model = tiny_model(arch, "sdpa")
     hf = engine_for(model, own_forward=False)
     own = engine_for(model)
-    own._fast = FastForward(model, attention="bmm", packed=False, transposed=True, lone_blas=True)
+    own_variant(own, attention="bmm", packed=False, transposed=True, lone_blas=True)
     prompts = random_prompts(9, [7, 11], seed=2)
     logits = []
     for engine in (hf, own):
@@ -266,7 +293,12 @@ def test_the_embedded_model_on_one_thread_speculates_to_the_same_answers(embedde
     different lengths, speculation forced on: the answers are those without speculation and those
     of generate alone."""
     from mdcli.api import ask_many
-    from tests.test_speculate import QUOTING, STORY, assert_branches_equal_generate, finishes
+    from tests.test_speculate import (
+        QUOTING,
+        STORY,
+        assert_branches_equal_generate,
+        finishes,
+    )
 
     torch_threads(1)
     runs = {s: list(ask_many(embedded, STORY, QUOTING, max_new_tokens=24, speculate=s)) for s in ("off", "16")}
@@ -276,18 +308,21 @@ def test_the_embedded_model_on_one_thread_speculates_to_the_same_answers(embedde
 
 def test_without_numpys_openblas_a_lone_token_keeps_torchs_kernels(monkeypatch, torch_threads):
     """numpy built on another BLAS (or threadpoolctl missing): no OpenBLAS path and, on an AVX-512
-    host, no transposed copy for it; the step is what it was before."""
+    host, no transposed copy for it; the step is what it was before. The host's own probe is read
+    (monkeypatched here), and a host that states it alike is planned the same."""
     from mdcli.backends.weights import blas as blas_gemv
 
     monkeypatch.setattr(blas_gemv, "openblas_library", lambda: None)
     torch_threads(1)
-    cpu = torch.device("cpu")
     assert not blas_gemv.openblas_works()
-    assert "OpenBLAS" not in str(kernel_choice(cpu, torch.float32))
-    chosen = FastForward(tiny_model("llama", "sdpa"))
-    assert not chosen.lone_blas
-    if kernel_name(cpu, torch.float32) == "oneDNN":
-        assert not chosen.transposed
+    model = tiny_model("llama", "sdpa")
+    for host in (Host.read(), kind("AVX512", "AMD", 1, openblas=False)):
+        plan = select(model, settings_with(), host)
+        assert "OpenBLAS" not in plan.describe() and not plan.lone_blas
+        chosen = FastForward(model, plan)
+        assert not chosen.lone_blas and chosen.blas_queries == 0
+        if plan.linears.name == "oneDNN":
+            assert not plan.transposed and not chosen.transposed
 
 
 @needs_openblas
@@ -310,7 +345,9 @@ def test_openblas_runs_on_one_thread_inside_a_forward_and_gets_its_setting_back(
 
 def test_transposed_copies_are_made_once_and_leave_the_models_weights_alone():
     model = tiny_model("qwen2", "sdpa")
-    first, second = FastForward(model, packed=False, transposed=True), FastForward(model, packed=False, transposed=True)
+    plan = select(model)
+    first, second = FastForward(model, plan, packed=False, transposed=True), FastForward(model, plan, packed=False,
+                                                                                       transposed=True)
     assert first.lone[0].qkv is second.lone[0].qkv and first.lone_head is second.lone_head
     assert torch.equal(first.lone[0].qkv, first.layers[0].qkv.t())
     assert first.layers[0].qkv.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
@@ -324,56 +361,115 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-def test_the_step_choices_follow_the_host_kind(monkeypatch, torch_threads):
-    """AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (MKL for a lone token, on
-    one thread OpenBLAS, and a tiled copy for 2-64 tokens where mdcli's kernel builds), bmm attention
-    up to 64 queries; oneDNN hosts (AVX-512): packed, bmm up to
-    32 queries, and on one thread a transposed copy that a lone token multiplies on OpenBLAS, its
-    weighted sum for forwards of up to 3 tokens (measured on Zen 4), on more threads no transposed
-    copy; on both, on AMD cores, the cached keys and values read ahead for forwards of several
-    tokens, and on AVX-512 two-row products padded to four (measured faster on Zen 4 and Zen 3,
-    slower on an Intel Xeon); forced stock kernels: neither copy, sdpa, no reading ahead."""
+def kind(capability: str, vendor: str, threads: int, *, machine: str = "x86_64", onednn: bool = True,
+         openblas: bool = True, tiled: bool = True, free: int = 2**40) -> Host:
+    """A host of a kind the rules name: its ISA, vendor and torch threads, and what its probes find
+    (oneDNN's linear, numpy's OpenBLAS, mdcli's tiled kernel, the free memory); no .gguf block kernel."""
+    return Host(machine, capability, vendor, threads, onednn=lambda: onednn, openblas=lambda: openblas,
+                tiled_kernel=lambda: tiled, block_kernel=lambda: False, free_memory=lambda device: free)
+
+
+OPENBLAS_NOTE = "one thread: a lone token on OpenBLAS"
+TILED_NOTE = "tokens on mdcli's tiled kernel"
+# (host, settings changed, expected): linears, packed, transposed, lone_blas, attention,
+# bmm_max_queries, read_ahead, pair_padded, tiled, the forward's blas_queries, notes in the description
+# (None: not stated; the notes name the host's rule, made before the copies are counted)
+STOCK = ("torch", False, False, False, "sdpa", None, False, False, False, 0, set())
+HOST_KINDS = {
+    # AVX2-only x86-64 (measured on Zen 3): packed and transposed copies (torch's kernels for a lone
+    # token on more threads), bmm attention up to 64 queries, padding measured slower there
+    "avx2-amd": (kind("AVX2", "AMD", 2), {},
+                 ("torch", True, True, False, "bmm", BMM_MAX_QUERIES, True, False, False, 0, set())),
+    "avx2-intel": (kind("AVX2", "Intel", 2), {},  # reading ahead only on AMD cores
+                   ("torch", True, True, False, "bmm", BMM_MAX_QUERIES, False, False, False, 0, set())),
+    # on one thread: a lone token on OpenBLAS, its weighted sum too, and 2-64 tokens on the tiled copy
+    "avx2-amd-1": (kind("AVX2", "AMD", 1), {},
+                   ("torch", True, True, True, "bmm", BMM_MAX_QUERIES, True, False, True, SMALL_BLAS_QUERIES_AVX2,
+                    {OPENBLAS_NOTE, TILED_NOTE})),
+    "avx2-amd-1-no-openblas": (kind("AVX2", "AMD", 1, openblas=False), {},
+                               ("torch", True, True, False, "bmm", BMM_MAX_QUERIES, True, False, True, 0,
+                                {TILED_NOTE})),
+    "avx2-amd-1-no-tiled-kernel": (kind("AVX2", "AMD", 1, tiled=False), {},
+                                   ("torch", True, True, True, "bmm", BMM_MAX_QUERIES, True, False, False,
+                                    SMALL_BLAS_QUERIES_AVX2, {OPENBLAS_NOTE})),
+    # oneDNN hosts (AVX-512, measured on Zen 4): packed, bmm up to 32 queries; on AMD cores two-row
+    # products padded to four and the cache read ahead (both slower on an Intel Xeon)
+    "avx512-amd": (kind("AVX512", "AMD", 2), {},
+                   ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, True, True, False, 0, set())),
+    "avx512-intel": (kind("AVX512", "Intel", 2), {},
+                     ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, False, False, False, 0, set())),
+    # on one thread a transposed copy that a lone token multiplies on OpenBLAS, its weighted sum for
+    # forwards of up to 3 tokens; mdcli's AVX2 kernel is measured only on AVX2-only hosts
+    "avx512-amd-1": (kind("AVX512", "AMD", 1), {},
+                     ("oneDNN", True, True, True, "bmm", BMM_MAX_QUERIES_AVX512, True, True, False,
+                      SMALL_BLAS_QUERIES, {OPENBLAS_NOTE})),
+    "avx512-amd-1-no-openblas": (kind("AVX512", "AMD", 1, openblas=False), {},
+                                 ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, True, True, False, 0,
+                                  set())),
+    # forced stock kernels: no copy, sdpa, no reading ahead, no mdcli kernel either
+    "torch-on-avx2-1": (kind("AVX2", "AMD", 1), {"cpu_kernels": "torch"}, STOCK),
+    "torch-on-avx512-1": (kind("AVX512", "AMD", 1), {"cpu_kernels": "torch"}, STOCK),
+    "not-x86": (kind("DEFAULT", "", 1, machine="aarch64"), {}, STOCK),
+    # no working oneDNN: torch's kernels and sdpa (reading ahead is planned, as before, but only the bmm core reads ahead)
+    "no-onednn-avx2-1": (kind("AVX2", "AMD", 1, onednn=False), {},
+                         ("torch", False, False, False, "sdpa", None, True, False, False, 0, set())),
+    # forced oneDNN on an AVX2 host: the AVX-512 choices, none of the host-kind rules of auto
+    "onednn-on-avx2": (kind("AVX2", "AMD", 2), {"cpu_kernels": "onednn"},
+                       ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, False, True, False, 0, set())),
+    # copies turned off, or not fitting in half the free memory: none made
+    "unpacked-avx2-1": (kind("AVX2", "AMD", 1), {"packed_weights": False},
+                        ("torch", False, False, False, "bmm", BMM_MAX_QUERIES, True, False, False, 0, None)),
+    "no-memory-avx512-1": (kind("AVX512", "AMD", 1, free=0), {},
+                           ("oneDNN", False, False, False, "bmm", BMM_MAX_QUERIES_AVX512, True, False, False, 0,
+                            None)),
+    # MDCLI_TILED_GEMM: off never, always wherever the kernel runs
+    "tiled-off-avx2-1": (kind("AVX2", "AMD", 1), {"tiled_gemm": "off"},
+                         ("torch", True, True, True, "bmm", BMM_MAX_QUERIES, True, False, False,
+                          SMALL_BLAS_QUERIES_AVX2, {OPENBLAS_NOTE})),
+    "tiled-always-avx512": (kind("AVX512", "AMD", 2), {"tiled_gemm": "always"},
+                            ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, True, True, True, 0,
+                             {TILED_NOTE})),
+    "tiled-always-no-kernel": (kind("AVX512", "AMD", 2, tiled=False), {"tiled_gemm": "always"},
+                               ("oneDNN", True, False, False, "bmm", BMM_MAX_QUERIES_AVX512, True, True, False, 0,
+                                set())),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_KINDS))
+def test_the_step_choices_follow_the_host_kind(name):
+    """The plan for each host kind the rules were measured on (mdcli.backends.select), and the own
+    forward built from it takes exactly those choices."""
+    host, changes, expected = HOST_KINDS[name]
+    (linears, packed, transposed, lone_blas, attention, bmm_max_queries, read_ahead, pair_padded, tiled,
+     blas_queries, notes) = expected
     model = tiny_model("llama", "sdpa")
-    cpu = torch.device("cpu")
-    torch_threads(2)
-    chosen = FastForward(model)
-    if avx2_step(cpu, torch.float32):
-        assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, True, False, "bmm")
-        assert chosen.bmm_max_queries == BMM_MAX_QUERIES  # a long prefill attends with sdpa
-        assert chosen.read_ahead == (cpu_vendor() == "AMD") and not chosen.pair_padded  # padding measured slower on Zen 3
-        torch_threads(1)
-        alone = FastForward(model)
-        blas = openblas_works()
-        assert (alone.transposed, alone.lone_blas, alone.blas_queries) == (True, blas, SMALL_BLAS_QUERIES_AVX2 * blas)
-        assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
-        assert not chosen.tiled and alone.tiled == tiled_works()  # the kernel runs one thread
-        assert ("tokens on mdcli's tiled kernel" in kernel_choice(cpu, torch.float32).reason) == alone.tiled
-    elif kernel_name(cpu, torch.float32) == "oneDNN":
-        assert (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention) == (True, False, False, "bmm")
-        assert chosen.bmm_max_queries == BMM_MAX_QUERIES_AVX512  # a long prefill attends with sdpa
-        amd = cpu_vendor() == "AMD"  # both measured faster on Zen 4, slower on an Intel Xeon
-        assert chosen.pair_padded == amd and chosen.read_ahead == amd
-        torch_threads(1)
-        alone = FastForward(model)
-        blas = openblas_works()
-        assert (alone.packed, alone.transposed, alone.lone_blas) == (True, blas, blas)
-        assert not alone.tiled  # mdcli's AVX2 kernel is measured only on AVX2-only hosts
-        assert alone.blas_queries == SMALL_BLAS_QUERIES * blas
-        assert ("a lone token on OpenBLAS" in kernel_choice(cpu, torch.float32).reason) == blas
-    monkeypatch.setenv("MDCLI_CPU_KERNELS", "torch")
-    stock = FastForward(model)
-    assert (stock.packed, stock.transposed, stock.pair_padded, stock.attention) == (False, False, False, "transformers")
-    assert not stock.read_ahead and not stock.tiled  # forced stock kernels: no mdcli kernel either
-    assert stock.bmm_max_queries is None
-    monkeypatch.setenv("MDCLI_CPU_KERNELS", "auto")
-    monkeypatch.setenv("MDCLI_PACKED_WEIGHTS", "0")
-    unpacked = FastForward(model)
-    assert not unpacked.packed and not unpacked.transposed and not unpacked.tiled
-    monkeypatch.delenv("MDCLI_PACKED_WEIGHTS")
-    monkeypatch.setenv("MDCLI_TILED_GEMM", "0")
-    assert not FastForward(model).tiled
-    monkeypatch.setenv("MDCLI_TILED_GEMM", "always")
-    assert FastForward(model).tiled == tiled_works()
+    plan = select(model, settings_with(**changes), host)
+    assert plan.own_forward and plan.linears.name == linears and plan.linears.reason
+    assert (plan.attention, plan.bmm_max_queries, plan.read_ahead) == (attention, bmm_max_queries, read_ahead)
+    assert notes is None or {note for note in (OPENBLAS_NOTE, TILED_NOTE) if note in plan.describe()} == notes
+    assert plan.describe().startswith(f"{plan.linears.name} ({plan.linears.reason}")
+    if packed and not onednn_linear_works():
+        pytest.skip("packed weights need torch's oneDNN linear")
+    chosen = FastForward(model, plan)
+    got = (chosen.packed, chosen.transposed, chosen.lone_blas, chosen.attention, chosen.bmm_max_queries,
+           chosen.read_ahead, chosen.pair_padded, chosen.tiled, chosen.blas_queries)
+    assert got == (packed, transposed, lone_blas, attention, bmm_max_queries, read_ahead, pair_padded, tiled,
+                   blas_queries)
+    assert chosen.onednn == (linears == "oneDNN")
+
+
+def test_this_hosts_engine_runs_the_plan_chosen_for_it(torch_threads):
+    """On the machine running the tests, at one thread and two: the engine's own forward follows the
+    plan `select` makes for this host, and a loaded model's plan is the same."""
+    model = tiny_model("llama", "sdpa")
+    for threads in (1, 2):
+        torch_threads(threads)
+        plan = select(model)
+        assert plan == select(model, host=Host.read())
+        own = engine_for(model).model_forward.own
+        assert (own.packed, own.transposed, own.lone_blas, own.attention, own.bmm_max_queries, own.read_ahead,
+                own.tiled) == (plan.packed, plan.transposed and not plan.blocks, plan.lone_blas and plan.transposed,
+                               plan.attention, plan.bmm_max_queries, plan.read_ahead, plan.tiled)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)
@@ -383,8 +479,8 @@ def test_forwards_past_the_bmm_query_limit_attend_with_sdpa_and_agree(arch):
     model = tiny_model(arch, "sdpa")
     hf = engine_for(model, own_forward=False)
     own = engine_for(model)
-    own._fast = FastForward(model, attention="bmm", packed=False, transposed=False)
-    own._fast.bmm_max_queries = 4  # the prompts' prefill (> 4 queries) goes to sdpa, the steps to bmm
+    own_variant(own, attention="bmm", packed=False, transposed=False).bmm_max_queries = 4
+    # the prompts' prefill (> 4 queries) goes to sdpa, the steps to bmm
     prompts = random_prompts(11, [9, 7, 12])
     for engine in (hf, own):
         engine.outs = prefill_prompts(engine, prompts)

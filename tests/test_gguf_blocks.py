@@ -7,6 +7,7 @@ tokens, on the embedded model and on tiny Llama, Qwen2, Qwen3 and Mistral models
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +15,28 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.llama import FastForward
+from mdcli.backends.select import Host, select
 from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights.gguf_blocks import (
+    BlockWeight,
+    block_linear,
+    dequantize,
+    matches,
+    remember_source,
+)
+from mdcli.backends.weights.gguf_file import read_tensors
 from mdcli.cli.common import header
 from mdcli.models.embedded import embedded_gguf_path
-from mdcli.backends.llama import FastForward
-from mdcli.backends.weights.gguf_blocks import BlockWeight, block_linear, dequantize, matches, remember_source, serving
-from mdcli.models.gguf_file import read_tensors
 from tests.reference import generate_alone
-from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_engine_exactness import (
+    engine_for,
+    greedy_forest,
+    random_prompts,
+    settings_with,
+    tiny_model,
+)
 from tests.test_fastforward import lockstep_logits
 
 # only whether the kernel builds decides the skip: a kernel that disagreed with gguf-py must fail these tests
@@ -43,6 +58,11 @@ def quantized(values: np.ndarray, kind: str) -> tuple[np.ndarray, torch.Tensor]:
 def llama_cpp_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
     """q or k rows in the order llama.cpp's converter writes them (convert_hf_to_gguf's `permute`)."""
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def own_forward(model, settings=None, host: Host | None = None) -> FastForward:
+    """mdcli's own forward as a plan chosen at load builds it (under `settings`, on `host`)."""
+    return FastForward(model, select(model, settings, host))
 
 
 def gguf_backed(model, path: Path, *, kind: str = "Q4_1", head_kind: str = "Q8_0", permute: bool = True) -> Path:
@@ -142,11 +162,13 @@ def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embed
     """The embedded SmolLM2 loads with its .gguf remembered; every projection and the head are its
     Q4_1 / Q8_0 blocks bit for bit (checked at load, and here for the head), the header says so, and
     three branches on the blocks give transformers' logits and generate's tokens."""
-    assert serving(embedded.model) == "Q4_1/Q8_0"
-    forward = FastForward(embedded.model)
+    assert embedded.forward.plan.blocks == "Q4_1/Q8_0" and embedded.forward.plan.blocks_reason is None
+    assert embedded.forward.own.blocks is not None  # the forward the loaded model carries reads them
+    forward = own_forward(embedded.model)
     assert forward.blocks is not None and forward.blocks_reason is None
     assert torch.equal(dequantize(forward.block_head), embedded.model.lm_head.weight)
-    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded)
+    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded, verbose=True)
+    assert "blocks" not in header(embedded)  # the short header names model, device and dtype only
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
     prompts = [embedded.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
@@ -166,14 +188,14 @@ def test_tiny_gguf_models_decode_on_their_blocks_to_generates_tokens(arch, tmp_p
     and each branch decodes generate's tokens, on one branch and several."""
     model = tiny_model(arch, "sdpa")
     gguf_backed(model, tmp_path / f"{arch}.gguf", permute=PERMUTED[arch])
-    forward = FastForward(model)
+    forward = own_forward(model)
     assert forward.blocks is not None, forward.blocks_reason
     prompts = random_prompts(30, [4, 7, 2, 9, 5, 3, 6, 8, 2, 4, 7, 5], seed=3)  # 12 rows: more than one pass
     assert len(prompts) <= forward.block_rows or forward.block_rows == 8  # the AVX2 build takes 8
     worst, _ = lockstep_logits(model, prompts, steps=6, drop_at=2, blocks=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     engine = engine_for(model)
-    assert engine._fast.blocks is not None
+    assert engine.model_forward.own.blocks is not None and engine.model_forward.plan.blocks == "Q4_1/Q8_0"
     generated = greedy_forest(engine, prompts, steps=6)
     for prompt, tokens in zip(prompts, generated):
         assert tokens == generate_alone(model, prompt, len(tokens))
@@ -189,8 +211,9 @@ def test_every_kind_the_kernel_reads_decodes_to_generates_tokens(kind, tmp_path)
     each branch of a forest decodes generate's tokens with transformers' logits."""
     model = tiny_model("llama", "sdpa")
     gguf_backed(model, tmp_path / f"{kind}.gguf", kind=kind, head_kind=kind)
-    forward = FastForward(model)
+    forward = own_forward(model)
     assert forward.blocks is not None, forward.blocks_reason
+    assert select(model).blocks == kind
     assert {w.kind for w in (*forward.blocks[0][0], forward.block_head)} == {kind}
     prompts = random_prompts(30, [4, 7, 2, 9], seed=6)
     worst, generated = lockstep_logits(model, prompts, steps=6, blocks=True)
@@ -209,22 +232,27 @@ def test_a_gguf_whose_blocks_are_not_the_models_weights_is_never_read(tmp_path):
     with torch.no_grad():
         weight = model.model.layers[1].mlp.down_proj.weight
         weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(1.0))
-    forward = FastForward(model)
+    forward = own_forward(model)
     assert forward.blocks is None and forward.blocks_reason == "blk.1.ffn_down.weight is not the model's float32 weight"
-    assert serving(model) is None
+    plan = select(model)
+    assert plan.blocks is None and plan.blocks_reason == forward.blocks_reason and "blocks" not in plan.describe()
     prompts = random_prompts(30, [4, 7], seed=5)
     for prompt, tokens in zip(prompts, greedy_forest(engine_for(model), prompts, steps=6)):
         assert tokens == generate_alone(model, prompt, len(tokens))
 
 
 @needs_kernel
-def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path, monkeypatch):
+def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path):
     """The memory rule of the other weight copies (mdcli.backends.weights.packed): a machine with less free memory
-    than twice the blocks (simulated: this test machine has plenty) keeps the float32 kernels."""
+    than twice the blocks (a host stated so: this test machine has plenty) keeps the float32 kernels."""
     model = tiny_model("llama", "sdpa")
     gguf_backed(model, tmp_path / "llama.gguf")
-    monkeypatch.setattr(gguf_blocks, "available_memory_bytes", lambda device: 2**10)  # its blocks: ~0.1 MiB
-    forward = FastForward(model)
+    read = Host.read()
+    small = Host(read.machine, read.capability, read.vendor, read.threads, free_memory=lambda device: 2**10)
+    plan = select(model, settings_with(), small)  # its blocks: ~0.1 MiB
+    assert plan.blocks is None and "do not fit in half the free memory" in plan.blocks_reason
+    assert "blocks" not in plan.describe()
+    forward = FastForward(model, plan)
     assert forward.blocks is None and "do not fit in half the free memory" in forward.blocks_reason
 
 
@@ -232,21 +260,25 @@ def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path
 def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_path):
     model = tiny_model("llama", "sdpa")
     gguf_backed(model, tmp_path / "llama.gguf", head_kind="Q5_0")
-    forward = FastForward(model)
+    forward = own_forward(model)
     assert forward.blocks is None and forward.blocks_reason == (
         "token_embd.weight is type 6; mdcli's kernel reads Q4_1, Q8_0, Q4_0, F16, BF16")
 
 
 @needs_kernel
-def test_the_opt_out_and_other_settings_keep_the_float32_kernels(embedded, monkeypatch):
+def test_the_opt_out_and_other_settings_keep_the_float32_kernels(embedded):
     """MDCLI_GGUF_BLOCKS=0, or transformers' own forward (MDCLI_FORWARD=transformers): no blocks read,
     and the header does not claim them."""
-    monkeypatch.setenv("MDCLI_GGUF_BLOCKS", "0")
-    assert FastForward(embedded.model).blocks is None and serving(embedded.model) is None
-    assert "blocks" not in header(embedded)
-    monkeypatch.delenv("MDCLI_GGUF_BLOCKS")
-    monkeypatch.setenv("MDCLI_FORWARD", "transformers")
-    assert serving(embedded.model) is None
+    off = select(embedded.model, settings_with(gguf_blocks=False))
+    assert off.blocks is None and off.blocks_reason is None
+    assert FastForward(embedded.model, off).blocks is None
+    without = replace(embedded, forward=ModelForward(embedded.model, off, sliding_window=embedded.sliding_window))
+    assert without.forward.own.blocks is None
+    assert "blocks" not in header(without, verbose=True) and "kernels" in header(without, verbose=True)
+    reference = select(embedded.model, settings_with(forward="transformers"))
+    assert reference.blocks is None and not reference.own_forward
+    assert "blocks" not in reference.describe()
+    assert select(embedded.model).blocks == "Q4_1/Q8_0"  # the model's own plan is untouched by either
 
 
 def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monkeypatch, tmp_path):
@@ -259,7 +291,9 @@ def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monke
     try:
         assert gguf_blocks.library() is None and not gguf_blocks.blocks_work()
         model.__dict__[gguf_blocks.SOURCE_KEY] = str(tmp_path / "unread.gguf")  # never opened: no kernel
-        assert FastForward(model).blocks is None
+        plan = select(model)
+        assert plan.blocks is None and FastForward(model, plan).blocks is None
+        assert FastForward(model, plan, blocks=True).blocks is None  # even when asked for
         prompts = random_prompts(30, [5, 9], seed=4)
         for prompt, tokens in zip(prompts, greedy_forest(engine_for(model), prompts, steps=6)):
             assert tokens == generate_alone(model, prompt, len(tokens))

@@ -1,6 +1,8 @@
 """mdcli's float32 CPU forwards run linears and masked attention on oneDNN: the same results to
-float32 rounding, only inside mdcli's own forwards, and never where they do not apply (autograd,
-other dtypes, one query, attention extras, the opt-out)."""
+float32 rounding, only inside mdcli's own forwards (a torch function mode local to the forward's
+thread, nothing in torch or transformers replaced), and never where they do not apply (autograd,
+other dtypes, one query, attention extras, the opt-out). Where oneDNN is chosen is a rule on the
+host (mdcli.backends.select.linear_kernels), stated here for each host kind."""
 
 from __future__ import annotations
 
@@ -9,26 +11,37 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
 from torch.profiler import profile
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mdcli.backends.attention.gemm import (
+    MAX_GEMM_ATTENTION_QUERIES,
+    gemm_attention,
+    gemm_attention_applies,
+    onednn_linear_works,
+    routed_linear,
+)
+from mdcli.backends.reference import OneDnnRouting
+from mdcli.backends.select import Host, linear_kernels, select
 from mdcli.bench.kernels import random_forest_mask
-from mdcli.backends import kernels
 from mdcli.errors import UsageError
-from mdcli.backends.kernels import OPT_OUT, cpu_kernels, kernel_choice, kernel_name, onednn_attention, onednn_linear, onednn_works
-from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
+from tests.test_engine_exactness import (
+    engine_for,
+    random_prompts,
+    settings_with,
+    tiny_model,
+)
 
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 FLASH_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"
+CPU = torch.device("cpu")
 
-pytestmark = pytest.mark.skipif(not onednn_works(), reason="this torch build has no oneDNN linear")
-
-
-@pytest.fixture(autouse=True)
-def routing_forced_on(monkeypatch):
-    """The routing's mechanics are tested on every host; whether it is chosen by default depends on
-    the CPU (AVX-512) and is tested on its own below."""
-    monkeypatch.setenv(OPT_OUT, "onednn")
+# the routing's mechanics need torch's oneDNN linear; the rules below state hosts of every kind
+needs_onednn = pytest.mark.skipif(not onednn_linear_works(), reason="this torch build has no oneDNN linear")
+ONEDNN = settings_with(cpu_kernels="onednn")  # the routing's mechanics are tested on every host with oneDNN
+TORCH = settings_with(cpu_kernels="torch")
 
 
 def ops_run(fn) -> set[str]:
@@ -37,9 +50,29 @@ def ops_run(fn) -> set[str]:
     return {event.key for event in prof.key_averages()}
 
 
+def host(capability: str = "AVX512", machine: str = "x86_64", *, onednn: bool = True) -> Host:
+    """A host of the kind named, its oneDNN probe answering `onednn`."""
+    return Host(machine, capability, "AMD", 1, onednn=lambda: onednn)
+
+
+def stock_functions() -> tuple:
+    """What torch and transformers hold now: the tests check that mdcli never replaces them."""
+    return F.linear, torch.nn.functional.linear, F.scaled_dot_product_attention, ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+STOCK = stock_functions()
+
+
+def assert_untouched() -> None:
+    assert stock_functions() == STOCK and all(a is b for a, b in zip(stock_functions(), STOCK))
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
 # -- linears --------------------------------------------------------------------------------------
 
 
+@needs_onednn
 @pytest.mark.parametrize("shape", [(1, 576), (8, 576), (1, 5, 576), (2, 3, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_computes_torchs_linear_to_float32_rounding(shape, bias):
@@ -48,97 +81,129 @@ def test_onednn_linear_computes_torchs_linear_to_float32_rounding(shape, bias):
     w = torch.randn(1536, 576, generator=generator)
     b = torch.randn(1536, generator=generator) if bias else None
     want = F.linear(x, w, b)
-    with onednn_linear():
-        got = F.linear(x, w, b)
-        assert ONEDNN_OP in ops_run(lambda: F.linear(x, w, b))
-    assert got.shape == want.shape
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    for routed in (lambda: routed_linear(x, w, b), lambda: _routed_call(lambda: F.linear(x, w, b))):
+        got = routed()
+        assert ONEDNN_OP in ops_run(routed)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
-def test_the_routing_ends_with_its_context_even_after_an_error():
-    stock_linear, stock_sdpa = F.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
-    with pytest.raises(KeyboardInterrupt), cpu_kernels(torch.device("cpu"), torch.float32):
-        assert F.linear is not stock_linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is not stock_sdpa
+def _routed_call(fn):
+    with OneDnnRouting():
+        return fn()
+
+
+@needs_onednn
+def test_the_routing_ends_with_its_context_even_after_an_error_and_never_replaces_torchs_functions():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(KeyboardInterrupt), OneDnnRouting():
+        assert_untouched()  # routed by a mode, not by replacing F.linear or transformers' sdpa
+        assert ONEDNN_OP in ops_run(lambda: F.linear(x, w))
         raise KeyboardInterrupt
-    assert F.linear is stock_linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is stock_sdpa
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
-    assert ONEDNN_OP not in ops_run(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)))
+    assert_untouched()
+    assert _get_current_function_mode_stack() == []
+    assert ONEDNN_OP not in ops_run(lambda: F.linear(x, w))
 
 
-def test_nested_and_overlapping_contexts_restore_torchs_linear_once_all_have_left():
-    stock = F.linear
+@needs_onednn
+def test_the_routing_is_local_to_its_thread_and_nested_contexts_leave_it_once_all_have_left():
+    """Another thread's products keep torch's kernels while one thread is inside the routing,
+    nested once more; once it has left, nothing is routed anywhere."""
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
     inside, leave = threading.Event(), threading.Event()
+    seen: dict[str, set[str] | list] = {}
 
     def other_thread():
-        with onednn_linear():
-            inside.set()
-            leave.wait(5)
+        inside.wait(5)
+        seen["modes"] = list(_get_current_function_mode_stack())
+        seen["ops"] = ops_run(lambda: F.linear(x, w))
+        leave.set()
 
     worker = threading.Thread(target=other_thread)
-    with onednn_linear():
-        worker.start()
-        inside.wait(5)
-        with onednn_linear():
-            assert F.linear is not stock
-    assert F.linear is not stock  # the other thread is still inside
-    leave.set()
+    worker.start()
+    with OneDnnRouting():
+        with OneDnnRouting():
+            inside.set()
+            leave.wait(5)
+            assert ONEDNN_OP in ops_run(lambda: F.linear(x, w))
+        assert ONEDNN_OP in ops_run(lambda: F.linear(x, w))  # the outer context still routes
     worker.join(5)
-    assert F.linear is stock
+    assert seen["modes"] == []
+    assert "aten::linear" in seen["ops"] and ONEDNN_OP not in seen["ops"]  # the other thread's, on torch's kernels
+    assert ONEDNN_OP not in ops_run(lambda: F.linear(x, w))
+    assert_untouched()
 
 
+@needs_onednn
 def test_autograd_and_other_dtypes_keep_torchs_own_linear():
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(4, 8)
-    with onednn_linear():
+    with OneDnnRouting():
         assert ONEDNN_OP not in ops_run(lambda: F.linear(x, w).sum().backward())
         assert ONEDNN_OP not in ops_run(lambda: F.linear(x.detach().double(), w.double()))
     assert x.grad is not None and x.grad.shape == x.shape
 
 
-def test_the_opt_out_and_non_float32_models_get_no_routing(monkeypatch):
-    cpu = torch.device("cpu")
-    assert kernel_name(cpu, torch.float32) == "oneDNN"
-    assert kernel_name(cpu, torch.bfloat16) == "torch"
-    assert kernel_name(torch.device("cuda"), torch.float32) == "torch"
-    monkeypatch.setenv(OPT_OUT, "torch")
-    assert kernel_name(cpu, torch.float32) == "torch"
-    with cpu_kernels(cpu, torch.float32):
-        assert F.linear is torch.nn.functional.linear
-        assert ONEDNN_OP not in ops_run(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)))
+@needs_onednn
+def test_the_opt_out_and_non_float32_models_get_no_routing():
+    auto = settings_with(cpu_kernels="auto")
+    assert linear_kernels(CPU, torch.float32, auto, host("AVX512")).name == "oneDNN"
+    assert linear_kernels(CPU, torch.bfloat16, auto, host("AVX512")).name == "torch"
+    assert linear_kernels(torch.device("cuda"), torch.float32, auto, host("AVX512")).name == "torch"
+    assert linear_kernels(CPU, torch.float32, TORCH, host("AVX512")).name == "torch"
+    model = tiny_model("llama", "sdpa")
+    engine = engine_for(model, settings=TORCH, own_forward=False)
+    assert engine.model_forward.plan.linears.name == "torch" and not engine.model_forward.reference.onednn
+    prompts = random_prompts(12, [2, 3])
+    root = torch.zeros(2, 0, dtype=torch.bool)
+    ran = ops_run(lambda: engine.forward(root, [prompts[0], prompts[1]]))
+    assert ONEDNN_OP not in ran and FLASH_OP in ran
+    assert_untouched()
 
 
 @pytest.mark.parametrize("capability, machine, setting, expected", [
-    ("AVX512", "x86_64", "", "oneDNN"),  # measured faster there: the default
-    ("AVX512", "x86_64", "auto", "oneDNN"),
-    ("AVX2", "x86_64", "", "torch"),  # measured slower on an AVX2-only Zen 3: torch's own kernels
+    ("AVX512", "x86_64", "auto", "oneDNN"),  # measured faster there: the default
+    ("AVX512_BF16", "x86_64", "auto", "oneDNN"),  # any AVX-512 capability
+    ("AVX512", "amd64", "auto", "oneDNN"),  # Windows spells x86-64 so
+    ("AVX2", "x86_64", "auto", "torch"),  # measured slower on an AVX2-only Zen 3: torch's own kernels
     ("AVX2", "x86_64", "onednn", "oneDNN"),  # forced
     ("AVX512", "x86_64", "torch", "torch"),  # opted out
-    ("AVX512", "arm64", "", "torch"),  # never measured off x86-64
-    ("DEFAULT", "x86_64", "", "torch"),
+    ("AVX512", "arm64", "auto", "torch"),  # never measured off x86-64
+    ("AVX512", "arm64", "onednn", "oneDNN"),  # forced, where oneDNN works
+    ("DEFAULT", "x86_64", "auto", "torch"),
 ])
-def test_routing_is_chosen_by_what_pays_on_this_cpu(capability, machine, setting, expected, monkeypatch):
-    import platform
-
-    monkeypatch.setattr(kernels, "cpu_capability", lambda: capability)
-    monkeypatch.setattr(platform, "machine", lambda: machine)
-    monkeypatch.setenv(OPT_OUT, setting)
-    choice = kernel_choice(torch.device("cpu"), torch.float32)
+def test_routing_is_chosen_by_what_pays_on_this_cpu(capability, machine, setting, expected):
+    choice = linear_kernels(CPU, torch.float32, settings_with(cpu_kernels=setting), host(capability, machine))
     assert choice.name == expected
     assert choice.reason  # the header and bench say why
 
 
-def test_the_reason_names_the_cpu_feature_or_the_setting(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_capability", lambda: "AVX2")
-    monkeypatch.setenv(OPT_OUT, "auto")
-    assert str(kernel_choice(torch.device("cpu"), torch.float32)).startswith("torch (AVX2 without AVX-512")
-    monkeypatch.setenv(OPT_OUT, "torch")
-    assert f"{OPT_OUT}=torch" in str(kernel_choice(torch.device("cpu"), torch.float32))
+@pytest.mark.parametrize("setting", ["auto", "onednn"])
+def test_without_a_working_onednn_every_host_keeps_torchs_kernels(setting):
+    choice = linear_kernels(CPU, torch.float32, settings_with(cpu_kernels=setting), host("AVX512", onednn=False))
+    assert str(choice) == "torch (no working oneDNN in this torch build)"
 
 
-def test_an_unknown_kernel_setting_is_a_usage_error_naming_the_choices(monkeypatch):
-    monkeypatch.setenv(OPT_OUT, "fastest")
-    with pytest.raises(UsageError, match="auto, torch or onednn"):
-        kernel_choice(torch.device("cpu"), torch.float32)
+def test_the_reason_names_the_cpu_feature_or_the_setting():
+    avx2 = host("AVX2")
+    assert str(linear_kernels(CPU, torch.float32, settings_with(cpu_kernels="auto"), avx2)).startswith(
+        "torch (AVX2 without AVX-512")
+    assert "MDCLI_CPU_KERNELS=torch" in str(linear_kernels(CPU, torch.float32, TORCH, avx2))
+    assert "forced by MDCLI_CPU_KERNELS=onednn" in str(linear_kernels(CPU, torch.float32, ONEDNN, avx2))
+
+
+def test_the_plan_describes_the_routing_it_chose():
+    model = tiny_model("llama", "sdpa")
+    plan = select(model, settings_with(cpu_kernels="auto"), Host("x86_64", "AVX2", "AMD", 2, onednn=lambda: True))
+    assert plan.linears.name == "torch" and plan.describe().startswith("torch (AVX2 without AVX-512")
+    plan = select(model, settings_with(cpu_kernels="auto"), Host("x86_64", "AVX512", "Intel", 2, onednn=lambda: True))
+    assert plan.linears.name == "oneDNN" and plan.describe().startswith("oneDNN (AVX-512: measured faster there")
+
+
+def test_an_unknown_kernel_setting_is_a_usage_error_naming_the_choices():
+    with pytest.raises(UsageError, match="auto, torch or onednn") as raised:
+        settings_with(cpu_kernels="fastest")
+    assert "MDCLI_CPU_KERNELS='fastest' is not valid" in str(raised.value)
 
 
 # -- attention ------------------------------------------------------------------------------------
@@ -156,10 +221,13 @@ class Attention(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-@pytest.mark.parametrize("heads, kv_heads, queries, keys, scaling", [
-    (9, 3, 8, 300, None), (4, 4, 5, 64, 0.3), (8, 1, 2, 100, None), (6, 2, 17, 257, 0.125),
-])
+ATTENTION_SHAPES = [(9, 3, 8, 300, None), (4, 4, 5, 64, 0.3), (8, 1, 2, 100, None), (6, 2, 17, 257, 0.125)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, scaling", ATTENTION_SHAPES)
 def test_masked_attention_on_onednn_equals_sdpa_to_float32_rounding(heads, kv_heads, queries, keys, scaling):
+    """transformers' own sdpa function, run inside the routing: its sdpa call becomes oneDNN products."""
     generator = torch.Generator().manual_seed(heads * keys)
     q = torch.randn(1, heads, queries, 32, generator=generator)
     k, v = (torch.randn(1, kv_heads, keys, 32, generator=generator) for _ in range(2))
@@ -168,52 +236,177 @@ def test_masked_attention_on_onednn_equals_sdpa_to_float32_rounding(heads, kv_he
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with torch.inference_mode():
         want, _ = sdpa(module, q, k, v, mask, scaling=scaling)
-        with onednn_attention():
-            routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            got, _ = routed(module, q, k, v, mask, scaling=scaling)
-            ran = ops_run(lambda: routed(module, q, k, v, mask, scaling=scaling))
+        with OneDnnRouting():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa  # nothing replaced
+            got, _ = sdpa(module, q, k, v, mask, scaling=scaling)
+            ran = ops_run(lambda: sdpa(module, q, k, v, mask, scaling=scaling))
     assert ONEDNN_OP in ran and FLASH_OP not in ran
     assert got.shape == want.shape == (1, queries, heads, 32)
     assert float((got - want).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["one query", "no mask", "softcap", "sinks", "autograd", "bf16"])
-def test_attention_it_does_not_cover_goes_to_the_stock_function(case):
-    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
-    mask, extras = forest_mask(3, 10, seed=0), {}
+@needs_onednn
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, scaling", ATTENTION_SHAPES)
+def test_grouped_heads_read_natively_give_sdpas_attention(heads, kv_heads, queries, keys, scaling):
+    """torch's sdpa with grouped heads (enable_gqa), routed and direct (`gemm_attention`, sdpa's
+    [1, H, M, Dv] layout): query head h reads key/value head h // (H / G), as sdpa pairs them."""
+    generator = torch.Generator().manual_seed(heads * keys + 1)
+    q = torch.randn(1, heads, queries, 32, generator=generator)
+    k, v = (torch.randn(1, kv_heads, keys, 32, generator=generator) for _ in range(2))
+    mask = forest_mask(queries, keys, seed=keys + 1)
+    with torch.inference_mode():
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        assert gemm_attention_applies(q, k, v, mask)
+        direct = gemm_attention(q, k, v, mask, scaling)
+        with OneDnnRouting():
+            routed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            ran = ops_run(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                                                 enable_gqa=True))
+    assert ONEDNN_OP in ran and FLASH_OP not in ran
+    for got in (direct, routed):
+        assert got.shape == want.shape == (1, heads, queries, 32)
+        assert float((got - want).abs().max()) < 1e-5
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["one query", "no mask", "causal", "dropout", "bool mask", "autograd", "bf16",
+                                  "too many queries"])
+def test_attention_it_does_not_cover_keeps_torchs_kernels(case):
+    queries = MAX_GEMM_ATTENTION_QUERIES + 1 if case == "too many queries" else 3
+    q, k, v = torch.randn(1, 4, queries, 16), torch.randn(1, 4, 10 + queries, 16), torch.randn(1, 4, 10 + queries, 16)
+    mask, extras = forest_mask(queries, 10 + queries, seed=0), {}
     if case == "one query":
         q, mask = q[:, :, :1], mask[:, :, :1]
     elif case == "no mask":
         mask = None
-    elif case == "softcap":
+    elif case == "causal":
+        mask, extras["is_causal"] = None, True
+    elif case == "dropout":
+        extras["dropout_p"] = 0.5
+    elif case == "bool mask":
+        mask = mask == 0
+    elif case == "bf16":
+        q, k, v, mask = (t.bfloat16() for t in (q, k, v, mask))
+    grad = torch.enable_grad() if case == "autograd" else torch.inference_mode()
+    if case == "autograd":
+        q.requires_grad_(True)
+    with grad, OneDnnRouting():
+        ran = ops_run(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extras))
+    assert ONEDNN_OP not in ran
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["softcap", "sinks", "position bias"])
+def test_extras_of_transformers_sdpa_function_keep_its_own_behaviour_under_the_routing(case):
+    """transformers' sdpa function is never replaced: softcap is refused as it refuses it, and what
+    it passes on to torch's sdpa (a position bias folded into the mask; sinks it does not read) is
+    computed as torch computes it, to float32 rounding."""
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    mask, module, extras = forest_mask(3, 10, seed=0), Attention(2), {}
+    if case == "softcap":
         extras["softcap"] = 30.0
     elif case == "sinks":  # a tensor per head, as gpt-oss passes them
         extras["s_aux"] = torch.zeros(4)
-    elif case == "bf16":
-        q, k, v, mask = (t.bfloat16() for t in (q, k, v, mask))
-    module = Attention(2)
-    grad = torch.enable_grad() if case == "autograd" else torch.inference_mode()
-    with grad, onednn_attention():
-        routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        if case == "softcap":  # the stock function refuses it, and so the routed one does too
-            with pytest.raises(ValueError, match="softcap"):
-                routed(module, q, k, v, mask, **extras)
+    else:
+        extras["position_bias"] = torch.randn(1, 4, 3, 10)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with torch.inference_mode():
+        if case == "softcap":
+            with OneDnnRouting(), pytest.raises(ValueError, match="softcap"):
+                sdpa(module, q, k, v, mask, **extras)
             return
-        ran = ops_run(lambda: routed(module, q, k, v, mask, **extras))
-    assert ONEDNN_OP not in ran
+        want, _ = sdpa(module, q, k, v, mask, **extras)
+        with OneDnnRouting():
+            got, _ = sdpa(module, q, k, v, mask, **extras)
+    assert float((got - want).abs().max()) < 1e-5
 
 
 # -- the engine -----------------------------------------------------------------------------------
 
 
+def _identity_probe(model, record: list):
+    """A hook on the model's rotary module (called by both forwards) that notes, from inside the
+    forward, whether torch's and transformers' functions are still their own and whether the
+    routing is entered."""
+
+    def hook(module, args):
+        record.append((all(a is b for a, b in zip(stock_functions(), STOCK)),
+                       "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping,
+                       any(isinstance(mode, OneDnnRouting) for mode in _get_current_function_mode_stack())))
+
+    return model.model.rotary_emb.register_forward_pre_hook(hook)
+
+
+@needs_onednn
+@pytest.mark.parametrize("own_forward", [True, False], ids=["own-forward", "transformers-forward"])
 @pytest.mark.parametrize("setting, expected", [("onednn", True), ("torch", False)])
-def test_engine_forwards_use_onednn_when_chosen(setting, expected, monkeypatch):
-    monkeypatch.setenv(OPT_OUT, setting)
+def test_engine_forwards_use_onednn_when_chosen_and_replace_nothing(setting, expected, own_forward):
+    assert_untouched()
     model = tiny_model("llama", "sdpa")
-    engine = engine_for(model)
+    engine = engine_for(model, settings=settings_with(cpu_kernels=setting), own_forward=own_forward)
+    assert (engine.model_forward.plan.linears.name == "oneDNN") is expected
     prompts = random_prompts(12, [2, 3])
-    root = torch.zeros(1, 0, dtype=torch.bool)
-    ran = ops_run(lambda: engine.forward(root.expand(2, 0), [prompts[0], prompts[1]]))  # two roots: masked
+    root = torch.zeros(2, 0, dtype=torch.bool)
+    record: list = []
+    handle = _identity_probe(model, record)
+    try:
+        ran = ops_run(lambda: engine.forward(root, [prompts[0], prompts[1]]))  # two roots: masked
+    finally:
+        handle.remove()
     assert (ONEDNN_OP in ran) is expected
-    assert (FLASH_OP not in ran) is expected  # the masked attention ran on oneDNN too
-    assert ONEDNN_OP not in ops_run(lambda: model(torch.tensor([prompts[0]])))  # the plain model is untouched
+    assert (FLASH_OP not in ran) is expected  # the masked attention ran on oneDNN (or bmm) too
+    assert record and all(same and not_local for same, not_local, _ in record)
+    # the mode is entered around transformers' forward only: mdcli's own calls oneDNN itself
+    assert all(entered == (expected and not own_forward) for *_, entered in record)
+    assert_untouched()
+    assert _get_current_function_mode_stack() == []
+    ran = ops_run(lambda: model(torch.tensor([prompts[0]])))
+    assert ONEDNN_OP not in ran and "aten::linear" in ran  # the plain model, outside the engine, is untouched
+
+
+@needs_onednn
+def test_another_threads_linear_and_transformers_forward_keep_torchs_kernels_during_an_engine_forward():
+    """While one thread is inside an engine forward routed to oneDNN, a plain torch.nn.Linear and
+    transformers' own forward of another model run on torch's kernels in another thread; after
+    it, also in this one."""
+    model = tiny_model("llama", "sdpa")
+    other = tiny_model("qwen2", "sdpa")
+    linear = torch.nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    engine = engine_for(model, settings=ONEDNN, own_forward=False)
+    prompts = random_prompts(12, [2, 3])
+    root = torch.zeros(2, 0, dtype=torch.bool)
+    assert ONEDNN_OP in ops_run(lambda: engine_for(model, settings=ONEDNN, own_forward=False).forward(
+        root, [prompts[0], prompts[1]]))
+    inside, done = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def hook(module, args):  # inside the engine's forward: hold it there while the other thread runs
+        seen["engine_routed"] = any(isinstance(m, OneDnnRouting) for m in _get_current_function_mode_stack())
+        inside.set()
+        done.wait(30)
+
+    def other_thread():
+        inside.wait(30)
+        seen["modes"] = list(_get_current_function_mode_stack())
+        with torch.inference_mode():
+            seen["linear"] = ops_run(lambda: linear(x))
+            seen["model"] = ops_run(lambda: other(torch.tensor([prompts[0]])))
+        seen["untouched"] = all(a is b for a, b in zip(stock_functions(), STOCK))
+        done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    handle = model.model.layers[0].register_forward_pre_hook(hook)
+    try:
+        engine.forward(root, [prompts[0], prompts[1]])
+    finally:
+        handle.remove()
+        done.set()
+    worker.join(30)
+    assert seen["engine_routed"] and seen["modes"] == [] and seen["untouched"]
+    for ran in (seen["linear"], seen["model"]):
+        assert "aten::linear" in ran and ONEDNN_OP not in ran
+    with torch.inference_mode():
+        assert ONEDNN_OP not in ops_run(lambda: linear(x)) | ops_run(lambda: other(torch.tensor([prompts[0]])))
+    assert_untouched()

@@ -15,13 +15,19 @@ import pytest
 import torch
 
 from mdcli.backends import llama as fastforward
+from mdcli.backends.attention.prefix import PrefixPlan, visible_prefix
+from mdcli.backends.attention.sparse import GATHER_COST_AVX512, SparsePlan, plan_for
 from mdcli.bench.attention import margins_step, separate_prompts, shared_document
 from mdcli.core.decoding import prefill_prompts
-from mdcli.backends.attention.prefix import PrefixPlan, visible_prefix
-from mdcli.backends.attention.sparse import GATHER_COST_AVX512, OPT_OUT, SparsePlan, plan_for
 from tests.test_engine_exactness import VOCAB
 from tests.test_sparse_attention import (
-    SUPPORTED, by_rule_equals_dense_and_generate, decode, model_for, own_engine, planned_equals_dense_and_alone,
+    SUPPORTED,
+    by_rule_equals_dense_and_generate,
+    decode,
+    model_for,
+    own_engine,
+    own_forward,
+    planned_equals_dense_and_alone,
     wide_forest,
 )
 
@@ -53,20 +59,19 @@ def test_the_prefill_lays_a_document_read_to_different_depths_in_one_run_of_slot
 
 
 @pytest.mark.parametrize("forest", [chain_forest, wide_forest], ids=["one-document", "unrelated-roots"])
-@pytest.mark.parametrize("attention", ["bmm", "transformers"])
+@pytest.mark.parametrize("attention", ["bmm", "sdpa"])
 @pytest.mark.parametrize("arch", SUPPORTED)
-def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, forest,
-                                                                                         monkeypatch):
+def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, forest):
     """Every forward of 2+ queries takes the prefix plan (=prefix): the tails' prefill and every
     step. Unrelated roots make buckets whose prefix is empty (their rows see nothing at slot 0)."""
-    forward = planned_equals_dense_and_alone(model_for(arch), forest(), "prefix", attention, monkeypatch)
+    forward = planned_equals_dense_and_alone(model_for(arch), forest(), "prefix", attention)
     assert forward.prefix_forwards >= 8, "the prefill's masked forwards and the steps take the prefix plan"
 
 
-def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded, monkeypatch):
+def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded):
     prompts = [p for p in chain_forest() for _ in range(3)]  # three questions per depth: 21 branches
     prompts = [p + [7 + i % 3] for i, p in enumerate(prompts)]
-    forward = by_rule_equals_dense_and_generate(embedded.model, prompts, 3, monkeypatch)
+    forward = by_rule_equals_dense_and_generate(embedded.model, prompts, 3)
     assert forward.prefix_forwards >= 1
 
 
@@ -88,23 +93,21 @@ def test_the_rule_reads_prefixes_in_place_for_many_questions_margins_and_stays_d
     assert _picked(separate_prompts(32).allowed) == "gathered"
 
 
-def test_a_forest_with_more_distinct_prefixes_than_buckets_allowed_is_not_planned_by_prefix(monkeypatch):
-    monkeypatch.setenv(OPT_OUT, "prefix")
+def test_a_forest_with_more_distinct_prefixes_than_buckets_allowed_is_not_planned_by_prefix():
     allowed = torch.zeros(40, 100, dtype=torch.bool)
     for row in range(40):
         allowed[row, : row + 1] = True  # 40 distinct prefixes
-    assert plan_for(additive(allowed)) is None
-    assert isinstance(plan_for(additive(allowed[:32])), PrefixPlan)
+    assert plan_for(additive(allowed), mode="prefix") is None
+    assert isinstance(plan_for(additive(allowed[:32]), mode="prefix"), PrefixPlan)
 
 
-@pytest.mark.parametrize("mode", ["0", "prefix"], ids=["dense", "prefix-plan"])
+@pytest.mark.parametrize("mode", ["off", "prefix"], ids=["dense", "prefix-plan"])
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_reading_the_cache_ahead_changes_no_logit_and_reads_only_what_the_plan_attends_in_place(arch, mode,
                                                                                                  monkeypatch):
-    """mdcli.backends.kernels.read_ahead only reads: the same forest decoded with and without it gives the
-    same logits bit for bit. Dense attention reads the whole cache ahead, the prefix plan its
-    longest prefix (the 210-token document), and only forwards of several queries read ahead."""
-    monkeypatch.setenv(OPT_OUT, mode)
+    """mdcli.backends.attention.gemm.read_ahead only reads: the same forest decoded with and without it
+    gives the same logits bit for bit. Dense attention reads the whole cache ahead, the prefix plan
+    its longest prefix (the 210-token document), and only forwards of several queries read ahead."""
     model = model_for(arch)
     reaches: list[int] = []
     real = fastforward.read_ahead
@@ -116,8 +119,8 @@ def test_reading_the_cache_ahead_changes_no_logit_and_reads_only_what_the_plan_a
     monkeypatch.setattr(fastforward, "read_ahead", counted)
     runs = []
     for ahead in (False, True):
-        engine = own_engine(model, "bmm")
-        engine._fast.read_ahead = ahead
+        engine = own_engine(model, "bmm", mode)
+        own_forward(engine).read_ahead = ahead
         runs.append((decode(engine, chain_forest(), steps=4), len(engine)))
     ((plain_logits, plain_tokens), _), ((ahead_logits, ahead_tokens), cache_length) = runs
     assert ahead_tokens == plain_tokens
@@ -135,7 +138,7 @@ def test_a_lone_query_does_not_read_ahead(monkeypatch):
     """A lone token's weighted sum runs on OpenBLAS where this pays, which reads well cold."""
     model = model_for("llama")
     engine = own_engine(model, "bmm")
-    engine._fast.read_ahead = True
+    own_forward(engine).read_ahead = True
     reads = []
     monkeypatch.setattr(fastforward, "read_ahead", lambda *views: reads.append(views))
     decode(engine, [chain_forest()[0]], steps=3)

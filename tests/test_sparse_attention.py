@@ -12,12 +12,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.core.decoding import prefill_prompts
+from mdcli.backends.attention.sparse import (
+    GATHER_COST,
+    GATHER_COST_AVX512,
+    group_starts,
+    plan_for,
+    sparse_wanted,
+)
 from mdcli.backends.llama import FastForward
+from mdcli.backends.select import Host, select
+from mdcli.core.decoding import prefill_prompts
 from mdcli.core.forest import layout_chains, pad_rows
-from mdcli.backends.attention.sparse import OPT_OUT, group_starts, plan_for, sparse_wanted
 from tests.reference import generate_alone
-from tests.test_engine_exactness import alone_logits, engine_for, random_prompts, tiny_model
+from tests.test_engine_exactness import (
+    alone_logits,
+    engine_for,
+    random_prompts,
+    settings_with,
+    tiny_model,
+)
 
 # the architectures mdcli's forward takes (mistral: window 6 on every layer; qwen2-mixed: a full
 # layer and two with window 6, so the forward gets one mask per layer type)
@@ -65,23 +78,28 @@ def decode(engine, prompts, steps: int):
     return history, generated
 
 
-def own_engine(model, attention: str, **options):
-    engine = engine_for(model, **options)
-    engine._fast = FastForward(model, attention=attention, packed=False)
+def own_engine(model, attention: str, mode: str = "auto", **options):
+    """An engine on mdcli's own forward with attention core `attention` ("bmm" or "sdpa") and
+    MDCLI_SPARSE_ATTENTION=mode in its plan."""
+    engine = engine_for(model, settings=settings_with(sparse_attention=mode), **options)
+    assert engine.model_forward.plan.sparse_attention == mode
+    engine.model_forward.own = FastForward(model, engine.model_forward.plan, attention=attention, packed=False)
     return engine
 
 
-def planned_equals_dense_and_alone(model, prompts, mode: str, attention: str, monkeypatch, steps: int = 8):
+def own_forward(engine) -> FastForward:
+    return engine.model_forward.own
+
+
+def planned_equals_dense_and_alone(model, prompts, mode: str, attention: str, steps: int = 8):
     """Decode with MDCLI_SPARSE_ATTENTION=mode, then dense: the same tokens, every step's logits within
     1e-4 of the dense path's, the last step's within 1e-4 of each branch alone, and each branch's
     tokens those of `generate`. Returns the planned engine's forward (to ask which plans it took)."""
-    monkeypatch.setenv(OPT_OUT, mode)
-    planned = own_engine(model, attention)
+    planned = own_engine(model, attention, mode)
     planned_logits, planned_tokens = decode(planned, prompts, steps=steps)
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense = own_engine(model, attention)
+    dense = own_engine(model, attention, "off")
     dense_logits, dense_tokens = decode(dense, prompts, steps=steps)
-    assert dense._fast.sparse_forwards == 0
+    assert own_forward(dense).sparse_forwards == 0
     assert planned_tokens == dense_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(planned_logits, dense_logits))
     assert worst < 1e-4, f"max logit difference to the dense path {worst:.2e}"
@@ -89,50 +107,50 @@ def planned_equals_dense_and_alone(model, prompts, mode: str, attention: str, mo
         alone = alone_logits(model, prompt + planned_tokens[i][:-1])
         assert float((alone - planned_logits[-1][i]).abs().max()) < 1e-4, f"branch {i} alone"
         assert planned_tokens[i] == generate_alone(model, prompt, steps), f"branch {i}"
-    return planned._fast
+    return own_forward(planned)
 
 
-@pytest.mark.parametrize("attention", ["bmm", "transformers"])
+@pytest.mark.parametrize("attention", ["bmm", "sdpa"])
 @pytest.mark.parametrize("arch", SUPPORTED)
-def test_a_wide_forest_gives_the_dense_logits_each_branchs_alone_and_generate_tokens(arch, attention, monkeypatch):
+def test_a_wide_forest_gives_the_dense_logits_each_branchs_alone_and_generate_tokens(arch, attention):
     """Every forward gathers (=always): the prefill's and every decode step's."""
-    forward = planned_equals_dense_and_alone(model_for(arch), wide_forest(), "always", attention, monkeypatch)
+    forward = planned_equals_dense_and_alone(model_for(arch), wide_forest(), "always", attention)
     assert forward.sparse_forwards >= 8, "the wide forest's prefill and steps take the sparse path"
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)
-def test_a_wide_forest_fed_in_small_forwards_stays_exact(arch, monkeypatch):
+def test_a_wide_forest_fed_in_small_forwards_stays_exact(arch):
     """Chains cut across forwards (max_forward_tokens 16): groups see earlier pieces in the cache."""
-    monkeypatch.setenv(OPT_OUT, "always")
     model = model_for(arch)
     prompts = wide_forest()
-    engine = own_engine(model, "bmm", max_forward_tokens=16)
+    engine = own_engine(model, "bmm", "always", max_forward_tokens=16)
     _, tokens = decode(engine, prompts, steps=6)
-    assert engine._fast.sparse_forwards > 0
+    assert own_forward(engine).sparse_forwards > 0
     for i, prompt in enumerate(prompts):
         assert tokens[i] == generate_alone(model, prompt, 6), f"branch {i}"
 
 
-def by_rule_equals_dense_and_generate(model, prompts, steps: int, monkeypatch):
+def by_rule_equals_dense_and_generate(model, prompts, steps: int):
     """Decode by the rule (auto), then dense: the same tokens, every step's logits within 1e-3 of
     the dense path's, each branch's tokens those of `generate`. Returns the rule's forward (to ask
     which plans it took)."""
-    ruled = own_engine(model, "bmm")
+    ruled = own_engine(model, "bmm", "auto")
     ruled_logits, ruled_tokens = decode(ruled, prompts, steps=steps)
-    monkeypatch.setenv(OPT_OUT, "0")
-    dense_logits, dense_tokens = decode(own_engine(model, "bmm"), prompts, steps=steps)
+    dense = own_engine(model, "bmm", "off")
+    dense_logits, dense_tokens = decode(dense, prompts, steps=steps)
+    assert own_forward(dense).sparse_forwards == 0
     assert ruled_tokens == dense_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(ruled_logits, dense_logits))
     assert worst < 1e-3, f"max logit difference to the dense path {worst:.2e}"
     for i, prompt in enumerate(prompts):
         assert ruled_tokens[i] == generate_alone(model, prompt, steps), f"branch {i}"
-    return ruled._fast
+    return own_forward(ruled)
 
 
-def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded, monkeypatch):
+def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded):
     """By the rule (auto): the prefill of twelve unrelated roots gathers, the decode steps too
     where each branch sees little of the cache."""
-    forward = by_rule_equals_dense_and_generate(embedded.model, wide_forest(), 4, monkeypatch)
+    forward = by_rule_equals_dense_and_generate(embedded.model, wide_forest(), 4)
     assert forward.sparse_forwards >= 1
 
 
@@ -166,3 +184,23 @@ def test_groups_are_the_chains_of_a_forward_and_a_shared_document_stays_dense():
     plan = plan_for(additive[None, None])
     assert (plan.groups, plan.group_queries, plan.group_keys) == (3, 3, 13)  # the third: 10 + its 3
     assert plan.back.tolist() == [0, 1, 3, 6, 7, 8]  # row m's place among the 3 x 3 padded rows
+
+
+def test_the_plan_carries_the_mode_and_the_gather_cost_of_its_host():
+    """MDCLI_SPARSE_ATTENTION reaches the forward through the plan; a gathered slot costs 4 query
+    rows where linears run on oneDNN (AVX-512), 12 elsewhere; =off plans nothing, =always gathers
+    wherever there are two queries."""
+    model = tiny_model("llama", "sdpa")
+    avx512 = Host("x86_64", "AVX512", "AMD", 1, onednn=lambda: True)
+    avx2 = Host("x86_64", "AVX2", "AMD", 1, onednn=lambda: True)
+    for mode in ("auto", "off", "always", "prefix"):
+        plan = select(model, settings_with(sparse_attention=mode), avx512)
+        assert plan.sparse_attention == mode and FastForward(model, plan, packed=False).sparse_mode == mode
+    assert select(model, settings_with(), avx512).gather_cost == GATHER_COST_AVX512
+    assert select(model, settings_with(), avx2).gather_cost == GATHER_COST
+    allowed = torch.eye(4, dtype=torch.bool)  # four lone queries, each seeing its own slot only
+    additive = torch.zeros(4, 4).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    assert plan_for(additive, mode="off") is None
+    assert plan_for(additive[:, :, :1], mode="always") is None  # a lone query: nothing to save
+    forced = plan_for(torch.zeros(1, 1, 4, 4), mode="always")  # every slot seen: dense by the rule, gathered when forced
+    assert forced is not None and plan_for(torch.zeros(1, 1, 4, 4)) is None

@@ -14,10 +14,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mdcli.backends.llama import FastForward
+from mdcli.backends.select import select
 from mdcli.backends.weights import tiled as tiled_gemm
-from mdcli.backends.llama import TILED_MAX_ROWS, FastForward
+from mdcli.backends.weights.tiled import TILED_MAX_ROWS
 from tests.reference import generate_alone
-from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_engine_exactness import (
+    engine_for,
+    greedy_forest,
+    random_prompts,
+    settings_with,
+    tiny_model,
+)
 from tests.test_fastforward import SUPPORTED, lockstep_logits
 
 # Only the CPU or a missing compiler decides the skip: a kernel that builds but computes wrongly fails.
@@ -90,14 +98,18 @@ def test_without_a_compiler_the_forward_keeps_its_other_kernels_and_stays_exact(
     when asked for with MDCLI_TILED_GEMM=always; every branch still decodes generate's tokens."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("MDCLI_TILED_GEMM", "always")
+    always = settings_with(tiled_gemm="always")
     tiled_gemm.library.cache_clear()
     try:
         assert tiled_gemm.library() is None and not tiled_gemm.tiled_works()
         model = tiny_model("llama", "sdpa")
-        assert not FastForward(model).tiled
+        plan = select(model, always)
+        assert not plan.tiled and "tiled kernel" not in plan.describe()
+        assert not FastForward(model, plan).tiled
+        engine = engine_for(model, settings=always)
+        assert not engine.model_forward.own.tiled
         prompts = random_prompts(30, [5, 9], seed=4)
-        generated = greedy_forest(engine_for(model), prompts, steps=6)
+        generated = greedy_forest(engine, prompts, steps=6)
         for prompt, tokens in zip(prompts, generated):
             assert tokens == generate_alone(model, prompt, len(tokens))
     finally:
@@ -126,3 +138,12 @@ def test_the_kernel_refuses_anything_but_float32_cpu_tensors():
     weight = torch.randn(16, 8)
     with pytest.raises(ValueError, match="float32 CPU"):
         tiled_gemm.tiled_linear(torch.randn(2, 8, dtype=torch.float64), tiled_gemm.tile(weight))
+
+
+def test_mdcli_tiled_gemm_always_and_off_decide_on_this_host():
+    """=always makes the tiled copy wherever the kernel runs here (this host's own probe), =off never."""
+    model = tiny_model("llama", "sdpa")
+    always = select(model, settings_with(tiled_gemm="always"))
+    assert always.tiled == tiled_gemm.tiled_works() == FastForward(model, always).tiled
+    off = select(model, settings_with(tiled_gemm="off"))
+    assert not off.tiled and not FastForward(model, off).tiled and "tiled kernel" not in off.describe()
