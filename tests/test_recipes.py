@@ -76,7 +76,7 @@ def run_recipe(lm, recipe, **compile_options):
 def test_the_builtin_recipes_are_installed_as_package_data():
     from importlib.resources import files
 
-    names = {entry.name for entry in files("mdcli.recipes_builtin").iterdir()}
+    names = {entry.name for entry in files("mdcli.recipes.builtin").iterdir()}
     assert {"interview.yaml", "follow-ups.yaml", "summarize.yaml"} <= names
     assert {"interview", "follow-ups", "summarize"} <= set(builtin_names())
 

@@ -12,6 +12,7 @@ from mdcli.cli.common import (
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
+    VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
@@ -68,6 +69,7 @@ def ask_many(
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     speculate: SpeculateOpt = "auto",
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Ask many questions about one document: every answer decodes at once over the document's cache.
@@ -105,7 +107,7 @@ def ask_many(
         check_progress(quiet, progress)
         lm = load(load_options(locals()))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
 
 # -- --recipe and --save-recipe --------------------------------------------------------------------
@@ -160,7 +162,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
         speculate=speculation,
     )
-    render(events, mode, p["quiet"], header=header(lm), progress=p["progress"])
+    render(events, mode, p["quiet"], header=header(lm, p["verbose"]), progress=p["progress"])
 
 
 def _base_recipe(name: str):

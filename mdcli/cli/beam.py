@@ -11,6 +11,7 @@ from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
     load, load_options, read_document, read_questions_file, render,
+    VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
 
@@ -65,6 +66,7 @@ def beam(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Beam search, every beam a leaf of ONE shared KV cache: the sequences and scores of
@@ -100,7 +102,7 @@ def beam(
         check_progress(quiet, progress)
         lm = load(load_options(locals()))
         events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
 
 def _is_input_file(argument: str) -> bool:

@@ -86,6 +86,9 @@ ProgressOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", help="Also name the kernel plan chosen at load in the header (all of it: mdcli info).")
+]
 SpeculateOpt = Annotated[
     str,
     typer.Option(
@@ -209,7 +212,7 @@ def render(events: Iterable, mode: Output, quiet: bool, header: str, progress: b
         stdout=sys.stdout,
         stderr=sys.stderr,
         quiet=quiet,
-        no_color="NO_COLOR" in os.environ,
+        no_color=False,  # NO_COLOR itself is read by the renderer, through mdcli.settings
         header=header,
         progress=progress,
         show_margins=show_margins,

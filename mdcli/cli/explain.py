@@ -3,7 +3,6 @@ with --speculate N, run it until one speculative step and draw that step."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated
 
@@ -15,7 +14,6 @@ from mdcli.cli.common import (
     DeviceOpt,
     ModelOpt,
     NoChatOpt,
-    Output,
     RemoteCodeOpt,
     SystemOpt,
     errors,
@@ -95,7 +93,7 @@ def explain(
         else:
             roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
         layout = api.plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
-        console = make_console(sys.stdout, color=not color_disabled("NO_COLOR" in os.environ))
+        console = make_console(sys.stdout, color=not color_disabled(False))
         api.render_explanation(
             console, roots, layout, lambda token: tokenizer.decode([token]),
             title=title, tokens=tokens,

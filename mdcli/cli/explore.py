@@ -11,6 +11,7 @@ from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
+    VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
 
@@ -67,6 +68,7 @@ def explore(
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Step-level search: at each step (a sentence or line, or --chunk-tokens) --k sampled
@@ -100,7 +102,7 @@ def explore(
         check_progress(quiet, progress)
         lm = load(load_options(locals()))
         events = run_explore(lm, job, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
 
 def read_prompt(source: str) -> str:

@@ -14,6 +14,7 @@ from mdcli.cli.common import (
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
+    VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
@@ -132,6 +133,7 @@ def margins(
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     speculate: SpeculateOpt = "auto",
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
@@ -192,7 +194,7 @@ def margins(
             max_new_tokens=job.margin_tokens, classify_tokens=job.classify_tokens, answer_tokens=job.answer_tokens,
             memory_budget_bytes=job.memory_budget_bytes, max_forward_tokens=max_forward_tokens, speculate=speculation,
         )
-        render(events, mode, quiet, header=header(lm), progress=progress, show_margins=show_margins)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 
 
 def read_documents(sources: list[str]) -> list[str]:

@@ -40,6 +40,7 @@ from mdcli.cli.common import (
     read_document,
     render,
     speculate_setting,
+    VerboseOpt,
 )
 from mdcli.errors import RecipeError, UsageError
 
@@ -86,6 +87,7 @@ def run(
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     speculate: SpeculateOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
@@ -116,7 +118,7 @@ def run(
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
 
 def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_template, sampling):

@@ -14,6 +14,7 @@ from mdcli.cli.common import (
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
+    VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
@@ -103,6 +104,7 @@ def think(
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
     speculate: SpeculateOpt = "auto",
+    verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Think along several paths at once, then conclude.
@@ -146,7 +148,7 @@ def think(
         events = api.think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
-        render(events, mode, quiet, header=header(lm), progress=progress)
+        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
 
 def read_question(source: str) -> str:

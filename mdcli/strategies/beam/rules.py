@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from mdcli.strategies.beam.job import BeamParams
 
 if TYPE_CHECKING:
-    import torch
-
     from mdcli.core.steps import Tip
 
 IMPOSSIBLE = -1.0e9
@@ -93,7 +93,6 @@ class BeamSet:
     def __init__(
         self, label: str, prompt_ids: list[int], params: BeamParams, eos: Sequence[int], max_new: int, device
     ) -> None:
-        import torch
 
         self.label = label
         self.prompt_ids = list(prompt_ids)
@@ -121,7 +120,6 @@ class BeamSet:
 
     def step(self) -> BeamStep:
         """Choose the next running beams and update the kept hypotheses (HF steps b-g)."""
-        import torch
 
         logits = torch.stack([beam.logits for beam in self.beams])  # [W, V] fp32
         vocab = logits.shape[-1]
@@ -147,7 +145,6 @@ class BeamSet:
 
     def _next_running(self, top_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """HF `_get_running_beams_for_next_iteration`: best W candidates that do not end."""
-        import torch
 
         running_scores = top_scores + ends.to(torch.float32) * IMPOSSIBLE  # [K]
         index = torch.topk(running_scores, k=self.params.width)[1]  # [W]
@@ -158,7 +155,6 @@ class BeamSet:
         """HF `_update_finished_beams`: merge the candidates that just ended among the top W
         into the W kept hypotheses, by length-normalised score (penalties added as HF adds them,
         so even its -1e9 placeholders sort the same)."""
-        import torch
 
         width = self.params.width
         just_ended = ends & self.top_width  # [K]
@@ -188,7 +184,6 @@ class BeamSet:
         """HF `_check_early_stop_heuristic`: could the best running beam still beat the worst
         kept hypothesis? Its best possible length is the current one, except with
         early_stopping="never" and a positive length penalty, where it is max_new_tokens."""
-        import torch
 
         params = self.params
         if params.early_stopping == "never" and params.length_penalty > 0.0:

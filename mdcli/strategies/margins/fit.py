@@ -9,14 +9,15 @@ gives fewer, larger segments (fewer branches).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, common_prefix_length
-from mdcli.strategies.job import FieldError
 from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
+from mdcli.strategies.job import FieldError
+from mdcli.strategies.margins.job import Margins
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.segmenting import Segment
-from mdcli.strategies.margins.job import Margins
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -141,8 +142,6 @@ def _what_fits(
 
 
 def _segment_tokens_that_fit(job: Margins, tokenizer, room: int, segment_count: int, limit: int | None) -> int | None:
-    from dataclasses import replace
-
     for factor in LARGER_SEGMENTS:
         candidate = replace(job, segment_tokens=job.segment_tokens * factor)
         segments = candidate.segments(tokenizer)

@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from mdcli.core.decoding import BranchSpec, Decoder, Independent
 from mdcli.core.forest import stack_rows
 from mdcli.core.run import Run
@@ -43,11 +45,15 @@ from mdcli.core.steps import StepLoop
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
 from mdcli.strategies.think.job import CONCLUSION_SEED_KEY, Think
-from mdcli.strategies.think.text import ATTEND_INSTRUCTION, after_answer_token_ids, extract_answer, majority_vote, parse_plan
+from mdcli.strategies.think.text import (
+    ATTEND_INSTRUCTION,
+    after_answer_token_ids,
+    extract_answer,
+    majority_vote,
+    parse_plan,
+)
 
 if TYPE_CHECKING:
-    import torch
-
     from mdcli.models.load import LoadedModel
 
 
@@ -282,7 +288,6 @@ class ThinkRun:
         index: paths that sampled the same first tokens hold duplicate nodes, the index keeps only
         the first of them, and a path's later tokens may hang under another duplicate.
         """
-        import torch
 
         forest = self.engine.forest
         frontier = torch.tensor([-1], device=forest.device)  # [F] slots whose path is the prefix so far
