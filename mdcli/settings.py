@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mdcli.errors import UsageError
@@ -65,6 +65,13 @@ class Settings(BaseSettings):
                           **_other("NO_COLOR"))
     cc: str = Field("cc", description="The C compiler mdcli's native kernels are built with, at first use.",
                     **_other("CC"))
+
+    @field_validator("device", "cpu_kernels", "forward", "packed_weights", "tiled_gemm", "gguf_blocks",
+                     "sparse_attention", "cudnn_attention", mode="before")
+    @classmethod
+    def _spelled_any_case(cls, value):
+        """Choices and on/off values ignore case and surrounding spaces (` Torch ` is torch)."""
+        return value.strip().lower() if isinstance(value, str) else value
 
     @property
     def offline(self) -> bool:

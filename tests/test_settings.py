@@ -51,6 +51,13 @@ def test_an_unknown_value_is_one_usage_error_naming_the_variable_and_its_choices
     assert "\n" not in message and name in message and repr(value) in message and accepted in message
 
 
+@pytest.mark.parametrize("spelling", ["torch", "Torch", " TORCH "])
+def test_choices_ignore_case_and_surrounding_spaces(monkeypatch, spelling):
+    monkeypatch.setenv("MDCLI_CPU_KERNELS", spelling)
+    monkeypatch.setenv("MDCLI_GGUF_BLOCKS", " Off ")
+    assert current().cpu_kernels == "torch" and current().gguf_blocks is False
+
+
 def test_an_empty_variable_means_its_default(monkeypatch):
     monkeypatch.setenv("MDCLI_CPU_KERNELS", "")
     monkeypatch.setenv("MDCLI_GGUF_BLOCKS", "")

@@ -157,9 +157,9 @@ def select(model, settings: Settings | None = None, host: Host | None = None) ->
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
     notes = [f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
         if blocks else []
-    if lone_blas_host and not blocks:
+    if transposed and lone_blas_host:
         notes.append("one thread: a lone token on OpenBLAS")
-    if tiled_host:
+    if tiled:
         notes.append(f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel")
     return Plan(
         device=str(device),

@@ -37,6 +37,9 @@ from mdcli.models.embedded import embedded_model_dir
 from mdcli.settings import child_environment
 
 PLAIN_SCRIPT = Path(__file__).with_name("plain_transformers.py")
+# The script runs as __main__ without its folder first on sys.path: the benchmarks beside it would
+# shadow packages transformers looks for (this folder's kernels.py is not Hugging Face's `kernels`).
+RUN_AS_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 PLAIN_MODES = ("sequential", "batched", "prefill-once")
 
 
@@ -87,7 +90,7 @@ def run_mdcli_once(run: ProcessRun, report: Path, questions: list[str], new_toke
 def run_plain(mode: str, model_dir: Path, report: Path, questions_file: Path, new_tokens: int,
               repeats: int) -> ProcessRun:
     run = ProcessRun(mode)
-    command = [sys.executable, str(PLAIN_SCRIPT), str(model_dir), str(report), str(questions_file), "--mode", mode,
+    command = [sys.executable, "-c", RUN_AS_SCRIPT, str(PLAIN_SCRIPT), str(model_dir), str(report), str(questions_file), "--mode", mode,
                "--max-new-tokens", str(new_tokens)]
     for _ in range(repeats):
         seconds, stdout = timed(command)
