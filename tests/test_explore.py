@@ -18,7 +18,8 @@ import torch
 from typer.testing import CliRunner
 
 from mdcli.api import explore, run_specs
-from mdcli.core.cache import cache_argument, output_cache
+from mdcli.backends.reference import cache_argument
+from mdcli.core.cache import output_cache
 from mdcli.cli.app import app
 from mdcli.core.decoding import BranchSpec
 from mdcli.events import Done, Finish, Fork, Prune, Start, Token
