@@ -79,8 +79,8 @@ def time_step(loop: Loop, step: Generator[Event, None, None]) -> Generator[Event
     """Run one step of a speculating loop and tell its policy what the step cost in all: choosing
     its tokens, drafting, the forward and, when it verified guesses, the walk and the rollback (a
     step that saves forwards must pay for all of that, and a plain step's choosing is a good part
-    of it: 15 ms of 105 for eight branches on the Intel Xeon), not counting the time the events'
-    consumers take (they take it for every token either way)."""
+    of it), not counting the time the events' consumers take (they take it for every token either
+    way) (measured: notebook/speculation.md, "auto keeps learning through the run")."""
     policy = loop.speculation
     policy.timing = None
     started, consumers = time.perf_counter(), [0.0]

@@ -47,8 +47,8 @@ PAUSE_AFTER = 3  # auto: steps in a row with every guess rejected before a branc
 MAX_PAUSE = 16  # ... for 2, 4, ... up to this many steps
 # auto, several branches guessing all run long (`_plan_broad`): the share of the forwards the
 # slowest branch's expected acceptance would save that the run really saves. For B tied branches it
-# is the share of 1/B of a forward that one accepted guess saves: on one CPU core (Zen 3,
-# 8 branches x 64 tokens, every branch guessing 1 or 3 deep) 0.57-0.68.
+# is the share of 1/B of a forward that one accepted guess saves, 0.6 (measured: notebook/gpu.md,
+# "Eight questions on the GPU: every branch guessing").
 BROAD_SHARE = 0.6
 # auto: when no plan verifies anything, a probe verifies the likeliest first guesses of up to
 # PROBE_GUESSES branches, while the run has at least PROBE_RUN_LEFT steps to go (a shorter run has
@@ -56,19 +56,19 @@ BROAD_SHARE = 0.6
 # a CPU from a GPU before), then again once probing would have cost at most PROBE_SHARE of the
 # steps since the last guess, and never more often than every PROBE_EVERY steps. The later probes
 # keep the acceptance estimates current: an answer that starts quoting its document after a first
-# stretch of paraphrase (where every early guess failed) is found again. (Without them, eight
-# questions x 256 tokens on the Intel Xeon guessed three times and were even with no guessing,
-# where guessing two deep all run long is 1.2x faster.)
+# stretch of paraphrase (where every early guess failed) is found again (measured:
+# notebook/speculation.md, "auto keeps learning through the run").
 # what the acceptance estimates' starting values are worth, in guesses seen, by match strength: a
-# three-token match's 0.5 little (eight questions quoting their document are right 108 times in
-# 117, and should be trusted within a step or two), a one-token match's 0.1 more (one lucky guess
-# among many wrong ones must not make the next four look like a coin toss)
+# three-token match's 0.5 little (answers quoting their document are almost always right there,
+# and should be trusted within a step or two), a one-token match's 0.1 more (one lucky guess
+# among many wrong ones must not make the next four look like a coin toss) (measured:
+# notebook/speculation.md, "A loss limit, and sibling guesses priced one by one")
 PRIOR_GUESSES = {3: 2, 2: 4, 1: 8}
 # a branch's first guesses lean its estimates its way: the rate learnt over all branches counts as
 # BRANCH_PRIOR guesses of its own, and its own count BRANCH_MEMORY less with each later one (at
 # most 1 / (1 - BRANCH_MEMORY) = 3.3: about even with the prior once it has a record). A lone
 # branch's one lucky one-token guess moves that strength's 0.1 to 0.36 for it (0.2 over all
-# branches), where it once moved it to 0.7.
+# branches).
 BRANCH_PRIOR = 4
 BRANCH_MEMORY = 0.7
 PROBES = 3
@@ -80,11 +80,9 @@ PROBE_EVERY = 16
 # steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
 # probes); below that, nothing is verified until the run's length has made room again. Whatever
 # the estimates say, what guessing loses is then about that share of the run, as the account sees
-# it (steps timed whole; the machine's own drift is not in it). The estimates alone let a lone
-# branch of 64 tokens on the Intel Xeon verify 91 guesses, 9 of them right, in 19 steps that each
-# cost 40% more than a plain one.
-# (With 0.03, and a shape's first forward charged at the prior's price, 32 branches x 64 tokens
-# were still 7% slower there.)
+# it (steps timed whole; the machine's own drift is not in it). The estimates alone can verify
+# many guesses that are mostly wrong in steps dearer than a plain one; the account bounds that
+# (measured: notebook/speculation.md, "A loss limit, and sibling guesses priced one by one").
 LOSS_SHARE = 0.02
 LOSS_START = 16
 
@@ -137,7 +135,7 @@ class Speculate:
 
 # The command line's default (mdcli.api's functions default to "off"): auto guesses only where its
 # learnt costs say a guess saves time, and stops while its guesses have lost more than LOSS_SHARE
-# of the run; one question with a 256-token answer 1.5-1.9x faster on one CPU core (BENCHMARKS.md).
+# of the run (measured: docs/performance.md, "Speculative decoding (`--speculate auto` against `off`)").
 DEFAULT_SPECULATE = "auto"
 
 
@@ -208,16 +206,16 @@ class SpeculationPolicy:
     step: int = 0
     last_guess: int = 0  # the last step that verified guesses
     # forward shapes timed once already: the first forward of a shape pays for its kernels' first
-    # call (oneDNN builds a primitive per shape; on the Intel Xeon a lone branch's first two-token
-    # forward took 214 ms, later ones 80-100), which would teach the cost model that guessing
-    # costs several steps, after which auto would never guess again to learn otherwise
+    # call (oneDNN builds a primitive per shape, so it takes much longer than a later one), which would
+    # teach the cost model that guessing costs several steps, after which auto would never guess
+    # again to learn otherwise (measured: notebook/speculation.md, "auto keeps learning through the run")
     warm: set[tuple[int, bool]] = field(default_factory=set)
     timing: tuple[int, int] | None = None  # what this step fed: (branch tokens, guesses); None: not timed
     # how many guesses each estimate has learnt from ((first?, strength) -> count): an estimate
     # is the mean of its prior (worth PRIOR_GUESSES of its strength) and what it saw until it has seen
     # 1 / rate guesses, then a running mean at `rate` (answers change as they go: a paraphrase
-    # can turn into a quote). On the Intel Xeon, eight questions' three-token matches were right
-    # 108 times in 117, where a flat rate of 0.1 from a prior of 0.5 took a hundred steps to say so.
+    # can turn into a quote; a flat rate from the start learns too slowly that quoting answers'
+    # matches are right) (measured: notebook/speculation.md, "auto keeps learning through the run").
     seen: dict[tuple[bool, int], int] = field(default_factory=dict)
     rate = 0.1
     # auto's account of its own guesses, in plain steps: forwards they saved minus what verifying
@@ -367,10 +365,9 @@ class SpeculationPolicy:
         guesses; so for each J the branches below that level draft that deep along their likeliest
         path, and the forwards saved are expected at sum over j <= J of prod_b P(b accepts
         j - g_b guesses). The J that saves the most time net of the wider forward's cost is
-        the plan (with its gain), if any saves time. (Counting each guess of a branch tied for
-        furthest as 1/c of a step while only those branches guessed made eight branches of 64-256
-        tokens 7-15% slower on one CPU core: accepted guesses of branches that were no longer the
-        slowest saved nothing.)"""
+        the plan (with its gain), if any saves time. Only surely saved forwards count: an accepted
+        guess of a branch that is no longer the slowest saves nothing (measured:
+        notebook/speculation.md, "Several branches: guess only where it shortens the run")."""
         top = max(remaining)
         gaps = [top - r for r in remaining]
         paths = [tree.likeliest_path() for tree in trees]
@@ -439,9 +436,9 @@ class SpeculationPolicy:
 
         The rates are what `merge_candidates` reads: the chance that a child is right given that
         the siblings before it were not. So each verified child up to the right one is one
-        guess of its strength seen, right or wrong, and the ones after the right one say nothing.
-        (Counting one guess a level, right if any sibling was, made four one-token siblings worth
-        71% together where about 7% were right, and auto verified them for it.)"""
+        guess of its strength seen, right or wrong, and the ones after the right one say nothing;
+        counting one guess a level (right if any sibling was) would overprice siblings many times
+        over (measured: notebook/speculation.md, "A loss limit, and sibling guesses priced one by one")."""
         if not len(tree):
             return
         path = [-1, *accepted]
