@@ -107,7 +107,7 @@ def margins(
     per question, each phase one set of forwards). `context`: "chain" (each margin
     reads segments 1..i; the default for one document) or "independent" (each reads its segment
     alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
-    templates are documented in mdcli/strategies/margins.py."""
+    templates are documented in mdcli/strategies/margins/ (run.py and job.py)."""
     job = Margins(
         documents=[documents] if isinstance(documents, str) else list(documents),
         query=query or "",
@@ -130,7 +130,7 @@ def margins(
     return run_margins(model, job, **engine_options)
 
 
-# -- beam search (issue 4) -----------------------------------------------------------------------
+# -- beam search ---------------------------------------------------------------------------------
 
 
 def beam_search(

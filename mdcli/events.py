@@ -42,7 +42,7 @@ class Start:
     strategy: str
     seed: int | None
     branches: list[BranchInfo]
-    kernels: str = "torch"  # which CPU kernels mdcli's forwards use and why (mdcli.backends.kernels.KernelChoice)
+    kernels: str = "torch"  # what runs the forwards and why (mdcli.core.engine.ModelForward.describe)
     type: Literal["start"] = "start"
 
 

@@ -2,7 +2,7 @@
 
 There is no public transformers API for removing tokens from the middle of a cache, so this
 module keeps that knowledge in one place and checks it at run time (`assert_compactable`).
-Facts it relies on (transformers 5.x, see shared/notes/multidecode-on-transformers.md):
+Facts it relies on (transformers 5.x):
 
 * `DynamicCache()` created WITHOUT `config=` gives plain full layers. With a config, sliding
   window models get layers that trim by physical index, which breaks interleaved branches: the

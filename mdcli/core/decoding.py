@@ -19,8 +19,8 @@ from mdcli.core.steps import Policy, StepLoop, Tip
 from mdcli.events import BranchInfo, Event, Progress, Stats
 from mdcli.speculative.planner import Speculate
 
-# common_prefix_length (core/forest.py) and prefill_prompts (core/run.py) are still imported from
-# here by a few strategies, benches and tests; they belong to the modules named
+# common_prefix_length (mdcli.core.forest) and prefill_prompts (mdcli.core.run) are re-exported for
+# the strategies, benches and tests that import them from here; they belong to the modules named
 __all__ = ["BranchSpec", "Decoder", "Independent", "common_prefix_length", "prefill_prompts"]
 
 

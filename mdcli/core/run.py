@@ -47,7 +47,8 @@ class RunnableModel(Protocol):
 
 
 # An edge of the prompts' radix tree at least this long, and this many times longer than every
-# other edge waiting with it, is fed alone (see _spine_first)
+# other edge waiting with it, is fed alone (see _spine_first; measured: notebook/attention.md,
+# "Prefixes read in place, the document laid down first")
 SPINE_MIN_TOKENS = 64
 SPINE_RATIO = 4
 

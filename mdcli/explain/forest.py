@@ -2,7 +2,7 @@
 branch exact.
 
 The layout is computed without running the model. `plan_layout` drives the real
-`decoding.prefill_prompts` (the radix tree of token prefixes) and the real `Engine.extend` (how
+`mdcli.core.run.prefill_prompts` (the radix tree of token prefixes) and the real `Engine.extend` (how
 chains are packed into forwards) over a model-free stand-in whose `forward` only places tokens
 with `forest.layout_chains`, exactly as `Engine.forward` does before it calls the model. So the
 slots, positions and parents shown are the ones a run would use, not a re-derivation that could

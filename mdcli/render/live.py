@@ -154,8 +154,8 @@ class LiveRenderer:
                 self._header = describe_start(event)
             if isinstance(event, Note):
                 self._notes.append(event)
-        # Live methods are called outside our lock: the refresh thread takes Live's lock
-        # before ours, so taking them the other way round could deadlock.
+        # Live methods are called outside this renderer's lock: the refresh thread takes Live's lock
+        # before this one, so taking them the other way round could deadlock.
         if isinstance(event, Start):
             self._start_live()
         elif isinstance(event, Done):

@@ -1,7 +1,7 @@
 """Turning text into the exact token ids a branch will see.
 
 Each branch's prompt is rendered and tokenized WHOLE (chat template included); sharing happens
-afterwards at the token level (decoding.prefill_prompts). Tokenizing pieces separately would change
+afterwards at the token level (mdcli.core.run.prefill_prompts). Tokenizing pieces separately would change
 BPE merges at the seams and break exactness against running the prompt alone.
 """
 

@@ -42,13 +42,11 @@ Boundary = Literal["end", "paragraph", "sentence", "word", "character"]
 
 MIN_SEGMENT_TOKENS = 16
 DEFAULT_SEGMENT_TOKENS = 512
-"""Chosen by measurement (BENCHMARKS.md, "Writing in the Margins"; `python -m mdcli.bench.margins
---sweep`): on a 4,000-token report and the embedded SmolLM2-135M, the margins stage cost 30-40 s
-at 512, 1,024 and 2,048 tokens per segment (prefill-bound, so larger segments save nothing) but
-47-55 s at 256 and 103 s at 128, while how many planted facts the margins recovered did not
-depend on the size (0-1 of 4 at every size: the small model mostly copies its context's first
-paragraph). 512 is the knee: the smallest segments, each margin summarising the least text, at
-no extra cost."""
+"""The knee of the margins stage's cost: larger segments save nothing (the stage is
+prefill-bound), smaller ones cost more (more margins, more instruction tokens), and what the
+margins recover does not depend on the size; so 512 gives the smallest segments, each margin
+summarising the least text, at no extra cost (measured: notebook/margins.md, "Choosing
+`--segment-tokens`"; `python -m mdcli.bench.margins --sweep`)."""
 
 # Where each level may cut: after the end of every match. Separators stay with the piece before.
 _PARAGRAPH_END = re.compile(r"(?:[ \t\f\v]*\r?\n){2,}|(?:[ \t\f\v]*\r){2,}")

@@ -38,10 +38,10 @@ IMPOSSIBLE = -1.0e9
 """HF's score for "cannot be chosen": added, never assigned, so the order of additions matters."""
 
 DEFAULT_COMPACT_RATIO = 0.1
-"""Compact once this fraction of the cache is unreachable from any live beam. Measured (SmolLM2,
-1,000-token prompt, W=8, 1 CPU thread; BENCHMARKS.md): the time did not depend on it within noise
-(a compaction copies the cache once; dead slots cost a little attention), while the peak cache
-fell from 3,040 tokens (never compacting) to 2,477 (0.25) and 2,042 (0.1) over 256 new tokens."""
+"""Compact once this fraction of the cache is unreachable from any live beam. The time hardly
+depends on it (a compaction copies the cache once; dead slots cost a little attention) while the
+peak cache does, so compaction is frequent (measured: notebook/beam.md, "When to compact (the
+beam's dead-slot threshold)")."""
 
 
 # -- memory ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Pure text and token-id work, no model: the prompt templates and how a conversation is tokenized
 whole (`conversation_token_ids`), `parse_plan` (the items of an untidy outline), `extract_answer`
-/ `normalize_answer` / `majority_vote` (the vote). The run itself is in think.py.
+/ `normalize_answer` / `majority_vote` (the vote). The run itself is in run.py.
 """
 
 from __future__ import annotations
