@@ -7,14 +7,14 @@
  * times at most 8 bits), so gguf-py's multiply-then-add and one fused multiply-add round the sum
  * once, the same way: the kernel multiplies by the model's own float32 weights bit for bit while
  * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. `*_dequantize` writes those weights out with the same code:
- * mdcli.gguf_blocks compares them with the model's before it uses a block copy.
+ * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
  * Each output of a row of x sums its inputs in float32 on multiply-add chains, two per output
  * row, one vector lane per input position modulo the vector width, then across the lanes: another
  * summation order than other BLAS kernels, so results agree with them to float32 rounding, not bit
  * for bit.
  *
- * Built twice from this file (mdcli/gguf_blocks.py): with AVX-512 (16 lanes) and with AVX2 (8).
+ * Built twice from this file (mdcli.backends.weights.gguf_blocks): with AVX-512 (16 lanes) and with AVX2 (8).
  */
 #include <immintrin.h>
 #include <stdint.h>

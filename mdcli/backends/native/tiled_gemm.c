@@ -5,7 +5,9 @@
  * run of k * TILE floats, so the product streams the whole weight once, front to back, and each
  * weight vector loaded serves every row of x (up to ROWS at a time, the rest re-read the tile from
  * the core's caches). torch's and numpy's kernels read the weight once per row or pack it again on
- * every call when x has 2-16 rows; see mdcli/tiled_gemm.py for the measurements.
+ * every call when x has 2-16 rows. mdcli.backends.weights.tiled builds it, holds the tiled copies
+ * and says which forwards use it (measured: notebook/cpu-kernels.md, "Small products on Zen 3:
+ * mdcli's own kernel").
  *
  * Each output sums blocks of BLOCK inputs, each block a fused multiply-add chain in input order (for
  * a lone row two chains, even and odd inputs): a different summation order from other BLAS kernels,
@@ -17,9 +19,9 @@
 
 #define TILE 16 /* output columns per tile: two 8-float registers */
 #define ROWS 4  /* rows of x per pass: 2 x ROWS accumulators + 2 weight registers + 1 broadcast fit the 16 */
-/* (the accumulators are named variables, not an array: gcc kept an array's in memory for some row
- * counts, and 8 rows took 95 ms against 62 for the same loop written out; Zen 3, the benchmark in
- * mdcli/tiled_gemm.py) */
+/* (the accumulators are named variables, not an array: gcc keeps an array's in memory for some row
+ * counts, which makes the loop far slower; measured: notebook/cpu-kernels.md, "Small products on
+ * Zen 3: mdcli's own kernel") */
 #define BLOCK 128 /* inputs summed per chain before it is added to the output: shorter chains round less */
 
 /* out = v, or out += v when add (a later block of inputs). */
@@ -28,8 +30,9 @@ static inline void put(float *out, __m256 v, int add) {
 }
 
 /* One row times one tile -> out[TILE]: the inputs alternate between two pairs of accumulators, so
- * four multiply-add chains run at once instead of two, and the loads run further ahead (measured on
- * Zen 3: 46.2 -> 43.6 ms for the embedded model's projections and head, OpenBLAS's sgemv 43.1). */
+ * four multiply-add chains run at once instead of two and the loads run further ahead: a lone row
+ * then runs about as fast as OpenBLAS's sgemv (measured: notebook/cpu-kernels.md, "Small products
+ * on Zen 3: mdcli's own kernel"). */
 static void tile_row(const float *x, int64_t k, const float *tile, float *out, int add) {
     __m256 even0 = _mm256_setzero_ps(), even1 = even0, odd0 = even0, odd1 = even0;
     int64_t c = 0;
