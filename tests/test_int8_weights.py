@@ -164,7 +164,7 @@ def test_cli_refuses_an_unknown_weight_kind_and_int8_beside_bf16_in_one_line_eac
 def test_ask_many_runs_on_int8_weights_from_the_command_line_and_says_so(tiny_dir):
     result = CliRunner().invoke(app, ["ask-many", "-", "-q", "Who kept the lighthouse?", "-q", "Where?",
                                       "--model", str(tiny_dir("llama")), "--cpu-weights", "int8", "-n", "6",
-                                      "--device", "cpu", "-o", "plain"], input=DOCUMENT)
+                                      "--device", "cpu", "-o", "plain", "--verbose"], input=DOCUMENT)
     assert result.exit_code == 0, result.output
     assert result.stdout.count("## ") == 2
     assert "int8 weights" in result.stderr and "kernels torch int8" in result.stderr  # the header says what ran
