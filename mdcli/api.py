@@ -16,18 +16,10 @@ from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Event
 from mdcli.core.run import Run, start_event
 from mdcli.core.sampling import SamplingParams
-from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
-from mdcli.strategies.margins import (
-    DEFAULT_ANSWER_TOKENS,
-    DEFAULT_CLASSIFY_TOKENS,
-    DEFAULT_MARGIN_TOKENS,
-    Margins,
-    MarginsPrompts,
-    run_margins,
-)
+from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
 from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
@@ -82,18 +74,18 @@ def ask_many(
 
 def margins(
     model: LoadedModel,
-    documents: str | list[str],
+    documents: str | list[str] | Margins,
     query: str | None = None,
     *,
     questions: list[str] | None = None,
     names: list[str] | None = None,
     context: str | None = None,
     segment_tokens: int | None = None,
-    keep: str = "relevant",
-    classify: bool = True,
-    with_segments: bool = False,
-    prompts=None,
-    chat_template: bool = True,
+    keep: str | None = None,
+    classify: bool | None = None,
+    with_segments: bool | None = None,
+    prompts: MarginsPrompts | None = None,
+    chat_template: bool | None = None,
     sampling: SamplingParams | None = None,
     max_new_tokens: int | None = None,
     classify_tokens: int | None = None,
@@ -107,25 +99,28 @@ def margins(
     per question, each phase one set of forwards). `context`: "chain" (each margin
     reads segments 1..i; the default for one document) or "independent" (each reads its segment
     alone; the default for several). `prompts`: a strategies.margins.MarginsPrompts. Events and
-    templates are documented in mdcli/strategies/margins/ (run.py and job.py)."""
-    job = Margins(
-        documents=[documents] if isinstance(documents, str) else list(documents),
-        query=query or "",
-        questions=list(questions or []),
-        names=names,
-        layout=context,  # type: ignore[arg-type]
-        segment_tokens=segment_tokens or DEFAULT_SEGMENT_TOKENS,
-        keep=keep,  # type: ignore[arg-type]
-        classify=classify,
-        with_segments=with_segments,
-        prompts=prompts or MarginsPrompts(),
-        chat_template=chat_template,
-        sampling=sampling or SamplingParams(),
-        margin_tokens=max_new_tokens or DEFAULT_MARGIN_TOKENS,
-        classify_tokens=classify_tokens or DEFAULT_CLASSIFY_TOKENS,
-        answer_tokens=answer_tokens or DEFAULT_ANSWER_TOKENS,
-        memory_budget_bytes=memory_budget_bytes,
-    )
+    templates are documented in mdcli/strategies/margins/ (run.py and job.py).
+
+    `documents` is a Margins job, or the document text(s) with the job's fields as keywords: a
+    keyword left None takes the job's default (strategies.margins.Margins, MarginsOptions;
+    `context` is its `layout`, `max_new_tokens` its `margin_tokens`). `max_forward_tokens`,
+    `compact_ratio` and `speculate` go to the run. Arguments are checked here, before the first
+    event is asked for."""
+    fields = {
+        "query": query, "questions": questions, "names": names, "layout": context, "segment_tokens": segment_tokens,
+        "keep": keep, "classify": classify, "with_segments": with_segments, "prompts": prompts,
+        "chat_template": chat_template, "sampling": sampling, "margin_tokens": max_new_tokens,
+        "classify_tokens": classify_tokens, "answer_tokens": answer_tokens, "memory_budget_bytes": memory_budget_bytes,
+    }
+    given = {name: value for name, value in fields.items() if value is not None}
+    if isinstance(documents, Margins):
+        if given:
+            raise TypeError(f"margins() got a Margins job and its fields as keywords too ({', '.join(given)})")
+        job = documents
+    else:
+        if "questions" in given:
+            given["questions"] = list(given["questions"])
+        job = Margins(documents=[documents] if isinstance(documents, str) else list(documents), **given)
     job.validate()
     return run_margins(model, job, **engine_options)
 

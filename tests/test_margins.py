@@ -15,6 +15,7 @@ from mdcli.api import margins
 from mdcli.cli.app import app
 from mdcli.core.decoding import common_prefix_length
 from mdcli.errors import UsageError
+from mdcli.strategies.job import FieldError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
 from mdcli.models.load import load_model
 from mdcli.models.memory import kv_bytes_per_token
@@ -446,6 +447,33 @@ def test_a_sentence_longer_than_a_segment_is_split_and_said_so(tiny):
 def test_bad_input_is_a_usage_error_before_the_model_runs(tiny, documents, query, options, needle):
     with pytest.raises(UsageError, match=needle):
         margins(tiny, documents, query, **options)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"layout": "tree"}, "unknown context layout 'tree'"),
+        ({"segment_tokens": 0}, "segment_tokens 0 is too small"),
+        ({"classify_tokens": 0}, "classify_tokens must be at least 1"),
+        ({"margin_tokens": -1}, "margin_tokens must be at least 1"),
+    ],
+)
+def test_the_job_refuses_bad_fields_naming_them(fields, needle):
+    with pytest.raises(FieldError, match=needle):
+        Margins(documents=[REPORT], query=QUERY, **fields)
+
+
+def test_the_api_runs_a_job_as_it_runs_the_same_keywords(tiny):
+    job = Margins(documents=PASSAGES, questions=QUESTIONS[:2], layout="chain", segment_tokens=40, keep="all",
+                  margin_tokens=6, classify_tokens=5, answer_tokens=6)
+    from_keywords = margins(tiny, PASSAGES, questions=QUESTIONS[:2], context="chain", segment_tokens=40, keep="all",
+                            **SMALL)
+    def finished(events):
+        return [(f.branch, f.label, f.token_ids) for f in of_type(events, Finish)]
+
+    assert finished(list(margins(tiny, job))) == finished(list(from_keywords))
+    with pytest.raises(TypeError, match="keep"):
+        margins(tiny, job, keep="relevant")
 
 
 # -- the command line --------------------------------------------------------------------------

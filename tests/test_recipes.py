@@ -707,11 +707,13 @@ def _strategy_models():
     from mdcli import api
     from mdcli.cli import beam as beam_command
     from mdcli.cli import explore as explore_command
+    from mdcli.cli import margins as margins_command
     from mdcli.cli import think as think_command
-    from mdcli.recipes import BeamRecipe, ThinkRecipe
+    from mdcli.recipes import BeamRecipe, MarginsRecipe, ThinkRecipe
     from mdcli.recipes.explore import ExploreRecipe
     from mdcli.strategies.beam import BeamOptions
     from mdcli.strategies.explore import ExploreOptions
+    from mdcli.strategies.margins import MarginsOptions
     from mdcli.strategies.think import ThinkOptions
 
     return [
@@ -720,10 +722,13 @@ def _strategy_models():
         (BeamOptions, api.BeamParams, BeamRecipe, beam_command.beam, {}, "version: 1\nstrategy: beam\nprompt: Hi\n"),
         (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {},
          "version: 1\nstrategy: explore\nprompt: Hi\n"),
+        (MarginsOptions, api.Margins, MarginsRecipe, margins_command.margins,
+         {"layout": "context", "classify": "no_classify"},
+         "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: Who?\n"),
     ]
 
 
-@pytest.mark.parametrize("index", range(3), ids=["think", "beam", "explore"])
+@pytest.mark.parametrize("index", range(4), ids=["think", "beam", "explore", "margins"])
 def test_the_recipe_the_api_and_the_command_share_one_model_per_strategy(index):
     from mdcli import api
     from mdcli.recipes import BeamRecipe
@@ -744,9 +749,13 @@ def test_the_recipe_the_api_and_the_command_share_one_model_per_strategy(index):
         command_default = _command_defaults(command)[parameters.get(name, name)]
         if name == "early_stopping":  # the command line spells it as text
             command_default = api.parse_early_stopping(command_default)
+        if name == "classify":  # margins: the command line's flag is --no-classify
+            command_default = not command_default
         assert command_default is None or command_default == model_default, (name, command_default, model_default)
-    if "max_new_tokens" in job.model_fields:
-        assert _command_defaults(command)["max_new_tokens"] == job.model_fields["max_new_tokens"].default
+    # the budget per branch (margins: per margin, its job's margin_tokens) is the command's -n
+    budget = "margin_tokens" if "margin_tokens" in job.model_fields else "max_new_tokens"
+    if budget in job.model_fields:
+        assert _command_defaults(command)["max_new_tokens"] == job.model_fields[budget].default
 
 
 def test_ask_many_command_api_and_recipe_agree_on_the_answer_budget():

@@ -19,8 +19,9 @@ from mdcli.cli.common import (
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
-# The API's defaults, as literals: importing the API for them would load the decoding stack on
-# `mdcli --help`. tests/test_structure.py checks they agree.
+# The job model's defaults (strategies.margins.Margins, MarginsOptions), as literals: importing
+# them would load the decoding stack on `mdcli --help`. tests/test_recipes.py and
+# tests/test_structure.py check they agree.
 _SEGMENT_TOKENS = 512
 _MIN_SEGMENT_TOKENS = 16
 _MARGIN_TOKENS = 48
@@ -187,13 +188,7 @@ def margins(
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
         lm = load(load_options(locals()))
-        events = api.margins(
-            lm, job.documents, job.query, questions=job.questions, names=job.names, context=job.layout,
-            segment_tokens=job.segment_tokens, keep=job.keep, classify=job.classify, with_segments=job.with_segments,
-            prompts=job.prompts, chat_template=job.chat_template, sampling=job.sampling,
-            max_new_tokens=job.margin_tokens, classify_tokens=job.classify_tokens, answer_tokens=job.answer_tokens,
-            memory_budget_bytes=job.memory_budget_bytes, max_forward_tokens=max_forward_tokens, speculate=speculation,
-        )
+        events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field
+from pydantic import SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 from mdcli.errors import UsageError
 from mdcli.recipes.checks import check_questions
@@ -24,7 +24,7 @@ from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase, TemplateSite
 from mdcli.recipes.templates import escape_dollars, fill
 from mdcli.strategies.margins import run_margins
-from mdcli.strategies.margins.job import Margins, MarginsPrompts
+from mdcli.strategies.margins.job import Margins, MarginsOptions, MarginsPrompts
 
 if TYPE_CHECKING:
     from mdcli.events import Event
@@ -33,9 +33,15 @@ if TYPE_CHECKING:
 
 _TEMPLATE_FIELDS = {"margin_template": "margin", "classification_template": "classification",
                     "answer_template": "answer"}
+# a dumped recipe's own keys, after the common ones: the order a person reads them in
+_DUMP_ORDER = ("query", "questions", "layout", "segment_tokens", "keep", "classify", "with_segments",
+               "margin_template", "classification_template", "answer_template", "classify_tokens", "answer_tokens")
+# dumped whenever the recipe states them, even at their defaults: a saved recipe (--save-recipe
+# states them all) keeps its meaning if the defaults change
+_STATED_LIMITS = ("segment_tokens", "classify_tokens", "answer_tokens")
 
 
-class MarginsRecipe(RecipeBase):
+class MarginsRecipe(RecipeBase, MarginsOptions):
     """margins: Writing in the Margins over the context (the document). `query` (one question)
     or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin;
     the classification and answer have their own limits."""
@@ -43,16 +49,18 @@ class MarginsRecipe(RecipeBase):
     strategy: Literal["margins"]
     query: str | None = None
     questions: list[str] | None = None
-    layout: Literal["chain", "independent"] | None = None
-    segment_tokens: int | None = Field(None, ge=1)
-    keep: Literal["all", "relevant"] = "relevant"
-    classify: bool = True
-    with_segments: bool = False
-    margin_template: str | None = None
+    margin_template: str | None = None  # None: the strategy's (MarginsPrompts)
     classification_template: str | None = None
     answer_template: str | None = None
-    classify_tokens: int | None = Field(None, ge=1)
-    answer_tokens: int | None = Field(None, ge=1)
+    # the rest of the fields are margins' own parameters, with their defaults and bounds: MarginsOptions
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        data = handler(self)
+        if info.exclude_defaults and info.include is None and info.exclude is None:
+            data.update({name: getattr(self, name) for name in _STATED_LIMITS if name in self.model_fields_set})
+        ordered = {key: value for key, value in data.items() if key not in _DUMP_ORDER}
+        return ordered | {key: data[key] for key in _DUMP_ORDER if key in data}
 
     def check(self, var_names: set[str]) -> None:
         if self.context is None:
@@ -93,14 +101,12 @@ class MarginsRecipe(RecipeBase):
         """The strategies.margins job this recipe runs, its variables' values known."""
         overrides = {name: getattr(self, field) for field, name in _TEMPLATE_FIELDS.items()}
         prompts = MarginsPrompts(system=self.system, **{k: v for k, v in overrides.items() if v is not None})
-        limits = {"segment_tokens": self.segment_tokens, "margin_tokens": self.sampling.max_new_tokens,
-                  "classify_tokens": self.classify_tokens, "answer_tokens": self.answer_tokens}
         return Margins(
             documents=[context], query=fill(self.query, values) if self.query is not None else "",
-            questions=[fill(question, values) for question in self.questions or []], layout=self.layout,
-            keep=self.keep, classify=self.classify, with_segments=self.with_segments, prompts=prompts,
+            questions=[fill(question, values) for question in self.questions or []], prompts=prompts,
             chat_template=self.chat_template, sampling=self.sampling.params(),
-            **{name: value for name, value in limits.items() if value is not None},
+            margin_tokens=self.sampling.new_tokens(Margins.model_fields["margin_tokens"].default),
+            **{name: getattr(self, name) for name in MarginsOptions.model_fields},
         )
 
 

@@ -1,6 +1,7 @@
 """margins: Writing in the Margins, every margin written at once.
 
-    job    what a run asks: documents, questions, every choice and every prompt text (no model)
+    job    what a run asks: documents, questions, every parameter (MarginsOptions, shared with
+           the recipe) and every prompt text (no model)
     fit    what fits: every prompt within the context, every phase's cache within memory
     run    the three phases (margins, classifications, answers) over one cache; its docstring
            documents the prompts and the events
@@ -21,6 +22,7 @@ from mdcli.strategies.margins.job import (
     MARGIN_TEMPLATE,
     MarginResult,
     Margins,
+    MarginsOptions,
     MarginsPrompts,
     NOTE_SEPARATOR,
     NOTE_TEMPLATE,
@@ -35,6 +37,6 @@ __all__ = [
     "ANSWER_TEMPLATE", "CLASSIFICATION_TEMPLATE", "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS",
     "DEFAULT_MARGIN_TOKENS", "DOCUMENT_SEPARATOR", "KEEPS", "LAYOUTS", "MARGIN_TEMPLATE", "MEMORY_SHARE", "NO_NOTES",
     "NOTE_SEPARATOR", "NOTE_TEMPLATE", "NOTE_WITH_SEGMENT_TEMPLATE", "Keep", "Layout", "MarginResult", "Margins",
-    "MarginsPrompts", "Verdict", "cache_tokens", "check_fits", "new_decoder", "parse_verdict", "radix_token_count",
-    "run_margins", "sources_note",
+    "MarginsOptions", "MarginsPrompts", "Verdict", "cache_tokens", "check_fits", "new_decoder", "parse_verdict",
+    "radix_token_count", "run_margins", "sources_note",
 ]

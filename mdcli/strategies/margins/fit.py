@@ -9,7 +9,6 @@ gives fewer, larger segments (fewer branches).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, common_prefix_length
@@ -143,7 +142,7 @@ def _what_fits(
 
 def _segment_tokens_that_fit(job: Margins, tokenizer, room: int, segment_count: int, limit: int | None) -> int | None:
     for factor in LARGER_SEGMENTS:
-        candidate = replace(job, segment_tokens=job.segment_tokens * factor)
+        candidate = job.model_copy(update={"segment_tokens": job.segment_tokens * factor})
         segments = candidate.segments(tokenizer)
         if len(segments) >= segment_count:
             continue

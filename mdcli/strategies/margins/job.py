@@ -1,8 +1,9 @@
-"""margins, what a run asks: the documents, the questions, every choice, and every prompt text.
+"""margins, what a run asks: the documents, the questions, every parameter (MarginsOptions,
+shared with the recipe), and every prompt text.
 
 No model is needed here except a tokenizer to build token ids. The running of the three phases
-is mdcli/strategies/margins.py (its docstring documents the prompts and the events); what fits in
-the context and in memory is mdcli/strategies/margins_fit.py.
+is run.py (its docstring documents the prompts and the events); what fits in the context and in
+memory is fit.py.
 
 Several questions: every question gets its own margin per segment, its own classifications and
 its own answer. Each of those prompts is exactly the prompt that question would get in a run of
@@ -14,20 +15,22 @@ question the tokens a single-question run gives it. The margin template puts `$c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from pydantic import Field
 
 from mdcli.core.decoding import BranchSpec
-from mdcli.errors import UsageError
-from mdcli.strategies.job import FieldError
-from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.core.sampling import SamplingParams
+from mdcli.errors import UsageError
+from mdcli.strategies.job import FieldError, Job, Options
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, Segment, check_segment_tokens, split_documents, token_counter
 
 Layout = Literal["chain", "independent"]
 Keep = Literal["all", "relevant"]
-LAYOUTS: tuple[str, ...] = ("chain", "independent")
-KEEPS: tuple[str, ...] = ("all", "relevant")
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+KEEPS: tuple[str, ...] = get_args(Keep)
 
 MARGIN_TEMPLATE = (
     "```\n$context\n```\n"
@@ -64,10 +67,6 @@ NO_NOTES = "(no relevant notes)"
 NOTE_SEPARATOR = "\n\n"
 DOCUMENT_SEPARATOR = "\n\n"
 """Between documents in the chain layout's context."""
-
-DEFAULT_MARGIN_TOKENS = 48
-DEFAULT_CLASSIFY_TOKENS = 24
-DEFAULT_ANSWER_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -117,28 +116,48 @@ class MarginResult:
     question: int = 0  # 0-based index of the question this margin was written for
 
 
-@dataclass
-class Margins:
+class MarginsOptions(Options):
+    """margins' parameters: the job's and the recipe's (mdcli/recipes/margins.py) alike."""
+
+    layout: Layout | None = None  # None: chain for one document, independent for several
+    # at least MIN_SEGMENT_TOKENS: the segmenter's own rule, checked by validate() (and by the splitter)
+    segment_tokens: int = Field(DEFAULT_SEGMENT_TOKENS, ge=1)
+    keep: Keep = "relevant"  # the margins the answer reads: those classified relevant, or all
+    classify: bool = True  # False: no classification; the answer reads every margin
+    with_segments: bool = False  # the answer's notes quote each kept margin's segment too
+    classify_tokens: int = Field(24, ge=1)
+    answer_tokens: int = Field(256, ge=1)
+
+
+class Margins(Job, MarginsOptions):
     """One run: documents, one or more questions and every choice; `validate()` needs no model.
 
     `query` is the one-question form; `questions` the several-question form (give one of them)."""
 
     documents: list[str]
     query: str = ""
-    questions: list[str] = field(default_factory=list)
+    questions: list[str] = Field(default_factory=list)
     names: list[str] | None = None
-    layout: Layout | None = None  # None: chain for one document, independent for several
-    segment_tokens: int = DEFAULT_SEGMENT_TOKENS
-    keep: Keep = "relevant"
-    classify: bool = True
-    with_segments: bool = False
-    prompts: MarginsPrompts = field(default_factory=MarginsPrompts)
+    prompts: MarginsPrompts = Field(default_factory=MarginsPrompts)
     chat_template: bool = True
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    margin_tokens: int = DEFAULT_MARGIN_TOKENS
-    classify_tokens: int = DEFAULT_CLASSIFY_TOKENS
-    answer_tokens: int = DEFAULT_ANSWER_TOKENS
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    margin_tokens: int = Field(48, ge=1)  # most tokens per margin (a recipe's sampling.max_new_tokens)
     memory_budget_bytes: int | None = None  # None: MEMORY_SHARE of the device's free memory
+
+    @classmethod
+    def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
+        if name == "layout":
+            return FieldError(f"unknown context layout '{value}'", fix="use {layout} chain or independent")
+        if name == "keep":
+            return FieldError(f"unknown {{keep}} '{value}'", fix="use {keep} all or relevant")
+        if name == "segment_tokens" and isinstance(value, int):
+            try:
+                check_segment_tokens(value)
+            except FieldError as error:
+                return error
+        if name in ("margin_tokens", "classify_tokens", "answer_tokens") and isinstance(value, int):
+            return FieldError(f"{{{name}}} must be at least 1", fix="use a positive number")
+        return super().problem(name, value, data, message)
 
     # -- checks without a model --------------------------------------------------------------
 
@@ -149,14 +168,7 @@ class Margins:
         for name, text in zip(self.document_names(), self.documents):
             if not text.strip():
                 raise UsageError(f"{name} is empty", fix="give a document with some text")
-        check_segment_tokens(self.segment_tokens)
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise FieldError(f"unknown context layout '{self.layout}'", fix="use {layout} chain or independent")
-        if self.keep not in KEEPS:
-            raise FieldError(f"unknown {{keep}} '{self.keep}'", fix="use {keep} all or relevant")
-        for name in ("margin_tokens", "classify_tokens", "answer_tokens"):
-            if getattr(self, name) < 1:
-                raise FieldError(f"{{{name}}} must be at least 1", fix="use a positive number")
+        check_segment_tokens(self.segment_tokens)  # layout, keep and the token limits: checked by the fields
         self.prompts.check()
 
     def _check_questions(self) -> None:
@@ -303,6 +315,11 @@ class Margins:
     def _spec(self, tokenizer, label: str, user_text: str, sampling: SamplingParams, max_new: int) -> BranchSpec:
         ids = prompt_token_ids(tokenizer, user_text, system=self.prompts.system, chat_template=self.chat_template)
         return BranchSpec(label=label, prompt_ids=ids, sampling=sampling, max_new_tokens=max_new)
+
+
+DEFAULT_MARGIN_TOKENS: int = Margins.model_fields["margin_tokens"].default
+DEFAULT_CLASSIFY_TOKENS: int = MarginsOptions.model_fields["classify_tokens"].default
+DEFAULT_ANSWER_TOKENS: int = MarginsOptions.model_fields["answer_tokens"].default
 
 
 # -- reading the classifier ---------------------------------------------------------------------
