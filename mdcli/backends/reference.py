@@ -4,7 +4,9 @@ It runs the model as transformers wrote it. Where the plan routes float32 CPU li
 (x86-64 with AVX-512), a torch function mode (`OneDnnRouting`) sends that forward's `F.linear` and
 masked `F.scaled_dot_product_attention` calls to mdcli.backends.attention.gemm. A torch function
 mode is entered per forward and is local to the calling thread: nothing in torch or transformers
-is replaced, and another model's forward, or another thread's, keeps torch's own functions.
+is replaced, and another model's forward, or another thread's, keeps torch's own functions. The
+mode sees every torch call of the forward, about 2 us each, which the routing repays many times
+over (measured: notebook/cpu-kernels.md, "The routing as a torch function mode").
 """
 
 from __future__ import annotations
