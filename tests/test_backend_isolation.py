@@ -104,3 +104,15 @@ def test_the_plan_is_made_once_at_load_and_read_by_every_run(embedded):
     assert first.engine.model_forward is second.engine.model_forward is embedded.forward
     assert first.engine.model_forward.plan is plan
     assert embedded.forward.describe() == plan.describe()
+
+
+def test_mdcli_keeps_no_state_on_the_models_it_runs(embedded):
+    """Weight copies, .gguf blocks and their source are held beside the model (weakly), not on it."""
+    from mdcli.api import ask_many
+
+    list(ask_many(embedded, "Mara kept the lighthouse.", ["Who?", "Where?"], max_new_tokens=3))
+    if not (embedded.forward.plan.packed or embedded.forward.plan.blocks):
+        pytest.skip("this host's plan makes no weight copies to look for")
+    on_the_model = [(name, key) for name, module in embedded.model.named_modules()
+                    for key in vars(module) if "mdcli" in key]
+    assert on_the_model == []

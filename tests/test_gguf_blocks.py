@@ -290,7 +290,7 @@ def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monke
     gguf_blocks.blocks_work.cache_clear()
     try:
         assert gguf_blocks.library() is None and not gguf_blocks.blocks_work()
-        model.__dict__[gguf_blocks.SOURCE_KEY] = str(tmp_path / "unread.gguf")  # never opened: no kernel
+        remember_source(model, tmp_path / "unread.gguf")  # never opened: no kernel
         plan = select(model)
         assert plan.blocks is None and FastForward(model, plan).blocks is None
         assert FastForward(model, plan, blocks=True).blocks is None  # even when asked for

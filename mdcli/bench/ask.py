@@ -44,7 +44,6 @@ from mdcli.backends.forward import ModelForward
 from mdcli.backends.reference import cache_argument
 from mdcli.backends.select import select
 from mdcli.backends.weights.int8 import described, quantize_model
-from mdcli.backends.weights.packed import copies_set_aside
 from mdcli.bench.harness import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
 from mdcli.core.cache import new_cache
@@ -215,8 +214,7 @@ def int8_copy(model: LoadedModel) -> LoadedModel:
     while the float32 model lives."""
 
     if model.model not in _INT8_COPIES:
-        with copies_set_aside(model.model):  # a forest that ran before left packed copies on it
-            weights = copy.deepcopy(model.model)
+        weights = copy.deepcopy(model.model)  # its weight copies are kept beside it, so none come along
         reason = f"{model.dtype_reason}; {described(quantize_model(weights))}"
         forward = ModelForward(weights, select(weights), sliding_window=model.sliding_window)
         _INT8_COPIES[model.model] = replace(model, model=weights, forward=forward, cpu_weights="int8",

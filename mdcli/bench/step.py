@@ -79,6 +79,7 @@ class StepProfile:
         self.steps = 0
         self.total = 0.0
         self._depth: dict[str, int] = defaultdict(int)
+        self._started: dict[object, float] = {}  # module -> when its call began (hooks), kept here, not on it
 
     @contextmanager
     def observe(self):
@@ -167,12 +168,12 @@ class StepProfile:
 
     def _start(self, part):
         def hook(module, args):
-            module.__dict__["_mdcli_started"] = time.perf_counter()
+            self._started[module] = time.perf_counter()
         return hook
 
     def _stop(self, part):
         def hook(module, args, output):
-            self.seconds[part] += time.perf_counter() - module.__dict__["_mdcli_started"]
+            self.seconds[part] += time.perf_counter() - self._started.pop(module)
         return hook
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import struct
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -66,8 +67,10 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # own blocks: the same float32 weights in a sixth of the bytes"; the AVX2 build on an AVX-512 core,
 # not on an AVX2-only CPU).
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
-SOURCE_KEY = "_mdcli_gguf_source"  # model.__dict__: the .gguf file its weights were dequantized from
-CACHE_KEY = "_mdcli_gguf_blocks"  # model.__dict__: (copies per layer, head) or the reason there are none
+# Beside each model, never on it (keyed weakly: they go when the model does): the .gguf file its
+# float32 weights were dequantized from, and its blocks read from that file (or why there are none).
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +96,13 @@ def max_rows() -> int:
 
 
 def remember_source(model, path: Path | str) -> None:
-    """Note on the model the .gguf file its float32 weights were dequantized from (mdcli.models.load)."""
-    model.__dict__[SOURCE_KEY] = str(path)
+    """Note the .gguf file the model's float32 weights were dequantized from (mdcli.models.load)."""
+    _SOURCES[model] = str(path)
 
 
 def source_known(model) -> bool:
     """The model was loaded from a .gguf whose blocks its float32 weights may be."""
-    return SOURCE_KEY in model.__dict__
+    return model in _SOURCES
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,13 +189,13 @@ def blocks_work() -> bool:
 
 def model_blocks(model, free_memory=available_memory_bytes) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
     """(qkv, o, gate_up, down) in blocks for each decoder layer, fused as mdcli.backends.llama fuses
-    them, and the head; or why there are none. Read from the model's .gguf once and kept on the
+    them, and the head; or why there are none. Read from the model's .gguf once and kept beside the
     model, like mdcli.backends.weights.packed's copies."""
-    cached = model.__dict__.get(CACHE_KEY)
+    cached = _BLOCKS.get(model)
     if cached is None:
-        source = model.__dict__.get(SOURCE_KEY)
+        source = _SOURCES.get(model)
         cached = read_blocks(Path(source), model, free_memory) if source else "the model was not loaded from a .gguf"
-        model.__dict__[CACHE_KEY] = cached
+        _BLOCKS[model] = cached
     return cached
 
 

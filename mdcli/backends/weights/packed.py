@@ -25,12 +25,10 @@ real host kind")
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import weakref
 
 import torch
 
-from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights import tiled as tiled_gemm
 
 BATCH_HINT = 8  # the token count oneDNN chooses the layout for; it serves 1 to 16 tokens alike
@@ -38,46 +36,34 @@ BATCH_HINT = 8  # the token count oneDNN chooses the layout for; it serves 1 to 
 
 def packed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
     """(qkv, o, gate_up, down) packed per mdcli.backends.llama layer, and the output head packed: made once
-    per model and kept on it, so every engine over the same model shares one packed copy (the
-    weights do not change while mdcli runs: it only runs inference)."""
-    return _copied(model, layers, _CACHE, pack)
+    per model and kept beside it (`_COPIES`), so every forward over the same model shares one packed
+    copy (the weights do not change while mdcli runs: it only runs inference)."""
+    return _copied(model, layers, "packed", pack)
 
 
 def transposed_weights(model, layers) -> tuple[list[tuple], torch.Tensor]:
     """The same, each weight transposed ([in, out], contiguous) for `transposed_linear`."""
-    return _copied(model, layers, _TRANSPOSED_CACHE, transpose)
+    return _copied(model, layers, "transposed", transpose)
 
 
 def tiled_weights(model, layers) -> tuple[list[tuple], object]:
     """The same, each weight in mdcli.backends.weights.tiled's tiles for `tiled_linear`."""
-    return _copied(model, layers, _TILED_CACHE, tiled_gemm.tile)
+    return _copied(model, layers, "tiled", tiled_gemm.tile)
 
 
-def _copied(model, layers, key: str, convert) -> tuple[list[tuple], torch.Tensor]:
-    cached = model.__dict__.get(key)
+def _copied(model, layers, kind: str, convert) -> tuple[list[tuple], torch.Tensor]:
+    cached = _COPIES[kind].get(model)
     if cached is None or len(cached[0]) != len(layers):
         copies = [tuple(convert(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in layers]
         cached = (copies, convert(model.lm_head.weight))
-        model.__dict__[key] = cached
+        _COPIES[kind][model] = cached
     return cached
 
 
-_TRANSPOSED_CACHE = "_mdcli_transposed_projections"
-_TILED_CACHE = "_mdcli_tiled_projections"
-_CACHE = "_mdcli_packed_projections"
-
-
-@contextlib.contextmanager
-def copies_set_aside(model) -> Iterator[None]:
-    """The model without the weight copies kept on it, for the block (`copy.deepcopy` cannot copy
-    oneDNN's packed tensors, and a copy of the model wants none of them: an int8 copy reads no .gguf
-    blocks either); put back after."""
-    keys = (_CACHE, _TRANSPOSED_CACHE, _TILED_CACHE, gguf_blocks.CACHE_KEY)
-    aside = {key: model.__dict__.pop(key) for key in keys if key in model.__dict__}
-    try:
-        yield
-    finally:
-        model.__dict__.update(aside)
+# Each model's weight copies by kind, held beside the model, never on it: keyed weakly, they go when
+# the model does, and a copy of the model (copy.deepcopy) starts without them.
+_COPIES: dict[str, weakref.WeakKeyDictionary] = {kind: weakref.WeakKeyDictionary()
+                                                 for kind in ("packed", "transposed", "tiled")}
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
