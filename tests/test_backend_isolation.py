@@ -116,3 +116,39 @@ def test_mdcli_keeps_no_state_on_the_models_it_runs(embedded):
     on_the_model = [(name, key) for name, module in embedded.model.named_modules()
                     for key in vars(module) if "mdcli" in key]
     assert on_the_model == []
+
+
+def test_grouped_sdpa_is_transformers_sdpa_with_grouped_heads_read_natively():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mdcli.backends.reference import grouped_sdpa
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 5, 16, generator=generator)
+    k, v = (torch.randn(1, 2, 12, 16, generator=generator) for _ in range(2))
+    allowed = torch.rand(5, 12, generator=generator) < 0.6
+    allowed[:, -5:] |= torch.eye(5, dtype=torch.bool)
+    mask = torch.zeros(5, 12).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    want, _ = sdpa_attention_forward(Attention(), q, k, v, mask, scaling=0.25)  # [1, 5, 6, 16]
+    got, weights = grouped_sdpa(Attention(), q, k, v, mask, scaling=0.25)
+    assert weights is None and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_masked_reference_forward_attends_through_grouped_sdpa_and_gives_the_config_back():
+    from mdcli.backends.reference import GROUPED_SDPA
+
+    model = tiny_model("qwen2", "sdpa")  # 4 query heads over 2 key/value heads
+    seen: list[str] = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config._attn_implementation))
+    prompts = random_prompts(12, [3, 4], seed=2)
+    generated = greedy_forest(engine_for(model, own_forward=False), prompts, steps=3)
+    assert GROUPED_SDPA in seen and "sdpa" in seen  # masked forwards grouped, the shared causal prefill stock
+    assert model.config._attn_implementation == "sdpa"
+    for i, prompt in enumerate(prompts):
+        assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"

@@ -44,6 +44,7 @@ step"; each rule's own measurement is linked from mdcli.backends.select)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,22 @@ from mdcli.backends.weights.gguf_blocks import block_linear
 from mdcli.backends.weights.int8 import fused_int8, has_int8_weights, int8_linear
 from mdcli.backends.weights.row_slices import joined_rows
 from mdcli.backends.weights.tiled import TILED_MAX_ROWS, tiled_linear
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One layout of the model's weights and the product that reads it: forwards of up to
+    `max_rows` tokens (None: any) multiply by `layers`' weights and `head` through
+    `linear(x, weight, bias)`, whatever the layout."""
+
+    name: str
+    max_rows: int | None
+    linear: Callable
+    layers: list
+    head: object
+
+    def serves(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
 
 
 @dataclass
@@ -147,6 +164,30 @@ class FastForward:
             packed, self.head = packing.packed_weights(model, self.layers)
             for layer, weights in zip(self.layers, packed):
                 layer.qkv, layer.o, layer.gate_up, layer.down = weights
+        self.formats = self._weight_formats()
+
+    def _weight_formats(self) -> tuple[WeightFormat, ...]:
+        """The formats this forward's weights come in, narrowest first: a forward of M tokens takes
+        the first that serves M (int8 copies serve every width; else the .gguf's blocks up to
+        block_rows, the transposed copy for a lone token, the tiled copy up to TILED_MAX_ROWS, and
+        the packed copy or the plain weights for the rest)."""
+        if self.int8:
+            return (WeightFormat("int8", None, _int8_linear, self.layers, self.head),)
+        formats = []
+        if self.blocks:
+            formats.append(WeightFormat(".gguf blocks", self.block_rows, _block_linear, self.block_layers,
+                                        self.block_head))
+        if self.transposed:
+            formats.append(WeightFormat("transposed", 1, _blas_linear if self.lone_blas else _transposed_linear,
+                                        self.lone, self.lone_head))
+        if self.tiled:
+            formats.append(WeightFormat("tiled", TILED_MAX_ROWS, _tiled_linear, self.small, self.small_head))
+        if self.packed:
+            widest = _pair_padded_linear if self.pair_padded else _packed_linear
+        else:
+            widest = _routed_linear if self.onednn else _torch_linear
+        formats.append(WeightFormat("packed" if self.packed else "plain", None, widest, self.layers, self.head))
+        return tuple(formats)
 
     def _block_copies(self, model):
         """The .gguf's blocks for every projection and the head (mdcli.backends.weights.gguf_blocks), where the
@@ -166,18 +207,8 @@ class FastForward:
         indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
 
         m = tokens.shape[0]
-        if self.int8:
-            linear, layers, head = int8_linear, self.layers, self.head
-        elif self.blocks and m <= self.block_rows:
-            linear, layers, head = block_linear, self.block_layers, self.block_head
-        elif m == 1 and self.transposed:
-            linear, layers, head = (_blas_linear if self.lone_blas else _transposed_linear), self.lone, self.lone_head
-        elif self.tiled and m <= TILED_MAX_ROWS:
-            linear, layers, head = _tiled_linear, self.small, self.small_head
-        else:
-            linear = (_pair_padded_linear if self.pair_padded else _packed_linear) if self.packed \
-                else routed_linear if self.onednn else F.linear
-            layers, head = self.layers, self.head
+        weights = next(f for f in self.formats if f.serves(m))
+        linear, layers, head = weights.linear, weights.layers, weights.head
         if m <= self.blas_queries:
             with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
                 return self._forward(tokens, positions, mask, cache, keep, linear, layers, head,
@@ -282,6 +313,23 @@ def _with_weights(layers, copies) -> list[_Layer]:
     """The layers with each one's (qkv, o, gate_up, down) replaced by its copies."""
     return [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
             for layer, (qkv, o, gate_up, down) in zip(layers, copies)]
+
+
+# Each format's product looks its kernel up when called, so a profiler can time the kernels by name.
+def _int8_linear(x, weight, bias=None):
+    return int8_linear(x, weight, bias)
+
+
+def _block_linear(x, weight, bias=None):
+    return block_linear(x, weight, bias)
+
+
+def _routed_linear(x, weight, bias=None):
+    return routed_linear(x, weight, bias)
+
+
+def _torch_linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
 
 
 def _tiled_linear(x, weight, bias=None):

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from mdcli.backends import llama as fastforward
 from mdcli.backends import reference
 from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights import tiled as tiled_gemm
 from mdcli.backends.weights.blas import one_blas_thread, openblas_linear
 from mdcli.backends.weights.int8 import dequantized_product, kernel_product, quantize
@@ -41,8 +42,8 @@ from mdcli.backends.weights.packed import (
     transposed_linear,
 )
 from mdcli.bench import RANDOM_SHAPES
-from mdcli.bench.harness import random_model
 from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
+from mdcli.bench.harness import random_model
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import (
     EngineStepper,
@@ -109,11 +110,12 @@ class StepProfile:
             return timed
 
         timed_linear = timed_linear_of(linear, 0)
-        timed_packed_linear = timed_linear_of(fastforward._packed_linear, 0)
-        timed_pair_padded_linear = timed_linear_of(fastforward._pair_padded_linear, 0)
-        timed_transposed_linear = timed_linear_of(fastforward._transposed_linear, 1)
-        timed_blas_linear = timed_linear_of(fastforward._blas_linear, 1)
-        timed_tiled_linear = timed_linear_of(fastforward._tiled_linear, 0)  # TiledWeight.shape is (out, in)
+        # the kernels the own forward's weight formats call by name (mdcli.backends.llama.WeightFormat)
+        timed_packed_linear = timed_linear_of(packing.packed_linear, 0)
+        timed_pair_padded_linear = timed_linear_of(packing.pair_padded_linear, 0)
+        timed_transposed_linear = timed_linear_of(packing.transposed_linear, 1)
+        timed_blas_linear = timed_linear_of(fastforward.openblas_linear, 1)
+        timed_tiled_linear = timed_linear_of(fastforward.tiled_linear, 0)  # TiledWeight.shape is (out, in)
         timed_block_linear = timed_linear_of(fastforward.block_linear, 0)  # BlockWeight.shape is (out, in)
 
         timed_attention = self._timed(F.scaled_dot_product_attention, "attention")
@@ -128,11 +130,11 @@ class StepProfile:
             (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
-            (fastforward, "_packed_linear", timed_packed_linear),
-            (fastforward, "_pair_padded_linear", timed_pair_padded_linear),
-            (fastforward, "_transposed_linear", timed_transposed_linear),
-            (fastforward, "_blas_linear", timed_blas_linear),
-            (fastforward, "_tiled_linear", timed_tiled_linear),
+            (packing, "packed_linear", timed_packed_linear),
+            (packing, "pair_padded_linear", timed_pair_padded_linear),
+            (packing, "transposed_linear", timed_transposed_linear),
+            (fastforward, "openblas_linear", timed_blas_linear),
+            (fastforward, "tiled_linear", timed_tiled_linear),
             (fastforward, "block_linear", timed_block_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
         ]
