@@ -16,7 +16,6 @@ from mdcli.backends.weights.int8 import has_int8_weights, int8_linear_class
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 def unsupported_reason(model) -> str | None:
     """Why this model keeps transformers' forward (None: it can use mdcli's)."""
-
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model type {getattr(config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -42,7 +42,6 @@ def cpu_vendor() -> str:
 def cpu_capability() -> str:
     """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
     (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
-
     return str(torch.backends.cpu.get_cpu_capability())
 
 
@@ -58,11 +57,8 @@ def cpu_model() -> str:
 
 
 def has_avx512() -> bool:
-    """AVX-512 as torch's CPU kernels see it (ATEN_CPU_CAPABILITY can lower it), else the CPU flags."""
-    try:
-        return "AVX512" in cpu_capability()
-    except ImportError:  # torch missing: fall back to what the CPU reports
-        return "avx512f" in cpuinfo_fields().get("flags", "").split()
+    """AVX-512 as torch's CPU kernels see it (ATEN_CPU_CAPABILITY can lower it)."""
+    return "AVX512" in cpu_capability()
 
 
 def cpu_line() -> str:
@@ -76,31 +72,25 @@ def available_memory_bytes(device) -> int | None:
     reclaimable page cache), else free pages from sysconf; None when unknown."""
     if getattr(device, "type", str(device)) == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return _memory_bytes("MemAvailable", "SC_AVPHYS_PAGES")
 
 
 def total_memory_bytes() -> int | None:
     """The machine's memory: MemTotal on Linux, else physical pages from sysconf; None when unknown."""
+    return _memory_bytes("MemTotal", "SC_PHYS_PAGES")
 
+
+def _memory_bytes(meminfo_field: str, sysconf_pages: str) -> int | None:
+    """A /proc/meminfo field in bytes, else that many pages from sysconf, else None."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{meminfo_field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
 
@@ -108,7 +98,6 @@ def total_memory_bytes() -> int | None:
 def host_report() -> dict:
     """The machine and the software mdcli runs on, for `mdcli info` and bug reports (llama.cpp's
     and ollama's system info are the model): CPU, ISA, cores, memory, GPU, versions."""
-
     flags = cpuinfo_fields().get("flags", "").split()
     gpus = [{"name": torch.cuda.get_device_name(i),
              "memory_bytes": torch.cuda.get_device_properties(i).total_memory} for i in range(torch.cuda.device_count())]

@@ -205,7 +205,6 @@ class FastForward:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
         type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
         indices whose logits are wanted, or None for no logits. Returns [C, V] in the model dtype."""
-
         m = tokens.shape[0]
         weights = next(f for f in self.formats if f.serves(m))
         linear, layers, head = weights.linear, weights.layers, weights.head
@@ -296,7 +295,6 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
     query seeing everything); weighted_sum: the batched product for probabilities x values (None:
     torch.bmm; OpenBLAS's reads the values faster for a few queries: mdcli.backends.weights.blas).
     Returns [1, M, H * D]."""
-
     _, heads, m, dim = query.shape
     per_group = heads // groups
     stacked = query[0].reshape(groups, per_group * m, dim)  # [G, H/G * M, D]
@@ -354,7 +352,6 @@ def _blas_linear(x, weight_t, bias=None):
 
 def _rms_norm(x, weight, eps: float):
     """LlamaRMSNorm's operations, in its order (x: [..., hidden])."""
-
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -382,7 +379,6 @@ def _head_norms(attention) -> tuple | None:
 def _rotate(x, cos, sin):
     """Rotary embedding of x: [1, M, heads, D] (queries and keys together), as transformers'
     `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin."""
-
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -411,7 +407,6 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [sum of outputs, in] weight for several linears that read the same input; each linear's
     weight (and bias) becomes a row slice of it, so memory is not doubled. Done once per model:
     a model fused before is recognised by its weights already being consecutive slices."""
-
     if hasattr(linears[0], "int8"):  # int8 weights (mdcli.backends.weights.int8), fused when quantized
         fused = fused_int8(linears)
     else:

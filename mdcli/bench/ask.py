@@ -131,7 +131,6 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     "mdcli" gives them mdcli's CPU kernels too, separating the algorithm's gain from the kernels'.
     reverse runs the approaches last to first (repeats alternate, so a machine that drifts over
     minutes favours no approach); the results come back in the order asked either way."""
-
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
                "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup,
@@ -212,7 +211,6 @@ _INT8_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float32
 def int8_copy(model: LoadedModel) -> LoadedModel:
     """A copy of `model` with its projections made int8 (mdcli.backends.weights.int8), made once and kept
     while the float32 model lives."""
-
     if model.model not in _INT8_COPIES:
         weights = copy.deepcopy(model.model)  # its weight copies are kept beside it, so none come along
         reason = f"{model.dtype_reason}; {described(quantize_model(weights))}"
@@ -294,7 +292,6 @@ def batched(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measure
 
 def prefix_copy(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     """The best hand-made alternative: shared prefill, then a batch over per-branch KV copies."""
-
     shared = _common_prefix_length(prompts)
     suffixes = [p[shared:] for p in prompts]
     width = max(len(s) for s in suffixes)

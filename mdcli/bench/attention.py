@@ -72,7 +72,6 @@ def _branches(reads: list[int], own_start: int, own: int, written: int):
     """[B, N] bool: branch b sees the first reads[b] slots, then its own `own` slots (laid one branch
     after another from `own_start`), the `written` tokens it wrote (interleaved, one step at a time
     for all branches) and this step's own new slot."""
-
     branches = len(reads)
     start = own_start + branches * own
     n = start + branches * written + branches

@@ -63,7 +63,6 @@ def bench_beam(
     whether the returned sequences are identical (they must be; a difference is reported, not
     hidden).
     """
-
     torch.set_num_threads(threads)
     prompt = benchmark_prompt(lm.tokenizer, prompt_tokens)
     ratio = DEFAULT_COMPACT_RATIO if compact_ratio is None else compact_ratio
@@ -147,7 +146,6 @@ def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, 
 def _run_generate(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int) -> dict:
     """generate(num_beams=W) with EOS disabled (eos_token_id=None: no stopping, K = 2W, no
     processor), so it runs the same `new_tokens` steps as mdcli with no EOS ids."""
-
     config = copy.deepcopy(lm.model.generation_config)
     config.update(
         eos_token_id=None,

@@ -43,7 +43,6 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def random_forest_mask(queries: int, keys: int, generator) -> torch.Tensor:
     """[1, 1, M, N] additive float32 mask: each query sees a random 60% of the keys, and always the
     last M keys (the new tokens themselves, query i key N - M + i), as a forest step's rows do."""
-
     allowed = torch.rand(queries, keys, generator=generator) < 0.6
     allowed[:, keys - queries:] |= torch.eye(queries, dtype=torch.bool)
     return torch.zeros(queries, keys).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]

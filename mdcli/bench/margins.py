@@ -138,7 +138,6 @@ def run_mdcli(lm, specs) -> SideResult:
 def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int = 1024) -> SideResult:
     """The paper's algorithm with plain transformers calls: one growing cache, rolled back to the
     end of each segment after its margin is generated."""
-
     model, eos = lm.model, lm.eos_token_ids
     cache, cached, prefilled = DynamicCache(), 0, 0
     margins: list[list[int]] = []

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 def machine_facts(threads: int, plan: Plan | None = None) -> dict:
     """The machine, versions and mdcli's kernels (for `model`: whether its forward reads a .gguf's
     blocks, mdcli.backends.weights.gguf_blocks)."""
-
     kernels = plan.linears if plan is not None else None
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     facts = {

@@ -214,7 +214,6 @@ def linear_kernels_table(token_counts: list[int], repeats: int = 7, int8_weights
     the embedded model's Q4_1 / Q8_0 blocks) where they build; with int8_weights also the int8 kernel and the
     dequantized product `--cpu-weights int8` chooses between (mdcli.backends.weights.int8; "best vs stock"
     then counts them too). Median ms over `repeats`."""
-
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(*shape, generator=generator) * 0.02 for shape in shapes]

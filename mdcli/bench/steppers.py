@@ -103,7 +103,6 @@ def median_step_seconds(steppers: dict[str, object], steps: int, observe=None) -
 def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
     """What one thread reads per second here: the best of a few sums over a buffer much larger
     than any cache (a decode step's weights are read the same way, once each)."""
-
     buffer = torch.ones(megabytes * 2**20 // 4)
     best = float("inf")
     for _ in range(repeats):

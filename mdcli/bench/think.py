@@ -180,7 +180,6 @@ def _time_generate_sequential(lm, prompt: list[int], args) -> Timing:
 
 def _generate_sampled(lm, prompt: list[int], args, **extra):
     """HF `generate` with the bench's sampling settings and exactly `args.new_tokens` new tokens."""
-
     with torch.inference_mode():
         return lm.model.generate(
             torch.tensor([prompt]),

@@ -108,7 +108,6 @@ def report_text(tokenizer, tokens: int) -> str:
 def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: int, workdir: Path,
             approaches: tuple[str, ...] = PLAIN_MODES) -> list[ProcessRun]:
     """Every approach in turn, mdcli first (its answers pick the longest question)."""
-
     model_dir = embedded_model_dir()  # converted once, outside the timings
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     report = workdir / "report.txt"

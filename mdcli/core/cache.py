@@ -29,7 +29,6 @@ def output_cache(output):
 
 def new_cache(*, preallocate: bool = True) -> Cache:
     """An empty cache of plain full-attention layers (see the module notes for why no config)."""
-
     if not preallocate:
         return DynamicCache()
     return Cache(layer_class_to_replicate=_growing_layer_class())
@@ -127,7 +126,6 @@ def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """Keep slots [0, start) and, after them, only `keep` ([K] long, ascending, >= start), moved
     down to [start, start + K). A growing layer moves them inside its buffer (no copy of the
     cache); other layers fall back to a full `compact`."""
-
     with torch.inference_mode():  # the buffers were made inside the model's forward
         for layer in _layers(cache):
             if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:

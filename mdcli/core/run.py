@@ -224,7 +224,6 @@ class Run:
         """Reclaim the cache slots none of `rows` (every row anyone still holds) attends to, once
         they are `compact_ratio` of the cache. Returns the rows remapped ([L, K] bool), or None
         when nothing was compacted (the rows stay valid as they are)."""
-
         n = len(self.engine)
         if not rows or n == 0:
             return None
@@ -236,7 +235,6 @@ class Run:
 
     def empty_cache(self) -> None:
         """Free every slot (between phases whose later prompts reuse nothing)."""
-
         engine = self.engine
         if len(engine):
             engine.compact(torch.zeros((0, len(engine)), dtype=torch.bool, device=engine.device))

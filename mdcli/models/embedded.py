@@ -114,7 +114,6 @@ def _convert_into(gguf: Path, target: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF to fp32 and save model, configs and tokenizer (chat template kept)."""
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         with gguf_progress_bar_follows_transformers():
@@ -132,7 +131,6 @@ def gguf_progress_bar_follows_transformers() -> Iterator[None]:
     transformers draws that one bar with plain `tqdm`, which ignores `disable_progress_bar()`;
     the bar writes to `sys.stderr`, so swap that for the duration of the GGUF load only.
     """
-
     if hf_logging.is_progress_bar_enabled():
         yield
         return
@@ -148,7 +146,6 @@ def save_dequantized(model: PreTrainedModel, out_dir: Path) -> None:
     The weights are already dequantized floats, so write them ourselves: tied tensors (lm_head
     sharing the embedding) are stored once, under the first name, as transformers itself does.
     """
-
     tensors: dict[str, object] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():

@@ -204,7 +204,6 @@ def load_tokenizer(
 def resolve_device(device: str) -> torch.device:
     """The device to run on: "auto" is $MDCLI_DEVICE when set, else CUDA when present, else CPU; an
     absent GPU is an error."""
-
     name = device.strip().lower()
     if name != "auto":
         return _named_device(name, f"unknown device '{device}'", "use --device auto, cpu, cuda or cuda:N")
@@ -220,7 +219,6 @@ def resolve_device(device: str) -> torch.device:
 def _named_device(name: str, unknown: str, fix: str) -> torch.device:
     """cpu, cuda, cuda:N or mps as a torch.device; `unknown` and `fix` word the error for any other
     name after where it came from (--device or $MDCLI_DEVICE)."""
-
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
@@ -234,7 +232,6 @@ def _named_device(name: str, unknown: str, fix: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device, bits: int | None = None) -> tuple[torch.dtype, str]:
     """The dtype to load in and a short reason to show the user."""
-
     name = dtype.strip().lower()
     if name != "auto" and name not in _DTYPE_ALIASES:
         raise UsageError(f"unknown dtype '{dtype}'", fix="use --dtype auto, float32, bfloat16 or float16")
@@ -436,7 +433,6 @@ def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> Pr
 
 def _weight_errors() -> tuple[type[BaseException], ...]:
     """What broken or missing weight files raise (safetensors' error is no OSError)."""
-
     return (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 

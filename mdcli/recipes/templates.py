@@ -57,7 +57,6 @@ def escape_dollars(text: str) -> str:
 
 def document_template_to_recipe(template: str) -> str:
     """An ask-many `--template` ($document, $question) in recipe form ($context, $question)."""
-
     def rename(match: re.Match) -> str:
         if match.group("named") == "document":
             return "$context"

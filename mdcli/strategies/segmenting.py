@@ -92,7 +92,6 @@ class _Piece:
 
 def token_counter(tokenizer) -> TokenCounter:
     """Count tokens as the model sees a piece of text: no BOS/EOS or other special tokens."""
-
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 

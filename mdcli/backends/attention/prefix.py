@@ -75,14 +75,12 @@ class PrefixPlan:
 
 def visible_prefix(allowed: torch.Tensor) -> torch.Tensor:
     """[M] long: for each row of allowed [M, N] bool, how many leading slots it sees without a gap."""
-
     return allowed.to(torch.int32).cumprod(1).sum(1)
 
 
 def bucket_prefixes(common: torch.Tensor, max_buckets: int = MAX_BUCKETS):
     """(prefix lengths [B], bucket of each row [M]) or None past `max_buckets` distinct prefixes;
     common: [M, N] bool, the slots a row sees under every mask."""
-
     prefixes, bucket_of_row = torch.unique(visible_prefix(common), return_inverse=True)
     if prefixes.shape[0] > max_buckets:
         return None
@@ -96,7 +94,6 @@ def dense_work(queries: int, slots: int) -> float:
 
 def work_floor(prefixes, bucket_of_row) -> float:
     """A lower bound of the plan's work before the rests are found: each bucket over its prefix."""
-
     queries = torch.bincount(bucket_of_row, minlength=prefixes.shape[0])  # [B]
     return float(((queries + READ_ROWS) * prefixes).sum()) + BUCKET_COST * prefixes.shape[0]
 
@@ -104,7 +101,6 @@ def work_floor(prefixes, bucket_of_row) -> float:
 def plan_prefixes(mask, common: torch.Tensor, widest: torch.Tensor, prefixes, bucket_of_row) -> PrefixPlan:
     """The plan for the engine's additive mask ([1, 1, M, N] or a dict by layer type); common and
     widest: [M, N] bool, the slots a row sees under every mask and under any mask."""
-
     order = torch.argsort(bucket_of_row, stable=True)  # [M]: rows bucket by bucket, in row order within
     sizes = torch.bincount(bucket_of_row, minlength=prefixes.shape[0]).tolist()
     buckets, start = [], 0
@@ -123,7 +119,6 @@ def plan_prefixes(mask, common: torch.Tensor, widest: torch.Tensor, prefixes, bu
 def grouped_attention(plan: PrefixPlan, query, keys, values, kind, scale: float):
     """The bmm core, bucket by bucket: query [1, H, M, D], keys/values [1, G, N, D]; kind: the
     layer type of the engine's dict mask, or None. Returns [1, M, H * D]."""
-
     _, heads, m, dim = query.shape
     groups = keys.shape[1]
     per_group = heads // groups
@@ -151,7 +146,6 @@ def grouped_attention(plan: PrefixPlan, query, keys, values, kind, scale: float)
 def sdpa_attention(plan: PrefixPlan, onednn: bool, query, keys, values, kind, scale: float):
     """sdpa (mdcli.backends.attention.gemm.sdpa_attention), bucket by bucket, on the prefix and the
     rest joined (sdpa takes one key tensor): [1, M, H * D]."""
-
     _, heads, m, dim = query.shape
     outs = []
     for bucket in plan.buckets:

@@ -128,7 +128,6 @@ def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool =
               beat: float | None = None) -> SparsePlan | None:
     """The gathered plan where `sparse_wanted` takes it and its work is at most `beat` (the prefix
     plan's, if any), or whatever it costs when `forced`."""
-
     m, n = allowed.shape
 
     def wanted(keys: int) -> bool:
@@ -161,7 +160,6 @@ def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool =
 def group_starts(allowed: torch.Tensor) -> torch.Tensor:
     """[B] long: rows that begin a group. Row r + 1 joins row r's group when it sees row r's own
     new slot (the next token of the same chain); allowed: [M, N], the last M columns the new tokens."""
-
     m, n = allowed.shape
     rows = torch.arange(1, m, device=allowed.device)
     continues = allowed[rows, n - m + rows - 1]  # [M - 1]
@@ -204,7 +202,6 @@ def gather(plan: SparsePlan, query, keys, values):
 
 def _rows(plan: SparsePlan, cache):
     """[B * G * K, D]: cache [1, G, N, D] rows in the plan's order (group, head, key)."""
-
     heads, _, dim = cache.shape[1:]
     one = cache[0]  # [G, N, D]
     if one.stride(2) == 1 and one.stride(1) == dim and one.stride(0) % dim == 0:  # rows of one buffer
@@ -224,7 +221,6 @@ def _rows(plan: SparsePlan, cache):
 def grouped_attention(plan: SparsePlan, query, keys, values, mask, scale: float):
     """The bmm core on gathered operands: the H / G query heads of a key/value group stacked.
     query [1, H, M, D], keys/values [1, G, N, D], mask [B, Q, K] additive. Returns [1, M, H * D]."""
-
     q_small, k_small, v_small = gather(plan, query, keys, values)
     b, heads, q, dim = q_small.shape
     groups = k_small.shape[1]

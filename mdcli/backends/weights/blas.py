@@ -43,7 +43,6 @@ def openblas_works() -> bool:
 def openblas_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight_t (+ bias) on OpenBLAS. x: [..., in] float32 CPU; weight_t: [in, out] contiguous
     -> [..., out]. One row is a GEMV reading weight_t once; several rows are a GEMM."""
-
     flat = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = torch.from_numpy(np.dot(flat.numpy(), weight_t.numpy()))  # [rows, out]
     if bias is not None:
@@ -56,7 +55,6 @@ def openblas_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     last dimension, e.g. a view of mdcli.core.cache's buffer) -> [B, M, N]. For a lone query's
     probabilities x cached values ([G, H/G, N] x [G, N, D]) it reads the values faster than torch's
     bmm (measured: notebook/cpu-kernels.md, "A lone token on OpenBLAS")."""
-
     return torch.from_numpy(np.matmul(a.numpy(), b.numpy()))
 
 

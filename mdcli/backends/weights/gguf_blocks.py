@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from mdcli.backends.host import available_memory_bytes
+from mdcli.backends.host import available_memory_bytes, cpu_capability
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_file import read_tensors
 
@@ -107,7 +107,6 @@ def source_known(model) -> bool:
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for W in blocks. x: [..., in] float32 CPU -> [..., out]."""
-
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
@@ -124,7 +123,6 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
 
 def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
     """Whether the weights the kernel multiplies by are `expected` ([out, in] float32), bit for bit."""
-
     if tuple(expected.shape) != weight.shape or expected.dtype != torch.float32 or expected.device.type != "cpu":
         return False
     expected = expected.detach().contiguous()
@@ -134,7 +132,6 @@ def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
 
 def dequantize(weight: BlockWeight) -> torch.Tensor:
     """The float32 weights [out, in] the kernel multiplies by, written out by the kernel's own code."""
-
     out = torch.empty(weight.shape, dtype=torch.float32)
     expand = getattr(library(), f"{weight.kind.lower()}_dequantize")
     expand(weight.data.data_ptr(), weight.shape[0], weight.in_features, out.data_ptr())
@@ -159,7 +156,6 @@ def library() -> ctypes.CDLL | None:
 
 def rounded_to(values, kind: str) -> BlockWeight:
     """values [out, in] float32 (numpy) as `kind`, by gguf-py's quantizer, as a .gguf would hold them."""
-
     codes = np.ascontiguousarray(quants.quantize(values, GGMLQuantizationType[kind]))  # F16 / BF16: 2-byte numbers
     return BlockWeight(kind, torch.from_numpy(codes.view(np.uint8).reshape(values.shape[0], -1)), values.shape[1])
 
@@ -167,7 +163,6 @@ def rounded_to(values, kind: str) -> BlockWeight:
 @cache
 def blocks_work() -> bool:
     """The kernel built here, writes gguf-py's weights bit for bit and multiplies as torch does."""
-
     if library() is None:
         return False
     generator = np.random.default_rng(0)
@@ -246,7 +241,6 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
     """The tensor's blocks as BlockWeight candidates: as stored and, for q and k (`heads`), with the
     rows in the order transformers' GGUF loader puts Llama's (it undoes llama.cpp's rotary
     permutation); which one is the model's, `_matching` finds."""
-
     tensor = tensors.get(name)
     if tensor is None:
         return f"the .gguf has no tensor {name}"
@@ -267,7 +261,6 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
 def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
     """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses), or None if
     their kinds differ."""
-
     if len({(w.kind, w.in_features) for w in parts}) != 1:
         return None
     return BlockWeight(parts[0].kind, torch.cat([w.data for w in parts]), parts[0].in_features)
@@ -281,4 +274,4 @@ def _matching(candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeigh
 def _capability() -> str | None:
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return None
-    return torch.backends.cpu.get_cpu_capability()
+    return cpu_capability()

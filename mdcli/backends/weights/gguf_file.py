@@ -36,7 +36,6 @@ class TensorEntry:
 
 def read_tensors(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the .gguf at `path` by name; ValueError if it is not a GGUF file mdcli reads."""
-
     with open(path, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     reader = _Reader(mapped)

@@ -67,7 +67,6 @@ class Int8Weight:
 def quantize(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-row int8: each row's scale its largest magnitude over 127, rounded to bf16 first
     so that the values are rounded against the scale the kernel multiplies by."""
-
     with torch.inference_mode(False), torch.no_grad():
         rows = weight.detach().float()  # [N, K]
         scales = (rows.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)  # [N]
@@ -78,7 +77,6 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] float32: x times the quantized weight, activations and
     result rounded to bf16 (the kernel's arithmetic either way)."""
-
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
     kernel = rows.shape[0] <= KERNEL_MAX_ROWS and weight.values.shape[1] % KERNEL_INNER_MULTIPLE == 0
     out = kernel_product(rows, weight) if kernel else dequantized_product(rows, weight)  # [M, N] bf16
@@ -88,14 +86,12 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
 
 def kernel_product(rows: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """rows [M, K] bf16 (K a multiple of KERNEL_INNER_MULTIPLE) -> [M, N] bf16 on torch's int8 kernel."""
-
     return torch._weight_int8pack_mm(rows.contiguous(), weight.values, weight.scales)
 
 
 def dequantized_product(rows: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """The kernel's arithmetic on float32's own kernels (rows [M, K] bf16 -> [M, N] bf16): the same
     sums in another order, so float32 rounding apart before the bf16 rounding."""
-
     return (torch.nn.functional.linear(rows.float(), weight.values.float()) * weight.scales.float()).to(torch.bfloat16)
 
 
@@ -103,7 +99,6 @@ def dequantized_product(rows: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 def int8_linear_class():
     """The `Int8Linear` module class, made on first use (this module is imported without torch, as
     `mdcli --help` must be fast)."""
-
     class Int8Linear(nn.Module):
         """An nn.Linear whose weight is int8 (`Int8Weight`); forward is `int8_linear`. The values
         and scales may be row slices of a matrix fused with the layer's other projections."""
@@ -140,7 +135,6 @@ def has_int8_weights(model) -> bool:
 def setting_refusal(device, dtype, bits: int | None) -> tuple[str, str] | None:
     """Why `--cpu-weights int8` cannot run with this device, dtype and bitsandbytes setting, and the
     fix (None: it can); checked before any weights are read."""
-
     if device.type != "cpu":
         return f"--cpu-weights int8 is for CPU runs, not {device.type}", "use --load-in-8bit on CUDA, or --device cpu"
     if bits:
@@ -155,7 +149,6 @@ def setting_refusal(device, dtype, bits: int | None) -> tuple[str, str] | None:
 
 def model_refusal(model) -> tuple[str, str] | None:
     """Why this model's weights cannot be made int8 here, and the fix (None: they can)."""
-
     layers = _layers(model)
     kind = getattr(getattr(model, "config", None), "model_type", None) or "this model"
     for layer in layers or [None]:
@@ -207,7 +200,6 @@ def described(nbytes: int) -> str:
 def fused_int8(modules) -> Int8Weight:
     """The one quantized matrix that `modules` (Int8Linear, in order) are consecutive row slices of,
     or a copy joining them where they are not (a model quantized by other means)."""
-
     values = [m.values for m in modules]
     scales = [m.scales for m in modules]
     joined_values, joined_scales = joined_rows(values), joined_rows(scales)

@@ -68,14 +68,12 @@ _COPIES: dict[str, weakref.WeakKeyDictionary] = {kind: weakref.WeakKeyDictionary
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 -> the same matrix as an opaque oneDNN tensor for `packed_linear`."""
-
     with torch.inference_mode(False), torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a packed weight. x: [..., in] -> [..., out]."""
-
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -98,14 +96,12 @@ def pair_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def transpose(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> a contiguous [in, out] copy for `transposed_linear`."""
-
     with torch.inference_mode(False), torch.no_grad():
         return weight.detach().t().contiguous()
 
 
 def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight_t (+ bias) for a transposed weight [in, out]. x: [..., in] -> [..., out]."""
-
     flat = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)  # [rows, out]
     return out.view(*x.shape[:-1], weight_t.shape[1])

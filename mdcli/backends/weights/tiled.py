@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from mdcli.backends.host import cpu_capability
 from mdcli.backends.native import build as native
 
 TILE = 16  # output columns per tile, as TILE in tiled_gemm.c
@@ -52,7 +53,6 @@ def tiled_works() -> bool:
 
 def tile(weight: torch.Tensor) -> TiledWeight:
     """[out, in] float32 -> the weight as tiles of TILE output columns: [ceil(out / TILE), in, TILE]."""
-
     with torch.inference_mode(False), torch.no_grad():
         out, inner = weight.shape
         padded = torch.zeros(-(-out // TILE) * TILE, inner, dtype=weight.dtype)  # [out rounded up, in]
@@ -76,7 +76,6 @@ class TiledWeight:
 
 def tiled_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for a tiled W. x: [..., in] float32 CPU -> [..., out]."""
-
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the tiled kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
@@ -102,16 +101,14 @@ def library() -> ctypes.CDLL | None:
 
 def _cpu_has_avx2_fma() -> bool:
     """x86-64 whose torch build found AVX2 (which implies FMA for ATen) or AVX-512."""
-
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return False
-    return torch.backends.cpu.get_cpu_capability() in {"AVX2", "AVX512"}
+    return cpu_capability() in {"AVX2", "AVX512"}
 
 
 @cache
 def _agrees_with_torch() -> bool:
     """Every row count the kernel branches on (1-4 and a second pass) and a partial last tile."""
-
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(37, 24, generator=generator), torch.randn(37, generator=generator)
     tiled = tile(weight)

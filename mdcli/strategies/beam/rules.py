@@ -120,7 +120,6 @@ class BeamSet:
 
     def step(self) -> BeamStep:
         """Choose the next running beams and update the kept hypotheses (HF steps b-g)."""
-
         logits = torch.stack([beam.logits for beam in self.beams])  # [W, V] fp32
         vocab = logits.shape[-1]
         log_probs = torch.nn.functional.log_softmax(logits, dim=-1)  # [W, V]
@@ -145,7 +144,6 @@ class BeamSet:
 
     def _next_running(self, top_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """HF `_get_running_beams_for_next_iteration`: best W candidates that do not end."""
-
         running_scores = top_scores + ends.to(torch.float32) * IMPOSSIBLE  # [K]
         index = torch.topk(running_scores, k=self.params.width)[1]  # [W]
         self.running_scores = running_scores[index]
@@ -155,7 +153,6 @@ class BeamSet:
         """HF `_update_finished_beams`: merge the candidates that just ended among the top W
         into the W kept hypotheses, by length-normalised score (penalties added as HF adds them,
         so even its -1e9 placeholders sort the same)."""
-
         width = self.params.width
         just_ended = ends & self.top_width  # [K]
         normalised = top_scores / (length**self.params.length_penalty)  # [K]
@@ -184,7 +181,6 @@ class BeamSet:
         """HF `_check_early_stop_heuristic`: could the best running beam still beat the worst
         kept hypothesis? Its best possible length is the current one, except with
         early_stopping="never" and a positive length penalty, where it is max_new_tokens."""
-
         params = self.params
         if params.early_stopping == "never" and params.length_penalty > 0.0:
             best_length = self.max_new

@@ -60,7 +60,6 @@ def cache_tokens(job: Margins, tokenizer, segments: list[Segment], specs: list[B
 
 def _classification_head_tail(job: Margins, tokenizer) -> tuple[int, int]:
     """A classification prompt's tokens before the margin (shared by a question's branches) and after."""
-
     def ids(margin: str) -> list[int]:
         text = fill_template(job.prompts.classification, "classification", query="q", margin=margin)
         return _ids(job, tokenizer, text)

@@ -288,7 +288,6 @@ class ThinkRun:
         index: paths that sampled the same first tokens hold duplicate nodes, the index keeps only
         the first of them, and a path's later tokens may hang under another duplicate.
         """
-
         forest = self.engine.forest
         frontier = torch.tensor([-1], device=forest.device)  # [F] slots whose path is the prefix so far
         for depth, token in enumerate(sequence):
