@@ -1,8 +1,7 @@
-"""How much memory a cache needs and how much is free: used to refuse hopeless runs up front."""
+"""How much memory a KV cache needs per token (free memory is a host fact: mdcli.backends.host)."""
 
 from __future__ import annotations
 
-from mdcli.backends.host import available_memory_bytes  # noqa: F401 - the strategies' memory checks read both here
 from mdcli.models.architectures import text_config
 
 

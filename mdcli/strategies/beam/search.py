@@ -17,17 +17,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mdcli.backends.host import available_memory_bytes
 from mdcli.core.engine import Engine
-from mdcli.errors import UsageError
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
-from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
-from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.core.run import Run
 from mdcli.core.steps import Policy, StepLoop, Tip
+from mdcli.errors import UsageError
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Stats, Token
+from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE
 from mdcli.strategies.beam.job import BeamParams
-from mdcli.strategies.beam.rules import DEFAULT_COMPACT_RATIO, BeamSet, beam_memory_bytes
+from mdcli.strategies.beam.rules import (
+    DEFAULT_COMPACT_RATIO,
+    BeamSet,
+    beam_memory_bytes,
+)
 from mdcli.strategies.job import FieldError
+from mdcli.strategies.prompts import fill_template, prompt_token_ids
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from mdcli.backends.host import available_memory_bytes
 from mdcli.core.decoding import BranchSpec, common_prefix_length
-from mdcli.models.memory import available_memory_bytes, kv_bytes_per_token
+from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.job import FieldError
 from mdcli.strategies.margins.job import Margins
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
