@@ -309,7 +309,7 @@ def test_a_recipe_names_its_prompt_cache_and_the_flag_wins(tiny_dir, tmp_path):
     folder = tmp_path / "recipe-cache"
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"version: 1\nstrategy: ask-many\ncontext: {{input: true}}\nprompt_cache: {folder}\n"
-                      "questions: [Who is it?, Where is it?]\nsampling: {max_new_tokens: 2}\n")
+                      "questions: [Who is it, Where is it]\nsampling: {max_new_tokens: 2}\n")
     story = tmp_path / "story.txt"
     story.write_text(STORY * 2)
     model = str(tiny_dir("llama"))
