@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -102,21 +103,30 @@ def saved_random_model(shape: str, folder: Path) -> str:
 
 
 def table(runs: list[dict], entry_bytes: list[int]) -> str:
-    names = [name for name in ROUND_ORDERS[0]]
+    names = [name for name in ROUND_ORDERS[0] if any(r["run"] == name for r in runs)]
     med = {n: statistics.median(r["seconds"] for r in runs if r["run"] == n) for n in names}
-    twin = {"first": "off", "second": "off", "new": "new, off", "off": "off", "new, off": "new, off"}
+    # whose tokens each run must give: its cache-off twin (first's and second's are off's, or each other's)
+    twin = {"first": "off", "second": "off" if "off" in med else "first", "new": "new, off"}
     last = {r["run"]: r for r in runs}
-    lines = ["| run | seconds (median) | first / this | prefill s | prompt tokens from the cache | same tokens as cache off |",
+    lines = ["| run | seconds (median) | first / this | prefill s | prompt tokens from the cache | same tokens as |",
              "|---|---:|---:|---:|---:|---|"]
     for name in names:
-        same = all(r["tokens"] == last[twin[name]]["tokens"] for r in runs if r["run"] == name)
+        other = twin.get(name)
+        same = "-" if other not in last else ("yes" if all(r["tokens"] == last[other]["tokens"] for r in runs
+                                                           if r["run"] == name) else "**NO**") + f" ({other})"
         lines.append(f"| {name} | {med[name]:.2f} | {med['first'] / med[name]:.2f}x | {last[name]['prefill_seconds']:.2f} | "
-                     f"{last[name]['cached_tokens']:,} | {'yes' if same else '**NO**'} |")
-    lines += ["", f"Write cost (first / off): **{med['first'] / med['off']:.3f}x** "
-                  f"({med['first'] - med['off']:+.2f} s; entry {statistics.median(entry_bytes) / 2**20:,.1f} MiB). "
-                  f"Second run, same questions: **{med['first'] / med['second']:.2f}x** faster than the first; "
-                  f"new questions: **{med['first'] / med['new']:.2f}x** (vs. their own cache-off run: "
-                  f"{med['new, off'] / med['new']:.2f}x)."]
+                     f"{last[name]['cached_tokens']:,} | {same} |")
+    first = last["first"]
+    fixed = first["seconds"] - first["prefill_seconds"] - first["decode_seconds"]
+    lines += ["", f"Second run, same questions: **{med['first'] / med['second']:.2f}x** faster than the first as a "
+                  f"whole process" + (f"; new questions: **{med['first'] / med['new']:.2f}x**" if "new" in med else "")
+              + f". Entry {statistics.median(entry_bytes) / 2**20:,.1f} MiB. The first run's own split (last round): "
+                f"prefill {first['prefill_seconds']:.2f} s, decode {first['decode_seconds']:.2f} s, the rest of the "
+                f"process (imports, load, output) {fixed:.2f} s."]
+    if "off" in med:
+        lines.append(f"Write cost (first / off): {med['first'] / med['off']:.3f}x ({med['first'] - med['off']:+.2f} s).")
+    if "new, off" in med and "new" in med:
+        lines.append(f"New questions against their own cache-off run: {med['new, off'] / med['new']:.2f}x.")
     return "\n".join(lines)
 
 
@@ -126,6 +136,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--random-model", default=None, help="a shape of mdcli.bench.RANDOM_SHAPES, e.g. llama-1b")
+    parser.add_argument("--runs", default=",".join(ROUND_ORDERS[0]),
+                        help="which runs (first and second always; off, new and 'new, off' optional)")
     parser.add_argument("--out", type=Path, default=None, help="write <out>.md and <out>.json")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -140,10 +152,13 @@ def main() -> int:
         tokenizer = AutoTokenizer.from_pretrained(model or embedded_model_dir())
         report = work / "report.txt"
         report.write_text(bench_document(tokenizer, args.report_tokens, seed=REPORT_SEED))
-        run_once("off", report, work / "warm-up", 2, model)  # bytecode, page cache: untimed
+        warm_up = work / "warm-up.txt"
+        warm_up.write_text(bench_document(tokenizer, 100, seed=REPORT_SEED))
+        run_once("off", warm_up, work / "warm-up", 2, model)  # bytecode, the weights in the page cache: untimed
+        chosen = {name.strip() for name in args.runs.split(",")} | {"first", "second"}
         for index in range(args.rounds):
             cache = work / f"cache-{index}"
-            for name in ROUND_ORDERS[index % 2]:
+            for name in (name for name in ROUND_ORDERS[index % 2] if name in chosen):
                 runs.append(run_once(name, report, cache, args.new_tokens, model))
                 print(f"round {index + 1}: {name}: {runs[-1]['seconds']:.2f} s, "
                       f"cached {runs[-1]['cached_tokens']}", file=sys.stderr, flush=True)
@@ -152,7 +167,8 @@ def main() -> int:
         report_tokens = len(tokenizer(report.read_text())["input_ids"])
     header = (f"{_dt.date.today()}, CPU: {cpu_line()}; one thread per process; "
               f"{args.random_model or 'embedded SmolLM2-135M'}; a {report_tokens:,}-token report, 8 questions x "
-              f"{args.new_tokens} tokens; {args.rounds} round(s); command: python benchmarks/prompt_cache.py "
+              f"{args.new_tokens} tokens; {args.rounds} round(s); the machine was shared with other jobs "
+              f"(load average {os.getloadavg()[0]:.1f} at the end); command: python benchmarks/prompt_cache.py "
               + " ".join(sys.argv[1:]))
     text = header + "\n\n" + table(runs, entry_bytes) + "\n"
     notes = sorted({note for r in runs for note in r["notes"]})
