@@ -22,6 +22,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from mdcli import api
 from mdcli.api import ask_many, run_specs
 from mdcli.cli.app import app
 from mdcli.core.decoding import BranchSpec
@@ -111,6 +112,29 @@ def test_speculation_over_a_cached_prefix_gives_the_same_tokens(embedded, cached
     cached = list(ask_many(lm, document, QUESTIONS, max_new_tokens=24, speculate=3))
     assert stats(cached).cached_tokens > 0 and stats(cached).draft_tokens > 0
     assert answers(cached) == answers(plain)
+
+
+STRATEGIES = {
+    "beam": lambda lm, text: api.beam_search(lm, text + "\nSummarize the text above.", width=3, max_new_tokens=6),
+    "think": lambda lm, text: api.think(lm, text + "\nWhy did the boat get lost?", paths=2, max_new_tokens=6,
+                                        conclusion_tokens=6),
+    "margins": lambda lm, text: api.margins(lm, text, "Who keeps the lighthouse?", segment_tokens=120,
+                                            max_new_tokens=6, classify_tokens=4, answer_tokens=6),
+    "explore": lambda lm, text: api.explore(lm, text + "\nWhat happens next?", k=2, max_new_tokens=8,
+                                                sampling=api.SamplingParams(temperature=0.8, seed=3)),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_reads_its_first_prefill_from_the_cache_with_the_same_tokens(embedded, cached_embedded,
+                                                                                     strategy):
+    lm, _ = cached_embedded
+    document = STORY * 3
+    plain = list(STRATEGIES[strategy](embedded, document))
+    list(STRATEGIES[strategy](lm, document))
+    cached = list(STRATEGIES[strategy](lm, document))
+    assert stats(cached).cached_tokens >= MIN_TOKENS
+    assert answers(cached) == answers(plain) and notes(cached) == notes(plain)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "gemma3"])
