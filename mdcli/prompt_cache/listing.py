@@ -22,7 +22,7 @@ class Entry:
     """One entry as `mdcli cache list` shows it (`problem`: why it is not a good entry, if so)."""
 
     path: Path
-    model: str
+    model: str  # its name and dtype
     tokens: int
     bytes: int
     age_seconds: float
@@ -71,6 +71,7 @@ def _entry(path: Path, size: int, age: float) -> Entry:
     try:
         header = read_header(path)
         meta = header.metadata
-        return Entry(path, meta.get("model", "?"), len(header.tokens), size, age, meta.get("first_words", ""))
+        model = meta.get("model", "?") + (f", {meta['dtype']}" if meta.get("dtype") else "")
+        return Entry(path, model, len(header.tokens), size, age, meta.get("first_words", ""))
     except (BadEntry, KeyError, ValueError, TypeError) as problem:
         return Entry(path, "?", 0, size, age, "", problem=str(problem))

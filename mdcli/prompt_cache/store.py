@@ -123,7 +123,7 @@ class PromptStore:
             return
         metadata = {
             "format": FORMAT, "version": str(FORMAT_VERSION), "namespace": self.namespace, "model": self.model,
-            "tokens": json.dumps(ids), "layers": str(len(kv)), "created": f"{time.time():.3f}",
+            "dtype": str(self.dtype).removeprefix("torch."), "tokens": json.dumps(ids), "layers": str(len(kv)), "created": f"{time.time():.3f}",
             "first_words": self.describe(ids) if self.describe is not None else "",
             "sha256": _checksum(tensors, len(kv)),
         }
