@@ -10,8 +10,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mdcli import settings
+from mdcli.prompt_cache import listing
+from mdcli.prompt_cache.key import cache_folder
+from mdcli.prompt_cache.listing import Entry as PromptCacheEntry
 from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Event
 from mdcli.core.run import Run, start_event
@@ -203,6 +208,25 @@ def think(model: LoadedModel, question: str | Think, **options) -> Iterator[Even
 _ENGINE_OPTIONS = ("max_forward_tokens", "compact_ratio", "speculate")
 
 
+# -- the prompt cache's folder ---------------------------------------------------------------------
+
+
+def prompt_cache_entries(prompt_cache: str = "auto") -> tuple[Path | None, list[PromptCacheEntry]]:
+    """The folder `prompt_cache` (auto | a folder) names and its entries, most recently used first."""
+    folder = cache_folder(prompt_cache, settings.current())
+    return folder, (listing.entries(folder) if folder is not None else [])
+
+
+def clear_prompt_cache(prompt_cache: str = "auto", older_than: str | None = None) -> tuple[Path | None, int, int]:
+    """Remove the entries of the folder `prompt_cache` names (only those unused for longer than
+    `older_than`, e.g. "7d", when given): (folder, entries removed, bytes freed)."""
+    age = listing.parse_age(older_than) if older_than is not None else None
+    folder = cache_folder(prompt_cache, settings.current())
+    if folder is None:
+        return None, 0, 0
+    return (folder, *listing.clear(folder, age))
+
+
 def _listed(name: str, value):
     """path_instructions and stop as the job keeps them, from any sequence."""
     if name == "path_instructions":
@@ -250,6 +274,8 @@ __all__ = [
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",
+    # the prompt cache on disk (mdcli cache list / clear)
+    "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
     # describing a run without running it
     "ForestLayout", "plan_layout", "render_explanation",
     # one speculative step of a run, watched and drawn (mdcli explain --speculate)

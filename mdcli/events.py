@@ -130,6 +130,7 @@ class Stats:
     draft_tokens: int = 0  # speculative decoding: guessed tokens verified ...
     accepted_tokens: int = 0  # ... and how many of them were the branch's own tokens
     forwards: int = 0  # model forwards in all, prefill pieces included
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache, not a forward
 
     @property
     def tokens_per_second(self) -> float:

@@ -41,6 +41,10 @@ class Settings(BaseSettings):
         "auto", description="What --device auto means: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
     cache_dir: Path | None = Field(
         None, description="Where the embedded model's unpacked files are kept (default: $XDG_CACHE_HOME/mdcli).")
+    prompt_cache_dir: Path | None = Field(
+        None, description="The folder --prompt-cache auto keeps prompt prefixes in (default: the cache folder's prompts/).")
+    prompt_cache_mb: int = Field(
+        2048, ge=1, description="The prompt cache's size cap in MiB; the least recently used entries go first.")
     cpu_kernels: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="float32 CPU kernels: auto decides by the CPU; torch or onednn forces a side.")
     forward: Literal["auto", "transformers"] = Field(
@@ -92,6 +96,11 @@ class Settings(BaseSettings):
             return self.xdg_cache_home.expanduser() / "mdcli"
         return Path.home() / ".cache" / "mdcli"
 
+    @property
+    def prompt_cache_folder(self) -> Path:
+        """Where --prompt-cache auto keeps its entries: MDCLI_PROMPT_CACHE_DIR, else prompts/ in mdcli's cache."""
+        return self.prompt_cache_dir.expanduser() if self.prompt_cache_dir is not None else self.mdcli_cache / "prompts"
+
     def changed(self, **changes) -> Settings:
         """These settings with some fields changed, validated as the environment's values are."""
         try:
@@ -125,6 +134,8 @@ def accepted(field: str) -> str:
     choices = getattr(info.annotation, "__args__", None)
     if info.annotation is bool:
         return "1/0, on/off, true/false or yes/no"
+    if info.annotation is int:
+        return "a whole number"
     if choices and all(isinstance(choice, str) for choice in choices):
         return ", ".join(choices[:-1]) + f" or {choices[-1]}"
     return "a path" if "Path" in str(info.annotation) else "any text"

@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prompt_cache_folder(tmp_path_factory):
+    """--prompt-cache auto (the command line's default) writes into a folder of this session's,
+    never the user's: MDCLI_PROMPT_CACHE_DIR for this process and the CLI subprocesses it starts,
+    restored afterwards. The rest of mdcli's cache folder (the embedded model's copy, the native
+    kernels) stays where it is, so nothing is converted or compiled again."""
+    folder = tmp_path_factory.mktemp("prompt-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MDCLI_PROMPT_CACHE_DIR", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The real default model (SmolLM2-135M-Instruct, fp32, CPU), loaded once."""

@@ -57,6 +57,9 @@ LAYER_RULES = (
     # how one forward runs on this host: handed to the engine, never reaching up into it
     ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
     ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
+    # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models)
+    ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.errors", "mdcli.events",
+                                    "mdcli.settings")),
     # renderers read events only
     ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
 )

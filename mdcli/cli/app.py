@@ -56,13 +56,14 @@ app.command("margins")(margins.margins)
 app.command("think")(think.think)
 app.command("bench")(bench.bench)
 
-from mdcli.cli import explain, explore, info, recipes, run  # noqa: E402
+from mdcli.cli import cache, explain, explore, info, recipes, run  # noqa: E402
 
 app.command("run")(run.run)
 app.command("explain")(explain.explain)
 app.command("explore")(explore.explore)
 app.command("info")(info.info)
 app.add_typer(recipes.app, name="recipes")
+app.add_typer(cache.app, name="cache")
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
@@ -53,6 +53,7 @@ def ask_many(
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
     cpu_weights: CpuWeightsOpt = "float32",
+    prompt_cache: PromptCacheOpt = "auto",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     max_new_tokens: MaxNewOpt = 256,
@@ -146,6 +147,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
         speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
+        prompt_cache=flag("prompt_cache"),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
@@ -153,7 +155,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         write_recipe(save_to, dump_recipe(plan))
     mode = Output.jsonl if p["jsonl"] else p["output"]
     check_progress(p["quiet"], p["progress"])
-    lm = load(load_options(p))
+    lm = load(load_options(p, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 

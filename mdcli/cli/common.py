@@ -100,6 +100,15 @@ SpeculateOpt = Annotated[
         "every branch guesses; elsewhere it stays within a few percent of off.",
     ),
 ]
+PromptCacheOpt = Annotated[
+    str,
+    typer.Option(
+        "--prompt-cache",
+        help="auto | off | DIR: keep the keys and values of the prompts' shared start (the document) on disk and "
+        "reuse them in a later run over the same start, for the same model, dtype and kernels; the tokens never "
+        "change. auto: mdcli's cache folder (MDCLI_PROMPT_CACHE_DIR), capped at MDCLI_PROMPT_CACHE_MB.",
+    ),
+]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
 ]
@@ -166,7 +175,7 @@ def load_options(params: dict, **overrides):
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
     names = ("model", "device", "dtype", "attn", "load_in_4bit", "load_in_8bit", "device_map", "trust_remote_code",
-             "cpu_weights")
+             "cpu_weights", "prompt_cache")
     fields = {name: params[name] for name in names if name in params}
     quiet = overrides.pop("quiet", params.get("quiet", False))
     return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else stderr_line)

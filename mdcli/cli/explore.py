@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
     VerboseOpt,
@@ -60,6 +60,7 @@ def explore(
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
     cpu_weights: CpuWeightsOpt = "float32",
+    prompt_cache: PromptCacheOpt = "auto",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     no_chat_template: NoChatOpt = False,

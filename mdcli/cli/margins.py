@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
@@ -120,6 +120,7 @@ def margins(
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
     cpu_weights: CpuWeightsOpt = "float32",
+    prompt_cache: PromptCacheOpt = "auto",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     temperature: TemperatureOpt = 0.0,

@@ -14,7 +14,7 @@ from mdcli.cli.common import (
     DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
-    CpuWeightsOpt, EightBitOpt,
+    CpuWeightsOpt, PromptCacheOpt, EightBitOpt,
     FourBitOpt,
     JsonlOpt,
     MaxNewOpt,
@@ -69,6 +69,7 @@ def run(
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
     cpu_weights: CpuWeightsOpt = "float32",
+    prompt_cache: PromptCacheOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     # None = not given: the recipe's value stands
@@ -114,7 +115,7 @@ def run(
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = Output.jsonl if jsonl else output
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), prompt_cache=prompt_cache or plan.prompt_cache or "auto"))
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
@@ -88,6 +88,7 @@ def think(
     load_in_4bit: FourBitOpt = False,
     load_in_8bit: EightBitOpt = False,
     cpu_weights: CpuWeightsOpt = "float32",
+    prompt_cache: PromptCacheOpt = "auto",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
     max_new_tokens: MaxNewOpt = 256,

@@ -145,6 +145,22 @@ def _keep_tail_of_layer(layer, start: int, keep: torch.Tensor) -> None:
     layer.keys, layer.values = keys, values
 
 
+def prefix_kv(cache: Cache, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the keys and values of slots [0, n), layer by layer ([1, H, n, D] each): what a
+    prompt cache keeps of a prefix laid down first."""
+    return [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone()) for layer in _layers(cache)]
+
+
+def load_prefix(cache: Cache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write a prefix's keys and values ([1, H, n, D] per layer) into an empty cache, through the
+    layers' own `update`, as a prefill of those tokens would have left them."""
+    if cache_length(cache):
+        raise RuntimeError("a cached prefix goes into an empty cache only")
+    with torch.inference_mode():  # as the model's forward makes its buffers
+        for index, (keys, values) in enumerate(kv):
+            cache.update(keys, values, index)
+
+
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by keys and values (what a per-branch copy would multiply)."""
     total = 0

@@ -223,6 +223,21 @@ class Engine:
     def cache_bytes(self) -> int:
         return kv.cache_bytes(self.cache)
 
+    # -- a prompt cache's prefixes -------------------------------------------------------------
+
+    def load_prefix(self, ids: list[int], prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Lay a cached prefix down in an empty cache: `ids` as one chain at slots [0, n) (depths
+        0..n-1), their keys and values ([1, H, n, D] per layer) as a prefill would leave them."""
+        n = len(ids)
+        kv.load_prefix(self.cache, [(k.to(self.device), v.to(self.device)) for k, v in prefix_kv])
+        depth = torch.arange(n, device=self.device)  # [n]
+        self.forest.append(torch.tensor(ids, dtype=torch.long, device=self.device), depth, depth - 1)
+        self.peak_tokens = max(self.peak_tokens, len(self.forest))
+
+    def prefix_kv(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the keys and values of slots [0, n), layer by layer ([1, H, n, D] each)."""
+        return kv.prefix_kv(self.cache, n)
+
 
 R = TypeVar("R")
 

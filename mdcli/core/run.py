@@ -8,6 +8,8 @@ A `Run` owns one engine (one shared KV cache) from the Start event to the Done e
 * fitting a branch to the model's context (`Run.fit`) and the "capped" note when it had to;
 * the shared prefill of prompts as a radix tree of token prefixes (`Run.prefill`, built on
   `prefill_steps`), with Progress events;
+* the prompt cache around the run's first prefill (`Run.prefill`, with a `PrefixStore`): the
+  prompts' shared prefix is laid down from the store as far as it holds it, and kept there after;
 * compaction: dropping the cache slots no live row reaches (`Run.maybe_compact`);
 * the counters behind the Done event's stats (`DecodeCounters`).
 
@@ -17,7 +19,7 @@ Strategies decide which branches exist; the step loop (mdcli/core/steps.py) deco
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -25,6 +27,7 @@ import torch
 
 from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
 from mdcli.core.forest import common_prefix_length, pad_rows
+from mdcli.core.prefix_store import PrefixStore
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
 from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
@@ -44,6 +47,7 @@ class RunnableModel(Protocol):
     context_length: int | None
     sliding_window: int | None
     mixed_layer_types: bool
+    prompt_store: PrefixStore | None  # the prompt cache chosen at load (None: off)
 
 
 # An edge of the prompts' radix tree at least this long, and this many times longer than every
@@ -65,6 +69,7 @@ class DecodeCounters:
     decode_seconds: float = 0.0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0
 
     def stats(self, engine: Engine, seconds: float) -> Stats:
         return Stats(
@@ -81,6 +86,7 @@ class DecodeCounters:
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
             forwards=engine.forwards,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -124,8 +130,11 @@ class Run:
         context_length: int | None = None,
         compact_ratio: float = 0.25,
         speculate: str | object = "off",
+        prompt_store: PrefixStore | None = None,
     ) -> None:
         self.engine = engine
+        self.prompt_store = prompt_store
+        self._prefilled = False
         self.model = model
         self.context_length = context_length
         self.compact_ratio = compact_ratio
@@ -151,6 +160,7 @@ class Run:
             context_length=model.context_length,
             compact_ratio=compact_ratio,
             speculate=speculate,
+            prompt_store=model.prompt_store,
         )
 
     # -- Start and Done ------------------------------------------------------------------------
@@ -210,15 +220,54 @@ class Run:
 
     # -- prefill and compaction ----------------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]], phase: str) -> Generator[Progress, None, list[ChainResult]]:
+    def prefill(self, prompts: list[list[int]], phase: str) -> Generator[Progress | Note, None, list[ChainResult]]:
         """Feed prompts as a radix tree (see prefill_steps), with Progress events; counts the
-        tokens fed and the time (prompt tokens are counted where branches are made)."""
+        tokens fed and the time (prompt tokens are counted where branches are made). The run's
+        first prefill goes through the prompt cache when it has one (`_from_store`, `_to_store`)."""
         started = time.perf_counter()
+        shared = self._shared_prefix(prompts)
+        restored = self._from_store(shared)
         before = len(self.engine)
         results = yield from progress_events(phase, prefill_steps(self.engine, prompts))
         self.counters.prefill_tokens += len(self.engine) - before
+        self.counters.cached_tokens += restored
+        self._to_store(shared, restored)
         self.counters.prefill_seconds += time.perf_counter() - started
+        yield from self._store_notes()
         return results
+
+    # -- the prompt cache ----------------------------------------------------------------------
+
+    def _shared_prefix(self, prompts: list[list[int]]) -> list[int]:
+        """The tokens every prompt starts with (each prompt's last token excluded: its logits are
+        needed), when this is the run's first prefill and a prompt cache is on; else []."""
+        first, self._prefilled = not self._prefilled, True
+        if self.prompt_store is None or not first or len(self.engine) or not prompts:
+            return []
+        shortest = min(len(p) for p in prompts) - 1
+        shared = prompts[0][:max(shortest, 0)]
+        for prompt in prompts[1:]:
+            shared = shared[:common_prefix_length(shared, prompt)]
+        return shared if len(shared) >= self.prompt_store.min_tokens else []
+
+    def _from_store(self, shared: list[int]) -> int:
+        """Lay down the longest cached prefix of `shared` in the empty cache; its length (0: none)."""
+        hit = self.prompt_store.longest(shared) if shared else None
+        if hit is None:
+            return 0
+        self.engine.load_prefix(shared[:hit.tokens], hit.kv)
+        return hit.tokens
+
+    def _to_store(self, shared: list[int], restored: int) -> None:
+        """Keep the shared prefix, which the prefill laid down at slots [0, len(shared)), unless
+        the store already held all but fewer than `min_tokens` of it (no near-duplicate entries)."""
+        if shared and len(shared) - restored >= self.prompt_store.min_tokens:
+            self.prompt_store.save(shared, self.engine.prefix_kv(len(shared)))
+
+    def _store_notes(self) -> Iterator[Note]:
+        """The store's problems (a bad entry skipped, a failed write) as one `note` each."""
+        for line in self.prompt_store.take_notes() if self.prompt_store is not None else ():
+            yield Note(kind="prompt-cache", message=line)
 
     def maybe_compact(self, rows: list[torch.Tensor]) -> torch.Tensor | None:
         """Reclaim the cache slots none of `rows` (every row anyone still holds) attends to, once

@@ -49,6 +49,8 @@ from mdcli.models.architectures import (
     model_type,
     sliding_window_layout,
 )
+from mdcli.models.prompt_identity import check_prompt_cache, prompt_store
+from mdcli.prompt_cache.store import PromptStore
 from mdcli.models.embedded import (
     EMBEDDED_NAME,
     embedded_gguf_path,
@@ -94,6 +96,7 @@ class LoadedModel:
     mixed_layer_types: bool  # True: the engine passes {"full_attention": m, "sliding_attention": m_w}
     has_chat_template: bool
     cpu_weights: str = "float32"  # "int8": projections and head quantized (mdcli.backends.weights.int8)
+    prompt_store: PromptStore | None = None  # the prompt cache (mdcli.models.prompt_identity); None: off
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class LoadOptions(BaseModel):
     quiet: bool = False  # silence transformers' own bars and warnings
     progress: Progress | None = None  # one-line progress messages
     cpu_weights: str = "float32"
+    prompt_cache: str = "off"  # auto | off | a folder: prefixes kept on disk (the command line's default: auto)
 
 
 def load_model(model: str | LoadOptions | None = None, **options) -> LoadedModel:
@@ -145,10 +149,13 @@ def _load_model(
     quiet: bool = False,
     progress: Progress | None = None,
     cpu_weights: str = "float32",
+    prompt_cache: str = "off",
 ) -> LoadedModel:
     """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id).
-    cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.backends.weights.int8)."""
+    cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.backends.weights.int8).
+    prompt_cache: auto | off | a folder (mdcli.models.prompt_identity)."""
     check_attn_implementation(attn)
+    check_prompt_cache(prompt_cache)
     torch_device = resolve_device(device)
     bits = _quantization_bits(load_in_4bit, load_in_8bit, torch_device)
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
@@ -174,12 +181,16 @@ def _load_model(
         dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
     plan = select(hf_model)  # every kernel choice for this model, made once, here
+    device = hf_model.device if placement else torch_device
+    store = prompt_store(prompt_cache, location=source.location, gguf_file=source.gguf_file, is_hub_id=source.is_hub_id,
+                         hf_model=hf_model, plan=plan, tokenizer=tokenizer, name=source.name, dtype=torch_dtype,
+                         device=device, attn=attn, cpu_weights=cpu_weights)
     return LoadedModel(
         model=hf_model,
         forward=ModelForward(hf_model, plan, sliding_window=window),
         tokenizer=tokenizer,
         name=source.name,
-        device=hf_model.device if placement else torch_device,
+        device=device,
         dtype=torch_dtype,
         dtype_reason=dtype_reason,
         attn=attn,
@@ -189,6 +200,7 @@ def _load_model(
         mixed_layer_types=mixed,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         cpu_weights=cpu_weights,
+        prompt_store=store,
     )
 
 

@@ -128,12 +128,14 @@ class RecipeBase(Strict):
     sampling: Sampling = Field(default_factory=Sampling)
     # speculative decoding: "auto" | "off" | N draft tokens per branch per step (never changes tokens)
     speculate: Literal["auto", "off"] | Annotated[int, Field(ge=0)] | None = None
+    # the prompt cache: "auto" | "off" | a folder (--prompt-cache wins; neither given: auto)
+    prompt_cache: Annotated[str, Field(min_length=1)] | None = None
 
-    @field_validator("speculate", mode="before")
+    @field_validator("speculate", "prompt_cache", mode="before")
     @classmethod
     def _yaml_switch_words(cls, value: object) -> object:
         """YAML 1.1 reads `speculate: off` (or no/false) as False and on/yes/true as True: they mean
-        "off" and "auto" (guess where it pays) here, not 0 and 1 draft tokens."""
+        "off" and "auto" (guess where it pays; the prompt cache's folder) here, not 0 and 1."""
         if isinstance(value, bool):
             return "auto" if value else "off"
         return value

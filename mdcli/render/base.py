@@ -210,6 +210,8 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
         f"{stats.tokens_per_second:.1f} tok/s",
         f"cache peak {stats.peak_cache_tokens:,} tokens",
     ]
+    if stats.cached_tokens:
+        parts.append(f"{stats.cached_tokens:,} prompt tokens from the prompt cache")
     if interrupted:
         parts.append("interrupted")
     return " · ".join(parts)

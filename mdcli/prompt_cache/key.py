@@ -1,0 +1,117 @@
+"""What a prompt-cache entry is keyed by, and which folder holds the entries.
+
+An entry's keys and values are only the ones a run would compute if everything that changes the
+numbers is the same: the weights (a content digest of the weight files), the config, the dtype,
+the device kind, the kernel plan that computed the prefill, the thread count (a GEMM's sums may
+be split differently), the torch and transformers versions and this cache's format. Those facts
+hash to the *namespace*, a sub-folder of the cache folder: a run reads only its own namespace, so
+a different model, dtype or plan never reads another's entry. The token ids then pick the entry
+inside it (mdcli.prompt_cache.store).
+
+Hashing weights costs a read of every byte (about a second per GB), so each file's digest is
+remembered in `digests.json` in the cache folder by (path, size, modification time) and computed
+again only when one of them changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from mdcli.errors import UsageError
+from mdcli.settings import Settings
+
+FORMAT_VERSION = 1  # bump when an entry's layout or meaning changes: old entries then miss
+DIGESTS_FILE = "digests.json"
+_CHUNK = 1 << 22
+
+
+def cache_folder(option: str, settings: Settings) -> Path | None:
+    """The folder `--prompt-cache` names: auto is MDCLI_PROMPT_CACHE_DIR or mdcli's cache folder's
+    prompts/, off is None, anything else a folder of the user's (made when first written)."""
+    value = option.strip()
+    if value.lower() == "off":
+        return None
+    if value.lower() == "auto":
+        return settings.prompt_cache_folder
+    if not value:
+        raise UsageError("--prompt-cache is empty", fix="give auto, off or a folder")
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--prompt-cache '{value}' is a file, not a folder", fix="give auto, off or a folder")
+    return folder
+
+
+def namespace(facts: dict) -> str:
+    """The namespace of these facts: a hex digest of their canonical JSON (with FORMAT_VERSION)."""
+    text = json.dumps({"format": FORMAT_VERSION, **facts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def files_digest(paths: list[Path], folder: Path | None) -> str:
+    """One digest of the contents of `paths` (and their names), each file's digest remembered in
+    `folder`/digests.json by (path, size, mtime) when a folder is given."""
+    remembered = _read_digests(folder)
+    combined = hashlib.sha256()
+    changed = False
+    for path in sorted(paths, key=lambda p: p.name):
+        stat = path.stat()
+        key = str(path.resolve())
+        stamp = [stat.st_size, stat.st_mtime_ns]
+        entry = remembered.get(key)
+        if not (isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3):
+            entry = [*stamp, _file_digest(path)]
+            remembered[key], changed = entry, True
+        combined.update(f"{path.name}:{entry[2]};".encode())
+    if changed and folder is not None:
+        _write_digests(folder, remembered)
+    return combined.hexdigest()
+
+
+def tensors_digest(named) -> str:
+    """A digest of named tensors' bytes: for a model with no weight files to hash (its state dict)."""
+    combined = hashlib.sha256()
+    for name, tensor in named:
+        combined.update(name.encode())
+        combined.update(tensor_bytes(tensor))
+    return combined.hexdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes in memory order, whatever its dtype (bf16 included)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_digests(folder: Path | None) -> dict:
+    if folder is None:
+        return {}
+    try:
+        data = json.loads((folder / DIGESTS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_digests(folder: Path, digests: dict) -> None:
+    """Written whole to a temporary file, then renamed over: a reader never sees half of it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = folder / f".{DIGESTS_FILE}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        temporary.write_text(json.dumps(digests), encoding="utf-8")
+        os.replace(temporary, folder / DIGESTS_FILE)
+    except OSError:
+        pass  # a digest not remembered is computed again next time
