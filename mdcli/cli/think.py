@@ -37,7 +37,6 @@ def think(
         Optional[int],
         typer.Option(
             "--paths",
-            "-k",
             help="Independent paths (default 4, or one per --path-instruction). With --plan: how many "
             "plain paths to run if the outline cannot be parsed.",
             show_default=False,
