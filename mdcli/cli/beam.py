@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
     load, load_options, read_document, read_questions_file, render,
     VerboseOpt,
@@ -63,6 +63,8 @@ def beam(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -77,6 +79,7 @@ def beam(
     its own beam set over the document's cache.
     """
     with errors(debug), in_flags():
+        announce_loading(model, quiet)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(question or []) + read_questions_file(questions_file)
@@ -98,9 +101,9 @@ def beam(
             if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
                 text = text.rstrip("\r\n")
             job = job.model_copy(update={"prompt": text})
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=True))
         events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 

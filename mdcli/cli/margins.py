@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
@@ -130,6 +130,8 @@ def margins(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -153,6 +155,7 @@ def margins(
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
     """
     with errors(debug), in_flags():
+        announce_loading(model, quiet)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)
@@ -185,9 +188,9 @@ def margins(
                 job, given_layout=context is not None,
                 speculate=speculation.recipe_value(),
             ))
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=True))
         events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
@@ -99,6 +99,8 @@ def think(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -119,6 +121,7 @@ def think(
     the paths were produced; there was just nothing to count.
     """
     with errors(debug), in_flags():
+        announce_loading(model, quiet)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         speculation = speculate_setting(speculate)
@@ -141,9 +144,9 @@ def think(
             stop=tuple(stop or ()),
         )
         job.validate()  # before the model loads
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=True))
         events = api.think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)

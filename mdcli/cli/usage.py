@@ -115,7 +115,7 @@ def one_line(error) -> str:
     if _is(error, "NoSuchOption") and (command, error.option_name) in HINTS:
         return f"{message}; {HINTS[(command, error.option_name)]}"
     if message.startswith("Got unexpected extra argument") and _takes_questions(context):
-        extra = re.search(r"\((.*)\)$", message)
+        extra = re.search(r"argument\(?s?\)? \((.*)\)$", message)
         question = extra.group(1) if extra else "..."
         return f"{message}; a question goes after -q: {_program(path)} FILE -q \"{question}\""
     return f"{message}; see '{_program(path)} --help'"
