@@ -171,7 +171,7 @@ def test_events_announce_classify_and_source_the_answer(tiny):
     margin_ids = [b.id for b in events[0].branches]
     forks = of_type(events, Fork)
     total = len(margin_ids)
-    assert [f.branch.label for f in forks] == [f"relevance {i}/{total}" for i in range(1, total + 1)] + ["answer"]
+    assert [f.branch.label for f in forks] == [f"classification {i}/{total}" for i in range(1, total + 1)] + ["answer"]
     classified = notes(events, "classification")
     assert [n.data["segment"] for n in classified] == list(range(1, len(margin_ids) + 1))
     assert [n.data["margin_branch"] for n in classified] == margin_ids

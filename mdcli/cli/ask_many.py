@@ -86,11 +86,11 @@ def ask_many(
     from a saved or built-in ask-many recipe.
     """
     with errors(debug), in_flags():
-        announce_loading(model, quiet)  # before the imports below, which take seconds
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         if recipe is not None or save_recipe is not None:
-            _run_with_recipe(ctx, recipe, save_recipe)
+            _run_with_recipe(ctx, recipe, save_recipe, announced)
             return
 
         speculation = speculate_setting(speculate)
@@ -108,7 +108,7 @@ def ask_many(
         job.validate()  # before the model loads
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=True))
+        lm = load(load_options(locals(), announced=announced))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
@@ -118,7 +118,7 @@ def ask_many(
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")
 
 
-def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None) -> None:
+def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None, announced: bool) -> None:
     """ask-many through a recipe: the --recipe file (if any) with the flags you typed on top.
 
     Without --recipe every flag counts, defaults included, so the saved file pins them all. With
@@ -156,7 +156,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         write_recipe(save_to, dump_recipe(plan))
     mode = output_mode(p["output"], jsonl=p["jsonl"], plain=p["plain"], json=p["as_json"])
     check_progress(p["quiet"], p["progress"])
-    lm = load(load_options(p, announced=True))
+    lm = load(load_options(p, announced=announced))
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 

@@ -79,7 +79,7 @@ def beam(
     its own beam set over the document's cache.
     """
     with errors(debug), in_flags():
-        announce_loading(model, quiet)  # before the imports below, which take seconds
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(question or []) + read_questions_file(questions_file)
@@ -103,7 +103,7 @@ def beam(
             job = job.model_copy(update={"prompt": text})
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=True))
+        lm = load(load_options(locals(), announced=announced))
         events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 

@@ -135,12 +135,23 @@ def output_mode(output: Output, *, jsonl: bool = False, plain: bool = False, jso
     return chosen.pop() if chosen else Output.auto
 
 
-def announce_loading(model: str | None, quiet: bool) -> None:
-    """Say which model loads before torch and transformers are imported (about 3 s on a CPU host:
-    docs/performance.md#start-up), so the first seconds are not silent. `load_options(...,
-    announced=True)` then drops the loader's own line about the same model."""
-    if not quiet:
-        stderr_line(f"loading {model or EMBEDDED_NAME}...")
+def announce_loading(model: str | None, quiet: bool, progress: bool = False) -> bool:
+    """On a terminal (or with --progress), say which model loads before torch and transformers are
+    imported (about 3 s on a CPU host: docs/performance.md#start-up), so the first seconds are not
+    silent; returns whether it did. Elsewhere the loader says it when it starts, so that a usage
+    error found before then stays the only line. `load_options(..., announced=True)` then drops
+    the loader's own line about the same model."""
+    if quiet or not (progress or _is_terminal(sys.stderr)):
+        return False
+    stderr_line(f"loading {model or EMBEDDED_NAME}...")
+    return True
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def read_document(source: str) -> str:

@@ -84,7 +84,7 @@ def explore(
     final finish.
     """
     with errors(debug), in_flags():
-        announce_loading(model, quiet)  # before the imports below, which take seconds
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
         from mdcli.api import Explore
         from mdcli.api import explore as run_explore
@@ -103,7 +103,7 @@ def explore(
         job.validate()  # bad input exits 2 before the model loads
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=True))
+        lm = load(load_options(locals(), announced=announced))
         events = run_explore(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 

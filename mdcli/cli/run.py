@@ -103,7 +103,7 @@ def run(
     `mdcli recipes list` for the built-in recipes.
     """
     with errors(debug):
-        announce_loading(model, quiet)  # before the imports below, which take seconds
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
         from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags
@@ -121,7 +121,7 @@ def run(
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=True))
+        lm = load(load_options(locals(), announced=announced))
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )
