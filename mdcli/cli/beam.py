@@ -77,6 +77,11 @@ def beam(
     Each step is one forward over every live beam of every prompt; a beam that forks costs one
     token, a beam that loses leaves at once. With a document and several -q, each question gets
     its own beam set over the document's cache.
+
+    Plain and live output head each returned sequence with its score and finish reason ("stop
+    (EOS)" or "length (-n)") and draw its trailing whitespace (⏎ newline, · space): generate may
+    return sequences that differ only there, and they are kept, as generate keeps them, not merged.
+    -n defaults to 64 here (every beam runs until EOS or -n).
     """
     with errors(debug), in_flags():
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
