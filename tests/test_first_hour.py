@@ -150,6 +150,8 @@ def test_the_answer_format_the_question_asks_for_is_not_an_answer():
     assert extract_answer("Sure! 17 + 25 = 42. Answer: 42", question=question) == "42"
     assert extract_answer("I will end with Answer: N. 17 + 25 = 42", question=question) == "42"
     assert extract_answer("The answer is: Answer: 50") == "50"
+    assert extract_answer('I end it with "Answer:". Here is a step-by-step') is None  # mentioned, not used
+    assert extract_answer('The answer is "Answer: 32"') == "32"
 
 
 # -- 4. think's paths differ by default; exact greedy is one flag away -------------------------------

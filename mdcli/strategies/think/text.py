@@ -113,7 +113,7 @@ ANSWER_MARKER_PATTERN = r"(?i)\b(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?\s*(?P<a
 LAST_NUMBER_PATTERN = r"-?\d[\d,]*(?:\.\d+)?"
 """Failing that, the last number in the text."""
 
-_LEADING_MARKER = re.compile(r"(?i)^(?:[\s*_`]*(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?)+\s*")
+_LEADING_MARKER = re.compile(r"(?i)^(?:[\s*_`\"']*(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?)+\s*")
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 _ANSWER_DECORATION = " \t*_`$\"'.,;:!"
 
@@ -160,17 +160,14 @@ def _match_answer(match: re.Match, first_sentence: bool) -> str | None:
         found = match.group(1)
     else:
         found = match.group(0)
-    answer = (found or "").strip(_ANSWER_DECORATION)
-    if answer and first_sentence:
-        answer = _LEADING_MARKER.sub("", answer)  # "The answer is: Answer: 50" -> "50"
-        return _first_sentence(answer)
-    return answer or None
-
-
-def _first_sentence(answer: str) -> str | None:
-    end = _SENTENCE_END.search(answer)
-    cut = answer if end is None else answer[: end.start()]
-    return cut.strip(_ANSWER_DECORATION) or None
+    found = found or ""
+    if first_sentence:
+        found = _LEADING_MARKER.sub("", found)  # "The answer is: Answer: 50" -> "50"
+        # the sentence is cut before the decoration goes: in 'end with "Answer:". Here is...' the
+        # marker is mentioned, not used, and the next sentence is no answer
+        end = _SENTENCE_END.search(found)
+        found = found if end is None else found[: end.start()]
+    return found.strip(_ANSWER_DECORATION) or None
 
 
 def normalize_answer(answer: str) -> str:
