@@ -190,8 +190,9 @@ def think(model: LoadedModel, question: str | Think, **options) -> Iterator[Even
 
     `question` is a Think job, or the question text with the job's fields as keywords (see
     strategies.think.Think: paths=4, plan, max_paths=8, merge, vote, answer_pattern,
-    path_instructions, system, chat_template, sampling, max_new_tokens=256, plan_tokens=128,
-    conclusion_tokens=256, stop); `max_forward_tokens`, `compact_ratio` and `speculate` go to the
+    path_instructions, system, chat_template, sampling (None: sampled where greedy paths would be
+    identical), max_new_tokens=256, plan_tokens (None: min(128, max_new_tokens)), conclusion_tokens
+    (None: max_new_tokens), stop); `max_forward_tokens`, `compact_ratio` and `speculate` go to the
     run. Arguments are checked here, before the first event is asked for.
     """
     engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}

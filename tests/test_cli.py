@@ -134,12 +134,12 @@ def test_debug_shows_the_traceback(tmp_path):
 # -- output contract ---------------------------------------------------------------------------
 
 
-def test_jsonl_is_start_tokens_finishes_done_and_nothing_else(story):
+def test_jsonl_is_start_tokens_finishes_answers_done_and_nothing_else(story):
     result = mdcli("ask-many", str(story), "-q", "Who is it about?", "-q", "Where?", "-n", "6", "--jsonl")
     assert result.exit_code == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
-    assert events[0]["type"] == "start" and events[-1]["type"] == "done"
-    assert {e["type"] for e in events[1:-1]} <= {"token", "finish", "note"}
+    assert events[0]["type"] == "start" and events[-2]["type"] == "answers" and events[-1]["type"] == "done"
+    assert {e["type"] for e in events[1:-2]} <= {"token", "finish", "note"}
     start = events[0]
     assert start["model"].startswith("SmolLM2") and start["dtype"] == "float32" and start["device"] == "cpu"
     assert [b["label"] for b in start["branches"]] == ["Who is it about?", "Where?"]

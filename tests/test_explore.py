@@ -176,7 +176,7 @@ def test_jsonl_shows_candidates_as_forks_losers_as_scored_prunes_and_the_answer_
     assert result.exit_code == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
     types = [e["type"] for e in events]
-    assert types[0] == "start" and types[-2:] == ["finish", "done"]
+    assert types[0] == "start" and types[-3:] == ["finish", "answers", "done"]
     assert events[0]["strategy"] == "explore" and [b["label"] for b in events[0]["branches"]] == ["explore"]
     forks = [e["branch"] for e in events if e["type"] == "fork"]
     assert [f["label"] for f in forks] == [f"step {r} #{i}" for r in (1, 2) for i in (1, 2, 3)]
@@ -191,7 +191,7 @@ def test_jsonl_shows_candidates_as_forks_losers_as_scored_prunes_and_the_answer_
         scores = {int(v[2]): float(prunes[f["id"]].split()[2]) for f, v in zip(round_forks, verdicts)}
         assert scores[1] >= scores[2] >= scores[3]
     assert {f["parent"] for f in forks[3:]} == {next(f["id"] for f in forks[:3] if prunes[f["id"]].startswith("kept"))}
-    final = events[-2]
+    final = events[-3]
     assert final["branch"] == 0 and len(final["token_ids"]) == 6
 
 
@@ -249,13 +249,13 @@ def test_the_builtin_explore_recipe_runs_through_mdcli_run_as_explore_with_its_s
                            env={"HF_HUB_OFFLINE": "1"})
     assert result.exit_code == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
-    assert events[0]["strategy"] == "explore" and events[-2]["type"] == "finish"
+    assert events[0]["strategy"] == "explore" and events[-3]["type"] == "finish" and events[-2]["type"] == "answers"
     recipe = load_recipe("explore")
     expected = explore(
         embedded, recipe.prompt.replace("$context", STORY.rstrip("\n")), k=recipe.k, keep=recipe.keep,
         sampling=SamplingParams(temperature=0.8, seed=1), max_new_tokens=8,
     )
-    assert events[-2]["token_ids"] == answer(list(expected)).token_ids
+    assert events[-3]["token_ids"] == answer(list(expected)).token_ids
 
 
 def test_a_recipe_keep_above_k_is_refused_naming_the_field():

@@ -171,7 +171,7 @@ def test_events_announce_classify_and_source_the_answer(tiny):
     margin_ids = [b.id for b in events[0].branches]
     forks = of_type(events, Fork)
     total = len(margin_ids)
-    assert [f.branch.label for f in forks] == [f"relevance {i}/{total}" for i in range(1, total + 1)] + ["answer"]
+    assert [f.branch.label for f in forks] == [f"classification {i}/{total}" for i in range(1, total + 1)] + ["answer"]
     classified = notes(events, "classification")
     assert [n.data["segment"] for n in classified] == list(range(1, len(margin_ids) + 1))
     assert [n.data["margin_branch"] for n in classified] == margin_ids
@@ -498,7 +498,8 @@ def test_cli_jsonl_streams_margins_classifications_and_the_answer(tiny_dir, tmp_
     assert [b["label"] for b in lines[0]["branches"]] == [f"segment {i}/3 (doc{i}.txt)" for i in (1, 2, 3)]
     kinds = [line.get("kind") for line in lines if line["type"] == "note"]
     assert kinds.count("classification") == 3 and kinds.count("answer-sources") == 1
-    assert lines[-1]["type"] == "done" and lines[-2]["type"] == "finish" and lines[-2]["label"] == "answer"
+    assert lines[-1]["type"] == "done" and lines[-2]["type"] == "answers"  # the answers line, then done
+    assert lines[-3]["type"] == "finish" and lines[-3]["label"] == "answer"
 
 
 def test_cli_reads_stdin_and_refuses_bad_input_in_one_line(tiny_dir, tmp_path):

@@ -187,7 +187,8 @@ def test_progress_lines_with_the_flag_go_to_stderr_and_jsonl_stdout_stays_pure_e
     for event in a_long_run():
         renderer.handle(event)
     records = [json.loads(line) for line in stdout.getvalue().splitlines()]
-    assert [r["type"] for r in records] == ["start", "token", "token", "token", "finish", "token", "finish", "done"]
+    assert [r["type"] for r in records] == [
+        "start", "token", "token", "token", "finish", "token", "finish", "answers", "done"]
     assert "mdcli: prefill 1,024 / 1,819 tokens" in stderr.getvalue().splitlines()
 
 

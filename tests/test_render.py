@@ -260,7 +260,8 @@ def test_jsonl_writes_one_parseable_line_per_event_in_order_from_start_to_done()
     ]
     _, stdout = run_jsonl(events)
     records = [json.loads(line) for line in stdout.getvalue().splitlines()]
-    assert [record["type"] for record in records] == [event.type for event in events]
+    # every event in order, with the `answers` line just before `done`
+    assert [record["type"] for record in records] == [event.type for event in events[:-1]] + ["answers", "done"]
     assert records[0]["type"] == "start" and records[-1]["type"] == "done"
     assert records[1] == {
         "type": "token",
@@ -287,7 +288,8 @@ def test_jsonl_interrupted_finishes_each_unfinished_branch_then_writes_a_done_li
     )
     renderer.interrupted()
     records = [json.loads(line) for line in stdout.getvalue().splitlines()]
-    cut, final = records[-2], records[-1]
+    cut, answers, final = records[-3], records[-2], records[-1]
+    assert answers["type"] == "answers" and [a["label"] for a in answers["answers"]] == ["a", "b"]
     assert cut == {
         "type": "finish",
         "branch": 0,
@@ -409,7 +411,7 @@ def test_plain_sends_header_notes_and_summary_to_stderr_only():
     renderer, stdout, stderr = plain()
     for event in [
         start("a"),
-        Note("vote", "a wins"),
+        Note("fallback", "used eager attention"),
         finish(0, "a", "x", 4),
         done(generated=4),
     ]:
@@ -417,7 +419,7 @@ def test_plain_sends_header_notes_and_summary_to_stderr_only():
     assert stdout.getvalue() == "x\n"
     lines = stderr.getvalue().splitlines()
     assert lines[0] == "tiny · cpu · float32 (exact)"
-    assert "vote: a wins" in lines
+    assert "fallback: used eager attention" in lines
     assert (
         lines[-1]
         == "1 branch · 4 tokens in 2 steps · 1.0 s · 5.0 tok/s · cache peak 11 tokens"
@@ -776,11 +778,11 @@ def margins_run(show_margins: bool = False):
         Start(model="tiny", device="cpu", dtype="float32", dtype_reason="exact", attn="sdpa", strategy="margins",
               seed=None, branches=[BranchInfo(i, labels[i], [1, 2], group=groups[i]) for i in range(4)]),
         *(finish(i, labels[i], f"margin {i}") for i in range(4)),
-        *(Fork(BranchInfo(4 + i, labels[i].replace("segment", "relevance"), [1], group=groups[i]))
+        *(Fork(BranchInfo(4 + i, labels[i].replace("segment", "classification"), [1], group=groups[i]))
           for i in range(4)),
     ]
     for i in range(4):
-        events.append(finish(4 + i, labels[i].replace("segment", "relevance"), "NO#off topic" if i == 1 else "YES#"))
+        events.append(finish(4 + i, labels[i].replace("segment", "classification"), "NO#off topic" if i == 1 else "YES#"))
         verdict = {"relevant": i != 1, "reason": "off topic" if i == 1 else ""}
         events.append(Note("classification", "...", {"branch": 4 + i, "margin_branch": i, "question": 1 + i // 2,
                                                      **verdict}))

@@ -597,13 +597,13 @@ def test_the_command_line_refuses_a_bad_speculate_before_loading_anything(tmp_pa
     assert "--speculate takes auto, off or a number of draft tokens, not 'lots'" in result.stderr
 
 
-def test_the_summary_line_counts_forwards_and_accepted_drafts():
+def test_the_summary_line_counts_steps_and_accepted_drafts():
     from mdcli.events import Stats
     from mdcli.render.base import BranchBook, summary_line
 
     stats = Stats(prompt_tokens=10, prefill_tokens=10, generated_tokens=412, steps=37, seconds=5.2,
                   prefill_seconds=0.2, decode_seconds=5.0, peak_cache_tokens=1912, final_cache_tokens=1900,
                   compactions=0, draft_tokens=400, accepted_tokens=252, forwards=38)
-    assert "412 tokens in 37 forwards (63% of drafts accepted)" in summary_line(BranchBook(), stats)
+    assert "412 tokens in 37 steps (63% of drafts accepted)" in summary_line(BranchBook(), stats)
     plain = Stats(**{**{f: getattr(stats, f) for f in stats.__slots__}, "draft_tokens": 0})
     assert "412 tokens in 37 steps" in summary_line(BranchBook(), plain)

@@ -336,7 +336,8 @@ def test_votes_group_equal_answers_and_ties_go_to_the_first_path():
     assert empty.winner is None and "no path gave an extractable answer" in empty.note().message
     note = vote.note()
     assert note.kind == "vote" and note.data["answers"]["path 4"] is None and note.data["winner"] == "$1,000"
-    assert "path 3" in note.message and "majority answer: $1,000 (2 of 4 paths)" in note.message
+    assert "path 3" in note.message and "$1,000 (2 of 4 paths: the most common answer, no majority)" in note.message
+    assert note.data["majority"] is False and note.data["paths"] == 4
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -384,11 +385,11 @@ def test_cli_a_missing_question_file_is_a_usage_error():
     assert_one_line_error(mdcli("nowhere/question.txt"), "does not exist")
 
 
-def test_cli_vote_prints_the_vote_note_and_reads_the_question_from_stdin(tiny_dir):
+def test_cli_vote_prints_the_vote_on_stdout_and_reads_the_question_from_stdin(tiny_dir):
     result = mdcli("-", "--model", str(tiny_dir("llama")), "-o", "plain", "-n", "3", "--paths", "2", "--vote",
                    "--answer-pattern", "(?s)(.+)", input=QUESTION)
     assert result.exit_code == 0, result.stderr
-    assert "vote: majority answer: " in result.stderr
+    assert "\n## vote\n" in result.stdout and " of 2 paths" in result.stdout
     assert "## path 1" in result.stdout and "conclusion" not in result.stdout
 
 

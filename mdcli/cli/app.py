@@ -13,6 +13,7 @@ import typer
 
 from mdcli import __version__
 from mdcli.cli.common import silence_stdout
+from mdcli.cli.usage import SHORT_HELP, MdcliGroup, with_examples
 
 app = typer.Typer(
     name="mdcli",
@@ -24,6 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    cls=MdcliGroup,  # commands grouped in the help, usage errors in one line
 )
 
 
@@ -44,26 +46,25 @@ def _root(
 
 # -- commands: each lives in mdcli/cli/<name>.py -----------------------------------------
 
-from mdcli.cli import ask_many  # noqa: E402
-from mdcli.cli import beam  # noqa: E402
-from mdcli.cli import margins  # noqa: E402
-from mdcli.cli import think  # noqa: E402
-from mdcli.cli import bench  # noqa: E402
+from mdcli.cli import ask_many, beam, bench, cache, explain, explore, info, margins, recipes, run, think  # noqa: E402
 
-app.command("ask-many")(ask_many.ask_many)
-app.command("beam")(beam.beam)
-app.command("margins")(margins.margins)
-app.command("think")(think.think)
-app.command("bench")(bench.bench)
 
-from mdcli.cli import cache, explain, explore, info, recipes, run  # noqa: E402
+def _command(name: str, function) -> None:
+    """Register `function` as `name`: its docstring with examples on top, and a one-line summary."""
+    app.command(name, help=with_examples(name, function.__doc__), short_help=SHORT_HELP[name])(function)
 
-app.command("run")(run.run)
-app.command("explain")(explain.explain)
-app.command("explore")(explore.explore)
-app.command("info")(info.info)
-app.add_typer(recipes.app, name="recipes")
-app.add_typer(cache.app, name="cache")
+
+_command("ask-many", ask_many.ask_many)
+_command("beam", beam.beam)
+_command("margins", margins.margins)
+_command("think", think.think)
+_command("explore", explore.explore)
+_command("run", run.run)
+_command("explain", explain.explain)
+_command("info", info.info)
+_command("bench", bench.bench)
+app.add_typer(recipes.app, name="recipes", short_help=SHORT_HELP["recipes"])
+app.add_typer(cache.app, name="cache", short_help=SHORT_HELP["cache"])
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
@@ -66,6 +66,8 @@ def ask_many(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -85,10 +87,11 @@ def ask_many(
     from a saved or built-in ask-many recipe.
     """
     with errors(debug), in_flags():
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         if recipe is not None or save_recipe is not None:
-            _run_with_recipe(ctx, recipe, save_recipe)
+            _run_with_recipe(ctx, recipe, save_recipe, announced)
             return
 
         speculation = speculate_setting(speculate)
@@ -104,9 +107,9 @@ def ask_many(
             stop=tuple(stop or ()),
         )
         job.validate()  # before the model loads
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=announced))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 
@@ -116,7 +119,7 @@ def ask_many(
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")
 
 
-def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None) -> None:
+def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None, announced: bool) -> None:
     """ask-many through a recipe: the --recipe file (if any) with the flags you typed on top.
 
     Without --recipe every flag counts, defaults included, so the saved file pins them all. With
@@ -153,9 +156,9 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
     if save_to is not None:
         write_recipe(save_to, dump_recipe(plan))
-    mode = Output.jsonl if p["jsonl"] else p["output"]
+    mode = output_mode(p["output"], jsonl=p["jsonl"], plain=p["plain"], json=p["as_json"])
     check_progress(p["quiet"], p["progress"])
-    lm = load(load_options(p, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
+    lm = load(load_options(p, announced=announced, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 

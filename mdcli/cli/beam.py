@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, ModelOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, ModelOpt,
     NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
     load, load_options, read_document, read_questions_file, render,
     VerboseOpt,
@@ -64,6 +64,8 @@ def beam(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -76,8 +78,14 @@ def beam(
     Each step is one forward over every live beam of every prompt; a beam that forks costs one
     token, a beam that loses leaves at once. With a document and several -q, each question gets
     its own beam set over the document's cache.
+
+    Plain and live output head each returned sequence with its score and finish reason ("stop
+    (EOS)" or "length (-n)") and draw its trailing whitespace (⏎ newline, · space): generate may
+    return sequences that differ only there, and they are kept, as generate keeps them, not merged.
+    -n defaults to 64 here (every beam runs until EOS or -n).
     """
     with errors(debug), in_flags():
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(question or []) + read_questions_file(questions_file)
@@ -99,9 +107,9 @@ def beam(
             if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
                 text = text.rstrip("\r\n")
             job = job.model_copy(update={"prompt": text})
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=announced))
         events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 

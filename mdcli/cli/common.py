@@ -23,6 +23,7 @@ class Output(str, Enum):
     live = "live"
     plain = "plain"
     jsonl = "jsonl"
+    json = "json"
 
 
 # -- options shared by every generating command (declared per command: see architecture notes) --
@@ -58,7 +59,9 @@ DeviceMapOpt = Annotated[
 RemoteCodeOpt = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code to run. Off by default.")
 ]
-MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens generated per branch.")]
+MaxNewOpt = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens generated per branch, in every phase.")
+]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy (exact, default).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (1 = off).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).")]
@@ -73,9 +76,20 @@ NoChatOpt = Annotated[
 ]
 OutputOpt = Annotated[
     Output,
-    typer.Option("--output", "-o", help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl."),
+    typer.Option(
+        "--output", "-o",
+        help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl | json. Every mode "
+        "prints the same answers: live and plain the same text on stdout; jsonl and json the same records.",
+    ),
 ]
-JsonlOpt = Annotated[bool, typer.Option("--jsonl", help="Same as --output jsonl: one JSON event per line.")]
+JsonlOpt = Annotated[
+    bool, typer.Option("--jsonl", help="Same as --output jsonl: one JSON event per line, then an `answers` line.")
+]
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Same as --output json: one JSON document at the end, every answer in question order."),
+]
+PlainOpt = Annotated[bool, typer.Option("--plain", help="Same as --output plain: plain text even on a terminal.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress or summary on stderr.")]
 ProgressOpt = Annotated[
     bool,
@@ -116,6 +130,38 @@ ChunkOpt = Annotated[
 
 # -- helpers ------------------------------------------------------------------------------
 
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"  # models.embedded.EMBEDDED_NAME (a test checks they agree)
+
+
+def output_mode(output: Output, *, jsonl: bool = False, plain: bool = False, json: bool = False) -> Output:
+    """--output, or one of its short spellings (--jsonl, --json, --plain); two different ones are refused."""
+    chosen = {mode for mode, given in ((Output.jsonl, jsonl), (Output.json, json), (Output.plain, plain)) if given}
+    if output != Output.auto:
+        chosen.add(output)
+    if len(chosen) > 1:
+        names = " and ".join(sorted(mode.value for mode in chosen))
+        raise UsageError(f"two output modes were given ({names})", fix="give one of --output, --jsonl, --json, --plain")
+    return chosen.pop() if chosen else Output.auto
+
+
+def announce_loading(model: str | None, quiet: bool, progress: bool = False) -> bool:
+    """On a terminal (or with --progress), say which model loads before torch and transformers are
+    imported (about 3 s on a CPU host: docs/performance.md#start-up), so the first seconds are not
+    silent; returns whether it did. Elsewhere the loader says it when it starts, so that a usage
+    error found before then stays the only line. `load_options(..., announced=True)` then drops
+    the loader's own line about the same model."""
+    if quiet or not (progress or _is_terminal(sys.stderr)):
+        return False
+    stderr_line(f"loading {model or EMBEDDED_NAME}...")
+    return True
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
 
 def read_document(source: str) -> str:
     """Read a document file (or stdin for '-') as UTF-8, with a usable message on any failure."""
@@ -135,6 +181,12 @@ def read_document(source: str) -> str:
         except OSError as error:
             raise UsageError(f"cannot read '{source}': {error.strerror}", fix="check its permissions") from error
         name = f"'{source}'"
+    utf16 = _utf16_bom(data)
+    if utf16 is not None:
+        raise UsageError(
+            f"{name} is {utf16} text (it starts with a {utf16} byte-order mark), not UTF-8",
+            fix="convert it, e.g. iconv -f UTF-16 -t UTF-8",
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -145,6 +197,16 @@ def read_document(source: str) -> str:
     if not text.strip():
         raise UsageError(f"{name} is empty", fix="give a document with some text")
     return text
+
+
+def _utf16_bom(data: bytes) -> str | None:
+    """"UTF-16LE" or "UTF-16BE" when `data` starts with that byte-order mark (Windows editors write
+    it), else None: such a file fails as UTF-8 at byte 0xff or 0xfe, which names no encoding."""
+    if data.startswith(b"\xff\xfe"):
+        return "UTF-16LE"
+    if data.startswith(b"\xfe\xff"):
+        return "UTF-16BE"
+    return None
 
 
 def read_questions_file(path: Path | None) -> list[str]:
@@ -178,7 +240,14 @@ def load_options(params: dict, **overrides):
              "cpu_weights", "prompt_cache")
     fields = {name: params[name] for name in names if name in params}
     quiet = overrides.pop("quiet", params.get("quiet", False))
-    return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else stderr_line)
+    announced = overrides.pop("announced", False)  # announce_loading said it: drop the loader's own line
+    progress = _without_loading_line if announced else stderr_line
+    return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else progress)
+
+
+def _without_loading_line(message: str) -> None:
+    if not message.startswith("loading "):
+        stderr_line(message)
 
 
 def load(options):

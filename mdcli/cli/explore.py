@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, MaxNewOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
     VerboseOpt,
@@ -66,6 +66,8 @@ def explore(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -83,6 +85,7 @@ def explore(
     final finish.
     """
     with errors(debug), in_flags():
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
         from mdcli.api import Explore
         from mdcli.api import explore as run_explore
@@ -99,9 +102,9 @@ def explore(
             max_new_tokens=max_new_tokens,
         )
         job.validate()  # bad input exits 2 before the model loads
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=announced))
         events = run_explore(lm, job, max_forward_tokens=max_forward_tokens)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
 

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
     read_questions_file, render, sampling_params, speculate_setting,
@@ -19,8 +19,8 @@ from mdcli.cli.common import (
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
-# The job model's defaults (strategies.margins.Margins, MarginsOptions), as literals: importing
-# them would load the decoding stack on `mdcli --help`. tests/test_recipes.py and
+# The job model's defaults (strategies.margins: DEFAULT_*_TOKENS, for the help text), as literals:
+# importing them would load the decoding stack on `mdcli --help`. tests/test_recipes.py and
 # tests/test_structure.py check they agree.
 _SEGMENT_TOKENS = 512
 _MIN_SEGMENT_TOKENS = 16
@@ -90,14 +90,24 @@ def margins(
         bool, typer.Option("--with-segments", help="Give the answer each kept margin's source segment too.")
     ] = False,
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens per margin.")
-    ] = _MARGIN_TOKENS,
+        Optional[int],
+        typer.Option(
+            "--max-new-tokens", "-n", min=1, show_default=False,
+            help=f"Most tokens per branch in every phase: each margin, each classification (at most "
+            f"{_CLASSIFY_TOKENS}) and the answer, unless --classify-tokens or --answer-tokens is given. "
+            f"Not given: margins {_MARGIN_TOKENS}, classifications {_CLASSIFY_TOKENS}, answer {_ANSWER_TOKENS}.",
+        ),
+    ] = None,
     classify_tokens: Annotated[
-        int, typer.Option("--classify-tokens", min=1, help="Most tokens per YES/NO classification.")
-    ] = _CLASSIFY_TOKENS,
+        Optional[int],
+        typer.Option("--classify-tokens", min=1, show_default=False,
+                     help=f"Most tokens per YES/NO classification (default: {_CLASSIFY_TOKENS}, at most -n)."),
+    ] = None,
     answer_tokens: Annotated[
-        int, typer.Option("--answer-tokens", min=1, help="Most tokens in the answer.")
-    ] = _ANSWER_TOKENS,
+        Optional[int],
+        typer.Option("--answer-tokens", min=1, show_default=False,
+                     help=f"Most tokens in each answer (default: -n if given, else {_ANSWER_TOKENS})."),
+    ] = None,
     margin_template: Annotated[
         Optional[str],
         typer.Option("--margin-template", help="Margin prompt with $context and $query.", show_default=False),
@@ -131,6 +141,8 @@ def margins(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -148,12 +160,17 @@ def margins(
     so all questions share each segment's cached tokens. Exact: with greedy decoding every margin,
     classification and answer is token for token what the model gives that prompt alone.
 
-    Plain output: the answer (a "## question" block per question when there are several; with
-    --show-margins each block lists the question's margins and which were kept). JSONL adds
-    "classification" notes and an "answer-sources" note per answer, each naming its question.
+    -n bounds every phase (margins, classifications, answers) unless a phase's own limit is given.
+
+    Plain and live output print the same: the answer (a "## question" block per question when
+    there are several; with --show-margins each block lists the question's margins and which were
+    kept). --json gives the answers in question order; JSONL adds the margin and "classification
+    N/M" branches, a "classification" note per margin and an "answer-sources" note per answer,
+    each naming its question.
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
     """
     with errors(debug), in_flags():
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)
@@ -186,9 +203,9 @@ def margins(
                 job, given_layout=context is not None,
                 speculate=speculation.recipe_value(),
             ))
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=announced))
         events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 

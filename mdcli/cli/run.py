@@ -17,6 +17,10 @@ from mdcli.cli.common import (
     CpuWeightsOpt, PromptCacheOpt, EightBitOpt,
     FourBitOpt,
     JsonlOpt,
+    JsonOpt,
+    PlainOpt,
+    announce_loading,
+    output_mode,
     MaxNewOpt,
     MinPOpt,
     ModelOpt,
@@ -84,6 +88,8 @@ def run(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -98,6 +104,7 @@ def run(
     `mdcli recipes list` for the built-in recipes.
     """
     with errors(debug):
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
         from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags
@@ -113,9 +120,9 @@ def run(
         )
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals(), prompt_cache=prompt_cache or plan.prompt_cache or "auto"))
+        lm = load(load_options(locals(), announced=announced, prompt_cache=prompt_cache or plan.prompt_cache or "auto"))
         events = recipe_events(
             plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
         )

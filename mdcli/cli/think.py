@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
+    SpeculateOpt, StopOpt, SystemOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
     VerboseOpt,
 )
@@ -37,7 +37,6 @@ def think(
         Optional[int],
         typer.Option(
             "--paths",
-            "-k",
             help="Independent paths (default 4, or one per --path-instruction). With --plan: how many "
             "plain paths to run if the outline cannot be parsed.",
             show_default=False,
@@ -78,8 +77,16 @@ def think(
             show_default=False,
         ),
     ] = None,
-    plan_tokens: Annotated[int, typer.Option("--plan-tokens", help="Most tokens for the outline (--plan).")] = 128,
-    conclusion_tokens: Annotated[int, typer.Option("--conclusion-tokens", help="Most tokens for the conclusion.")] = 256,
+    plan_tokens: Annotated[
+        Optional[int],
+        typer.Option("--plan-tokens", min=1, show_default=False,
+                     help="Most tokens for the outline (--plan). Default: 128, at most -n."),
+    ] = None,
+    conclusion_tokens: Annotated[
+        Optional[int],
+        typer.Option("--conclusion-tokens", min=1, show_default=False,
+                     help="Most tokens for the conclusion. Default: -n."),
+    ] = None,
     system: SystemOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -91,8 +98,24 @@ def think(
     prompt_cache: PromptCacheOpt = "auto",
     device_map: DeviceMapOpt = None,
     trust_remote_code: RemoteCodeOpt = False,
-    max_new_tokens: MaxNewOpt = 256,
-    temperature: TemperatureOpt = 0.0,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option("--max-new-tokens", "-n", min=1,
+                     help="Most tokens per branch in every phase: each path, the outline (at most 128) and the "
+                     "conclusion, unless --plan-tokens or --conclusion-tokens is given."),
+    ] = 256,
+    temperature: Annotated[
+        Optional[float],
+        typer.Option(
+            "--temperature", "-t", min=0.0, show_default=False,
+            help="Sampling temperature of the paths. Default: 0.7 with --seed 0 when several paths share one "
+            "prompt (no --plan, no --path-instruction), since greedy paths would be copies of one; else 0 "
+            "(greedy, exact).",
+        ),
+    ] = None,
+    greedy: Annotated[
+        bool, typer.Option("--greedy", help="Greedy paths, as -t 0: exact, each path model.generate's answer.")
+    ] = False,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
@@ -101,6 +124,8 @@ def think(
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
+    as_json: JsonOpt = False,
+    plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
     max_forward_tokens: ChunkOpt = 1024,
@@ -110,17 +135,22 @@ def think(
 ) -> None:
     """Think along several paths at once, then conclude.
 
-    Map: --paths K independent paths from the question (made diverse by --temperature with --seed,
-    or by --path-instruction), or --plan: the model writes a numbered outline and each item becomes
-    a path. Process: every path decodes together over the question's shared cache. Reduce: a
+    Map: --paths K independent paths from the question, sampled by default (temperature 0.7,
+    seed 0: diverse, and the same on every run; --greedy or -t 0 for exact greedy paths, which
+    --path-instruction makes differ), or --plan: the model writes a numbered outline and each item
+    becomes a path. Process: every path decodes together over the question's shared cache. Reduce: a
     conclusion that reads every path (--merge reencode, exact; --merge attend, approximate), and/or
-    --vote, a majority over the paths' final answers.
+    --vote: each path's final answer is extracted (from what the path wrote, never from the
+    question) and counted; the result goes to stdout after the paths ("## vote": the answer and
+    "2 of 3 paths"; a majority only when more than half agree, else "no majority").
 
-    With greedy decoding every path, and the reencode conclusion, is token for token what the model
-    writes for that prompt alone. A --vote that finds no answer says so on stderr and still exits 0:
-    the paths were produced; there was just nothing to count.
+    -n bounds every phase unless --plan-tokens or --conclusion-tokens is given. With greedy
+    decoding every path, and the reencode conclusion, is token for token what the model writes
+    for that prompt alone; seeded sampling is reproducible path by path. A --vote that finds no
+    answer says so and still exits 0: the paths were produced; there was just nothing to count.
     """
     with errors(debug), in_flags():
+        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         speculation = speculate_setting(speculate)
@@ -136,20 +166,35 @@ def think(
             path_instructions=instructions,
             system=system,
             chat_template=not no_chat_template,
-            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
+            sampling=None,  # the job's default for these paths; the flags given go on top below
             max_new_tokens=max_new_tokens,
             plan_tokens=plan_tokens,
             conclusion_tokens=conclusion_tokens,
             stop=tuple(stop or ()),
         )
+        job = job.model_copy(update={"sampling": paths_sampling(job.sampling, temperature, greedy, top_p, top_k,
+                                                                 min_p, seed)})
         job.validate()  # before the model loads
-        mode = Output.jsonl if jsonl else output
+        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
-        lm = load(load_options(locals()))
+        lm = load(load_options(locals(), announced=announced))
         events = api.think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+
+
+def paths_sampling(default, temperature: float | None, greedy: bool, top_p: float, top_k: int, min_p: float,
+                   seed: int | None):
+    """The paths' sampling: the job's default (`default`) with the flags given on top; --greedy is -t 0."""
+    if greedy and temperature not in (None, 0.0):
+        raise UsageError(f"--greedy and -t {temperature} contradict each other", fix="give one of them")
+    if greedy:
+        temperature = 0.0
+    return sampling_params(
+        default.temperature if temperature is None else temperature, top_p, top_k, min_p,
+        default.seed if seed is None else seed,
+    )
 
 
 def read_question(source: str) -> str:

@@ -43,8 +43,9 @@ _STATED_LIMITS = ("segment_tokens", "classify_tokens", "answer_tokens")
 
 class MarginsRecipe(RecipeBase, MarginsOptions):
     """margins: Writing in the Margins over the context (the document). `query` (one question)
-    or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin;
-    the classification and answer have their own limits."""
+    or `questions` (several, sharing one cache). `sampling.max_new_tokens` bounds each margin, and
+    the classifications (at most 24) and answers unless `classify_tokens` / `answer_tokens` are
+    given (strategies.margins.Margins._token_limits)."""
 
     strategy: Literal["margins"]
     query: str | None = None

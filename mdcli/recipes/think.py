@@ -48,7 +48,10 @@ class ThinkRecipe(RecipeBase, ThinkOptions):
         settings = self.sampling
         job = Think(
             question=fill(self.question, values), system=self.system, chat_template=self.chat_template,
-            sampling=settings.params(), max_new_tokens=settings.new_tokens(Think.model_fields["max_new_tokens"].default),
+            sampling=None, max_new_tokens=settings.new_tokens(Think.model_fields["max_new_tokens"].default),
             stop=settings.stop_strings(), **{name: getattr(self, name) for name in ThinkOptions.model_fields},
         )
+        # the job's default sampling for these paths (as `mdcli think`), with what the recipe states on top
+        stated = {name: value for name, value in settings.stated().items() if name in type(job.sampling).model_fields}
+        job = job.model_copy(update={"sampling": job.sampling.model_copy(update=stated)})
         return api.think(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)

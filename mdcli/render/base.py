@@ -188,12 +188,92 @@ def describe_start(start: Start) -> str:
     return header
 
 
-def answer_block(label: str, text: str, *, headered: bool) -> str:
+CUT_MARK = " …"
+"""Ends the printed text of an answer that stopped at its token limit (-n), not at its end."""
+
+
+def answer_block(label: str, text: str, *, headered: bool, cut: bool = False, facts: str | None = None) -> str:
     """One branch's answer as printed to stdout: under a ``## label`` heading followed by a
     blank line when there are several answers, or the bare text when there is only one (so
-    that ``mdcli ... | wc -w`` counts the answer's words and nothing else)."""
+    that ``mdcli ... | wc -w`` counts the answer's words and nothing else). A `cut` answer (it
+    stopped at -n) ends in CUT_MARK; `facts` (a beam's score and finish reason) follow the label."""
+    if cut:
+        text = text.rstrip("\n") + CUT_MARK
     body = text if text.endswith("\n") else text + "\n"
-    return f"## {label}\n{body}\n" if headered else body
+    heading = label if facts is None else f"{label} · {facts}"
+    return f"## {heading}\n{body}\n" if headered else body
+
+
+def was_cut(branch: BranchState) -> bool:
+    """Whether the branch stopped at its token limit rather than at EOS or a stop string."""
+    return branch.status == "finished" and branch.finish_reason == "length"
+
+
+def cut_note(branches: list[BranchState]) -> str | None:
+    """One stderr line naming the printed answers that stopped at their token limit (their text
+    is left as generated; plain output marks each with CUT_MARK). None when none did."""
+    if not branches:
+        return None
+    counts = {branch.token_count for branch in branches}
+    if len(branches) == 1:
+        return f"note: '{branches[0].label}' stopped at -n {branches[0].token_count} (cut short, marked …); raise -n for more"
+    if len(counts) == 1:
+        names = ", ".join(f"'{branch.label}'" for branch in branches)
+        return f"note: {len(branches)} answers stopped at -n {counts.pop()} (cut short, marked …): {names}; raise -n for more"
+    names = ", ".join(f"'{branch.label}' at {branch.token_count}" for branch in branches)
+    return f"note: {len(branches)} answers stopped at their -n (cut short, marked …): {names}; raise -n for more"
+
+
+def scored_facts(branch: BranchState) -> str | None:
+    """A beam hypothesis's heading facts: its score and how it ended (None for unscored branches)."""
+    if branch.score is None:
+        return None
+    ending = {"stop": "stop (EOS)", "length": "length (-n)"}.get(branch.finish_reason or "", branch.finish_reason)
+    return f"score {branch.score:.4f} · {ending}"
+
+
+_VISIBLE_WHITESPACE = {"\n": "⏎", " ": "·", "\t": "→", "\r": "␍"}
+
+
+def visible_trailing_whitespace(text: str) -> str:
+    """`text` with its trailing whitespace drawn (⏎ newline, · space, → tab), so that two beam
+    hypotheses that differ only there do not print alike."""
+    body = text.rstrip()
+    tail = text[len(body):]
+    return body + "".join(_VISIBLE_WHITESPACE.get(ch, ch) for ch in tail)
+
+
+def answer_record(branch: BranchState, strategy: str | None = None) -> dict:
+    """One answer as --json and JSONL's `answers` record give it: the text exactly as generated.
+    `question` is the question it answers where the run has questions (ask-many labels each
+    answer with its question; margins groups by it), else None."""
+    record = {
+        "label": branch.label,
+        "question": branch.group or (branch.label if strategy == "ask-many" else None),
+        "text": branch.text,
+        "finish_reason": branch.finish_reason,
+        "tokens": branch.token_count,
+        "cumulative_logprob": round(branch.cumulative_logprob, 6),
+    }
+    if branch.score is not None:
+        record["score"] = branch.score
+    return record
+
+
+def answers_record(book: BranchBook) -> dict:
+    """JSONL's `answers` line (also --json's `answers`): every answer in question order."""
+    strategy = book.start.strategy if book.start is not None else None
+    return {"type": "answers", "answers": [answer_record(branch, strategy) for branch in answer_branches(book)]}
+
+
+def answer_branches(book: BranchBook) -> list[BranchState]:
+    """The branches a run answers with, in question (announcement) order: what plain output prints.
+    A margins run answers with one branch per question (labelled by it, or "answer"); its margins
+    and classifications are working notes."""
+    shown = [branch for branch in in_group_order(list(book)) if branch.status != "pruned"]
+    if book.start is not None and book.start.strategy == "margins":
+        return [branch for branch in shown if branch.label in (branch.group, "answer")]
+    return shown
 
 
 def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -> str:
@@ -218,12 +298,13 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
 
 
 def _tokens_part(stats: Stats) -> str:
-    """``N tokens in S steps``; with speculative drafts, ``N tokens in F forwards (A% of drafts
-    accepted)``, F being the decode forwards (one per step)."""
+    """``N tokens in S steps``; with speculative drafts, ``N tokens in S steps (A% of drafts
+    accepted)``. A step is one decode forward over every live branch, drafts or not."""
+    steps = f"{stats.generated_tokens:,} tokens in {stats.steps:,} steps"
     if not stats.draft_tokens:
-        return f"{stats.generated_tokens:,} tokens in {stats.steps:,} steps"
+        return steps
     accepted = 100 * stats.accepted_tokens / stats.draft_tokens
-    return f"{stats.generated_tokens:,} tokens in {stats.steps:,} forwards ({accepted:.0f}% of drafts accepted)"
+    return f"{steps} ({accepted:.0f}% of drafts accepted)"
 
 
 def color_disabled(no_color: bool) -> bool:

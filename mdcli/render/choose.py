@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Literal, TextIO
 
 from mdcli.render.base import Renderer, color_disabled
-from mdcli.render.jsonl import JsonlRenderer
+from mdcli.render.jsonl import JsonlRenderer, JsonRenderer
 from mdcli.render.live import LiveRenderer, make_console
 from mdcli.render.plain import PlainRenderer
 from mdcli.render.progress import choose_progress
 
-RenderMode = Literal["auto", "live", "plain", "jsonl"]
+RenderMode = Literal["auto", "live", "plain", "jsonl", "json"]
 
 
 def choose_renderer(
@@ -40,6 +40,8 @@ def choose_renderer(
     )
     if mode == "jsonl":
         return JsonlRenderer(stdout, progress=status)
+    if mode == "json":
+        return JsonRenderer(stdout, progress=status)
     if mode == "plain":
         return PlainRenderer(stdout, stderr, quiet=quiet, header=header, progress=status, show_margins=show_margins)
     return LiveRenderer(
@@ -48,4 +50,6 @@ def choose_renderer(
         quiet=quiet,
         header=header,
         progress=status,
+        # the same answers on stdout as plain output (notes: the live display shows its own)
+        answers=lambda out, err: PlainRenderer(out, err, quiet=True, show_margins=show_margins, notes=False),
     )

@@ -11,8 +11,10 @@ cropping, and the scrollback holds each answer once.
 
 from __future__ import annotations
 
+import io
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -27,6 +29,7 @@ from mdcli.events import Done, Event, Finish, Fork, Note, Prune, Start
 from mdcli.render.base import (
     BranchBook,
     BranchState,
+    Renderer,
     answer_block,
     describe_start,
     interrupted_finishes,
@@ -116,6 +119,11 @@ class LiveRenderer:
     because they change what the answers mean. While the run goes on, a progress line under
     the header (not in the final frame) says how far a prefill or the decode has got;
     `progress` is a second place to report it (a log on a non-terminal stderr, --progress).
+
+    `answers(stdout, stderr)` makes the renderer whose stdout text is printed below the final
+    frame (render/choose.py passes plain output's): so the answers on stdout are the same
+    whatever the renderer, margins' blocks, a vote and beam scores included. Without it each
+    settled branch is printed under its label.
     """
 
     def __init__(
@@ -126,8 +134,11 @@ class LiveRenderer:
         header: str | None = None,
         quiet: bool = False,
         progress: ProgressDisplay | None = None,
+        answers: Callable[[TextIO, TextIO], Renderer] | None = None,
     ) -> None:
         self._console = console
+        self._answer_text, self._answer_notes = io.StringIO(), io.StringIO()
+        self._answers_renderer = None if answers is None else answers(self._answer_text, self._answer_notes)
         self._chrome = chrome
         self._header = header
         self._quiet = quiet
@@ -146,6 +157,8 @@ class LiveRenderer:
         self._stopped = False
 
     def handle(self, event: Event) -> None:
+        if self._answers_renderer is not None:
+            self._answers_renderer.handle(event)  # writes only to its buffers, printed at the end
         with self._lock:
             self._book.apply(event)
             if not self._final:
@@ -198,13 +211,20 @@ class LiveRenderer:
                 self._book.apply(finish)
             self._final = True
         self.close()
-        self._print_answers()
+        self._print_answers(interrupted=done is None)
         self._print_notes()
         if done is not None and not self._quiet:
             line = summary_line(self._book, done.stats, interrupted=done.interrupted)
             self._chrome.print(Text(line, style="dim"))
 
-    def _print_answers(self) -> None:
+    def _print_answers(self, interrupted: bool = False) -> None:
+        if self._answers_renderer is not None:
+            if interrupted:
+                self._answers_renderer.interrupted()
+            self._console.print(Text(self._answer_text.getvalue()), end="", soft_wrap=True)
+            for line in self._answer_notes.getvalue().splitlines():
+                self._chrome.print(Text(line, style="italic"))
+            return
         answers = self._answers()
         for branch in answers:
             block = answer_block(branch.label, branch.text, headered=len(answers) >= 2)

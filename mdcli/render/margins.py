@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from mdcli.events import Event, Finish, Fork, Note, Start
-from mdcli.render.base import BranchBook
+from mdcli.render.base import CUT_MARK, BranchBook, BranchState, was_cut
 
 
 @dataclass
@@ -37,8 +37,10 @@ class MarginsPlain:
     """The margins part of PlainRenderer: it reads every event and prints whole question blocks."""
 
     def __init__(self, stdout: TextIO, book: BranchBook, *, show_margins: bool,
-                 before_write: Callable[[], None] = lambda: None) -> None:
+                 before_write: Callable[[], None] = lambda: None,
+                 on_cut: Callable[[BranchState], None] = lambda branch: None) -> None:
         self._stdout = stdout
+        self._on_cut = on_cut  # an answer that stopped at its token limit (the caller says so on stderr)
         self._before_write = before_write  # erases a progress line when stdout and stderr share a terminal
         self._book = book
         self._show_margins = show_margins
@@ -93,9 +95,15 @@ class MarginsPlain:
         if question.printed:
             return
         question.printed = True
-        answer = self._book[question.answer].text if question.answer is not None else ""
+        branch = self._book[question.answer] if question.answer is not None else None
         lines = [f"## {question.title}"] if self._headered() else []
-        lines.append(answer.rstrip("\n") if question.answer is not None else "(interrupted before the answer)")
+        if branch is None:
+            lines.append("(interrupted before the answer)")
+        elif was_cut(branch):
+            self._on_cut(branch)
+            lines.append(branch.text.rstrip("\n") + CUT_MARK)
+        else:
+            lines.append(branch.text.rstrip("\n"))
         if self._show_margins:
             lines += ["", f"### margins (answer read {len(question.kept)} of {len(question.margins)})"]
             lines += [self._margin_line(question, branch) for branch in question.margins]

@@ -15,10 +15,14 @@ from mdcli.render.base import (
     BranchBook,
     BranchState,
     answer_block,
+    cut_note,
     describe_start,
     in_group_order,
     interrupted_finishes,
+    scored_facts,
     summary_line,
+    visible_trailing_whitespace,
+    was_cut,
 )
 from mdcli.render.margins import MarginsPlain
 from mdcli.render.progress import ProgressDisplay, ProgressFeed
@@ -29,7 +33,14 @@ class PlainRenderer:
 
     `quiet` drops the header and summary lines; notes and interruption marks still go to
     stderr because they change what the answers mean. `progress` (see progress.py) shows how
-    far the run has got; it is cleared before anything else is written.
+    far the run has got; it is cleared before anything else is written. `notes=False` leaves
+    the strategy's notes out of stderr (the live display shows them its own way).
+
+    What stdout holds beyond the answers: a think vote's result (a ``## vote`` block at the end:
+    the answer, how many paths gave it, and each path's answer), and for beam search each
+    hypothesis's score and finish reason in its heading, with trailing whitespace drawn (⏎, ·)
+    so hypotheses that differ only there do not print alike. An answer that stopped at -n ends
+    in " …", and one stderr note names those answers.
     """
 
     def __init__(
@@ -41,8 +52,12 @@ class PlainRenderer:
         header: str | None = None,
         progress: ProgressDisplay | None = None,
         show_margins: bool = False,
+        notes: bool = True,
     ) -> None:
         self._stdout = stdout
+        self._notes = notes
+        self._vote: Note | None = None
+        self._cut: list[BranchState] = []
         self._show_margins = show_margins
         self._margins = None  # a MarginsPlain once a margins run starts
         self._stderr = stderr
@@ -60,7 +75,7 @@ class PlainRenderer:
             self._progress.handle(event)
         if isinstance(event, Start) and event.strategy == "margins":
             self._margins = MarginsPlain(self._stdout, self._book, show_margins=self._show_margins,
-                                         before_write=self._progress.clear)
+                                         before_write=self._progress.clear, on_cut=self._cut.append)
         if self._margins is not None and not isinstance(event, Done):
             self._margins.handle(event)
         if isinstance(event, Start):
@@ -70,7 +85,9 @@ class PlainRenderer:
         elif isinstance(event, (Finish, Prune)):
             self._decide_headers_early()
             self._print_settled_prefix()
-        elif isinstance(event, Note):
+        elif isinstance(event, Note) and event.kind == "vote":
+            self._vote = event  # printed on stdout after the answers
+        elif isinstance(event, Note) and self._notes:
             self._chrome(f"{event.kind}: {event.message}")
         elif isinstance(event, Done):
             self._end_run()
@@ -110,12 +127,28 @@ class PlainRenderer:
             self._book.apply(finish)
         if self._margins is not None:
             self._margins.end()
+            self._say_cut()
             return
         if self._headered is None:
             self._headered = (
-                len(self._book) - len(self._book.with_status("pruned")) >= 2
+                len(self._book) - len(self._book.with_status("pruned")) >= 2 or self._vote is not None
             )
         self._print_settled_prefix()
+        self._print_vote()
+        self._say_cut()
+
+    def _print_vote(self) -> None:
+        """think --vote's result, on stdout with the answers: a script (or `> out.txt`) keeps it."""
+        if self._vote is None:
+            return
+        self._progress.clear()
+        self._stdout.write(answer_block("vote", self._vote.message, headered=True))
+        self._stdout.flush()
+
+    def _say_cut(self) -> None:
+        line = cut_note(self._cut)
+        if line is not None:
+            self._chrome(line)
 
     def _print_settled_prefix(self) -> None:
         """Print, in branch order, the settled branches up to the first one still running."""
@@ -130,10 +163,16 @@ class PlainRenderer:
         if branch.status == "pruned":
             return
         self._progress.clear()  # stdout and stderr may be the same terminal
-        self._stdout.write(
-            answer_block(branch.label, branch.text, headered=bool(self._headered))
-        )
+        headered = bool(self._headered)
+        facts = scored_facts(branch)
+        text = visible_trailing_whitespace(branch.text) if facts is not None and headered else branch.text
+        cut = was_cut(branch) and facts is None  # a beam's finish reason is in its heading
+        if cut:
+            self._cut.append(branch)
+        self._stdout.write(answer_block(branch.label, text, headered=headered, cut=cut, facts=facts))
         self._stdout.flush()
+        if facts is not None and not headered and not self._quiet:
+            self._chrome(f"{branch.label}: {facts}")
         if branch.finish_reason == "interrupted":
             self._chrome(
                 f"interrupted: {branch.label} after {branch.token_count} tokens"

@@ -238,7 +238,7 @@ def choose_progress(
         return None
     if not isatty(stderr):
         return ThrottledLines(stderr) if requested else None
-    if mode == "plain" or (mode == "jsonl" and not isatty(stdout)):
+    if mode in ("plain", "json") or (mode == "jsonl" and not isatty(stdout)):
         return TerminalStatus(terminal())
     # live: its frame shows the progress; JSONL lines on the same terminal would break a status line
     return None

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.sampling import SamplingParams
@@ -125,8 +125,14 @@ class MarginsOptions(Options):
     keep: Keep = "relevant"  # the margins the answer reads: those classified relevant, or all
     classify: bool = True  # False: no classification; the answer reads every margin
     with_segments: bool = False  # the answer's notes quote each kept margin's segment too
-    classify_tokens: int = Field(24, ge=1)
-    answer_tokens: int = Field(256, ge=1)
+    # None: follow the margins' limit (-n), as Margins resolves it; see Margins._token_limits
+    classify_tokens: int | None = Field(None, ge=1)
+    answer_tokens: int | None = Field(None, ge=1)
+
+
+DEFAULT_MARGIN_TOKENS = 48
+DEFAULT_CLASSIFY_TOKENS = 24
+DEFAULT_ANSWER_TOKENS = 256
 
 
 class Margins(Job, MarginsOptions):
@@ -141,8 +147,21 @@ class Margins(Job, MarginsOptions):
     prompts: MarginsPrompts = Field(default_factory=MarginsPrompts)
     chat_template: bool = True
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    margin_tokens: int = Field(48, ge=1)  # most tokens per margin (a recipe's sampling.max_new_tokens)
+    margin_tokens: int | None = Field(None, ge=1)  # -n (a recipe's sampling.max_new_tokens); see _token_limits
     memory_budget_bytes: int | None = None  # None: MEMORY_SHARE of the device's free memory
+
+    @model_validator(mode="after")
+    def _token_limits(self) -> Margins:
+        """-n (`margin_tokens`) bounds every phase unless the phase's own limit is given: a margin
+        gets -n tokens, a classification min(24, -n), the answer -n. Without -n: margins 48,
+        classifications 24, the answer 256 (DEFAULT_*_TOKENS)."""
+        given = self.margin_tokens
+        self.margin_tokens = DEFAULT_MARGIN_TOKENS if given is None else given
+        if self.classify_tokens is None:
+            self.classify_tokens = DEFAULT_CLASSIFY_TOKENS if given is None else min(DEFAULT_CLASSIFY_TOKENS, given)
+        if self.answer_tokens is None:
+            self.answer_tokens = DEFAULT_ANSWER_TOKENS if given is None else given
+        return self
 
     @classmethod
     def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
@@ -271,7 +290,7 @@ class Margins(Job, MarginsOptions):
         for m in margins:
             query = self.all_questions()[m.question]
             text = fill_template(self.prompts.classification, "classification", query=query, margin=m.text.strip())
-            label = self.branch_label(m.question, f"relevance {m.number}/{total}")
+            label = self.branch_label(m.question, f"classification {m.number}/{total}")
             spec = self._spec(tokenizer, label, text, SamplingParams(), self.classify_tokens)
             spec.seed_key = total + m.number - 1  # as in a single-question run (greedy anyway)
             specs.append(spec)
@@ -317,9 +336,6 @@ class Margins(Job, MarginsOptions):
         return BranchSpec(label=label, prompt_ids=ids, sampling=sampling, max_new_tokens=max_new)
 
 
-DEFAULT_MARGIN_TOKENS: int = Margins.model_fields["margin_tokens"].default
-DEFAULT_CLASSIFY_TOKENS: int = MarginsOptions.model_fields["classify_tokens"].default
-DEFAULT_ANSWER_TOKENS: int = MarginsOptions.model_fields["answer_tokens"].default
 
 
 # -- reading the classifier ---------------------------------------------------------------------

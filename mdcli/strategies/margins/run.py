@@ -39,7 +39,7 @@ Events: Start (the margin branches, labelled "segment 3/8", or "segment 3/8 (doc
 documents; with several questions "q2 segment 3/8"; every branch's `group` is its question); Note kind
 "margins-layout" (prompt tokens, how many of them the cache holds, the questions); Note kind
 "segment-split" for each segment cut inside a sentence; the margins' Token/Finish; a Fork per
-classification branch ("relevance 3/8", or "q2 relevance 3/8") and their Token/Finish, each Finish
+classification branch ("classification 3/8", or "q2 classification 3/8") and their Token/Finish, each Finish
 followed by Note kind "classification" with data {"branch", "margin_branch", "question",
 "segment", "document", "relevant", "parsed", "reason"}; a Fork per answer ("answer", or the
 question itself when there are several), their Tokens, and right before each answer's Finish a

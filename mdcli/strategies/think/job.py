@@ -26,6 +26,12 @@ from mdcli.strategies.think.text import (
 MERGE_MODES = ("reencode", "attend", "none")
 MergeMode = Literal["reencode", "attend", "none"]
 
+PATHS_TEMPERATURE = 0.7
+PATHS_SEED = 0
+"""The sampling of paths that greedy decoding would make identical (several paths from one prompt:
+no --plan, no --path-instruction) when none is given: diverse, and the same on every run."""
+DEFAULT_PLAN_TOKENS = 128
+
 PLAN_SEED_KEY = 1_000_000  # path i uses seed key i; the plan and conclusion keep out of their way
 CONCLUSION_SEED_KEY = 1_000_001
 
@@ -40,8 +46,8 @@ class ThinkOptions(Options):
     vote: bool = False  # majority over each path's extracted answer
     answer_pattern: str | None = None  # regex for a path's answer (None: extract_answer's default)
     path_instructions: list[str] = Field(default_factory=list)  # dealt out to the paths in turn
-    plan_tokens: int = Field(128, ge=1)
-    conclusion_tokens: int = Field(256, ge=1)
+    plan_tokens: int | None = Field(None, ge=1)  # None: min(128, max_new_tokens)
+    conclusion_tokens: int | None = Field(None, ge=1)  # None: max_new_tokens (-n)
 
 
 class Think(Job, ThinkOptions):
@@ -50,16 +56,29 @@ class Think(Job, ThinkOptions):
     question: str
     system: str | None = None
     chat_template: bool = True
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingParams | None = None  # None: see default_sampling
     max_new_tokens: int = Field(256, ge=1)
     stop: tuple[str, ...] = ()
 
     @model_validator(mode="after")
-    def _merge_mode(self) -> Think:
-        """No merge named: reencode, or none when voting (a vote alone needs no conclusion)."""
+    def _defaults(self) -> Think:
+        """What a field left None means. merge: reencode, or none when voting (a vote alone needs
+        no conclusion). The limits: -n (`max_new_tokens`) bounds every phase unless the phase's
+        own is given (the conclusion gets -n, the outline min(128, -n)). sampling: see
+        `default_sampling`."""
         if self.merge is None:
             self.merge = "none" if self.vote else "reencode"
+        if self.conclusion_tokens is None:
+            self.conclusion_tokens = self.max_new_tokens
+        if self.plan_tokens is None:
+            self.plan_tokens = min(DEFAULT_PLAN_TOKENS, self.max_new_tokens)
+        if self.sampling is None:
+            self.sampling = default_sampling(self.identical_when_greedy())
         return self
+
+    def identical_when_greedy(self) -> bool:
+        """Several paths from one prompt (no plan, no path instructions): greedy copies of one path."""
+        return self.paths > 1 and not self.plan and not self.path_instructions
 
     @classmethod
     def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
@@ -147,3 +166,11 @@ class Think(Job, ThinkOptions):
             stop=self.stop,
             seed_key=CONCLUSION_SEED_KEY,
         )
+
+
+def default_sampling(identical_when_greedy: bool) -> SamplingParams:
+    """think's sampling when none is given: PATHS_TEMPERATURE with seed PATHS_SEED where greedy
+    paths would all be the same, else greedy (exact: each path is model.generate's)."""
+    if identical_when_greedy:
+        return SamplingParams(temperature=PATHS_TEMPERATURE, seed=PATHS_SEED)
+    return SamplingParams()

@@ -192,7 +192,8 @@ class ThinkRun:
 
     def _vote(self, paths: list[_Path]) -> Note:
         answers = {
-            f"path {i}": extract_answer(path.text, self.job.answer_pattern) for i, path in enumerate(paths, 1)
+            f"path {i}": extract_answer(path.text, self.job.answer_pattern, question=self.job.question)
+            for i, path in enumerate(paths, 1)
         }
         return majority_vote(answers).note()
 

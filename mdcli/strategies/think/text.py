@@ -113,12 +113,15 @@ ANSWER_MARKER_PATTERN = r"(?i)\b(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?\s*(?P<a
 LAST_NUMBER_PATTERN = r"-?\d[\d,]*(?:\.\d+)?"
 """Failing that, the last number in the text."""
 
+_LEADING_MARKER = re.compile(r"(?i)^(?:[\s*_`\"']*(?:final\s+)?answer(?:\s+is\b|\s*:)\s*:?)+\s*")
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 _ANSWER_DECORATION = " \t*_`$\"'.,;:!"
 
 
-def extract_answer(text: str, pattern: str | None = None) -> str | None:
-    """A path's final answer, for voting; None when there is none.
+def extract_answer(text: str, pattern: str | None = None, question: str | None = None) -> str | None:
+    """A path's final answer, for voting; None when there is none. `text` is what the path
+    generated; `question`, if given, is what it was asked: an answer the question itself yields
+    ("End with Answer: N" gives "N") is a format the path echoes, never the path's answer.
 
     Default rule: the text after the last "Answer:" / "answer is" (ANSWER_MARKER_PATTERN, up to the
     end of its sentence), else the last number (LAST_NUMBER_PATTERN). A custom `pattern` replaces
@@ -126,32 +129,45 @@ def extract_answer(text: str, pattern: str | None = None) -> str | None:
     else the whole match.
     """
     if pattern is not None:
-        return _last_match_answer(text, pattern)
-    marked = _last_match_answer(text, ANSWER_MARKER_PATTERN)
+        return _last_answer(text, pattern, _answers_in(question, pattern))
+    marked = _last_answer(text, ANSWER_MARKER_PATTERN, _answers_in(question, ANSWER_MARKER_PATTERN))
     if marked is not None:
-        return _first_sentence(marked)
-    return _last_match_answer(text, LAST_NUMBER_PATTERN)
+        return marked
+    return _last_answer(text, LAST_NUMBER_PATTERN, set())
 
 
-def _last_match_answer(text: str, pattern: str) -> str | None:
-    matches = list(re.finditer(pattern, text))
-    if not matches:
-        return None
-    match = matches[-1]
+def _answers_in(question: str | None, pattern: str) -> set[str]:
+    """What `pattern` extracts from the question itself (normalized): placeholders, not answers."""
+    if not question:
+        return set()
+    found = (_match_answer(match, pattern == ANSWER_MARKER_PATTERN) for match in re.finditer(pattern, question))
+    return {normalize_answer(answer) for answer in found if answer is not None}
+
+
+def _last_answer(text: str, pattern: str, excluded: set[str]) -> str | None:
+    """The answer of the last match of `pattern` in `text` that is not one of `excluded`."""
+    for match in reversed(list(re.finditer(pattern, text))):
+        answer = _match_answer(match, pattern == ANSWER_MARKER_PATTERN)
+        if answer is not None and normalize_answer(answer) not in excluded:
+            return answer
+    return None
+
+
+def _match_answer(match: re.Match, first_sentence: bool) -> str | None:
     if "answer" in match.re.groupindex:
         found = match.group("answer")
     elif match.re.groups:
         found = match.group(1)
     else:
         found = match.group(0)
-    answer = (found or "").strip(_ANSWER_DECORATION)
-    return answer or None
-
-
-def _first_sentence(answer: str) -> str | None:
-    end = _SENTENCE_END.search(answer)
-    cut = answer if end is None else answer[: end.start()]
-    return cut.strip(_ANSWER_DECORATION) or None
+    found = found or ""
+    if first_sentence:
+        found = _LEADING_MARKER.sub("", found)  # "The answer is: Answer: 50" -> "50"
+        # the sentence is cut before the decoration goes: in 'end with "Answer:". Here is...' the
+        # marker is mentioned, not used, and the next sentence is no answer
+        end = _SENTENCE_END.search(found)
+        found = found if end is None else found[: end.start()]
+    return found.strip(_ANSWER_DECORATION) or None
 
 
 def normalize_answer(answer: str) -> str:
@@ -170,27 +186,41 @@ def normalize_answer(answer: str) -> str:
 @dataclass(frozen=True)
 class Vote:
     answers: dict[str, str | None]  # path label -> extracted answer
-    winner: str | None
+    winner: str | None  # the most common answer (the first given among equals); None: no answers
     votes: int
 
+    @property
+    def majority(self) -> bool:
+        """More than half of the paths gave the winner: 2 of 3 is a majority, 1 of 3 is not."""
+        return self.winner is not None and 2 * self.votes > len(self.answers)
+
     def note(self) -> Note:
-        data = {"answers": dict(self.answers), "winner": self.winner, "votes": self.votes}
+        data = {"answers": dict(self.answers), "winner": self.winner, "votes": self.votes,
+                "paths": len(self.answers), "majority": self.majority}
         return Note(kind="vote", message=self.table(), data=data)
 
-    def table(self) -> str:
-        """What the user sees: the winner, then one line per path."""
+    def headline(self) -> str:
+        """The result in one line: the answer and how many paths gave it, honestly named."""
         paths = len(self.answers)
         if self.winner is None:
-            head = f"no path gave an extractable answer ({paths} paths; see --answer-pattern)"
-        else:
-            head = f"majority answer: {self.winner} ({self.votes} of {paths} paths)"
+            return f"no answer: no path gave an extractable answer ({paths} paths; see --answer-pattern)"
+        count = f"{self.votes} of {paths} path" + ("" if paths == 1 else "s")
+        if self.majority:
+            return f"{self.winner} ({count}: majority)"
+        if self.votes > 1:
+            return f"{self.winner} ({count}: the most common answer, no majority)"
+        return f"no majority: no two paths agree; first answer {self.winner} ({count})"
+
+    def table(self) -> str:
+        """What the user sees: the result, then one line per path."""
         width = max(len(label) for label in self.answers) if self.answers else 0
         rows = [f"  {label:<{width}}  {answer if answer is not None else '-'}" for label, answer in self.answers.items()]
-        return "\n".join([head, *rows])
+        return "\n".join([self.headline(), *rows])
 
 
 def majority_vote(answers: dict[str, str | None]) -> Vote:
-    """The most common answer (after normalize_answer); a tie goes to the one given first."""
+    """The most common answer (after normalize_answer); a tie goes to the one given first.
+    Whether it is a majority (more than half of the paths) is `Vote.majority`."""
     groups: dict[str, list[str]] = {}
     for answer in answers.values():
         if answer is not None:
