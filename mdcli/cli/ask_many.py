@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, ChunkTokensOpt, DebugOpt, DocumentsArg, RetrieveOpt, read_inputs, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
-    read_document, read_questions_file, render, sampling_params, speculate_setting,
+    read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
@@ -20,7 +20,7 @@ from mdcli.errors import UsageError
 
 def ask_many(
     ctx: typer.Context,
-    document: Annotated[str, typer.Argument(help="Document file, or - for stdin.", show_default=False)],
+    document: DocumentsArg,
     question: Annotated[
         Optional[list[str]], typer.Option("--question", "-q", help="A question (repeatable).", show_default=False)
     ] = None,
@@ -33,6 +33,8 @@ def ask_many(
         typer.Option("--template", help="User-turn template with $document and $question.", show_default=False),
     ] = None,
     system: SystemOpt = None,
+    retrieve: RetrieveOpt = None,
+    chunk_tokens: ChunkTokensOpt = 256,
     recipe: Annotated[
         Optional[str],
         typer.Option(
@@ -72,7 +74,12 @@ def ask_many(
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Ask many questions about one document: every answer decodes at once over the document's cache.
+    """Ask many questions about one document or many: every answer decodes at once over the shared cache.
+
+    Several documents (files, folders, globs) are read in order as one context, each under a
+    "# path" line; a context longer than the model's is refused (use --retrieve K or mdcli margins).
+    --retrieve K gives each question its K best passages (BM25, --chunk-tokens each), in corpus
+    order, each tagged "[n] path:first-last"; the answer lists them as its Sources.
 
     The user turn for each question is the template (default: the document, then "Answer this
     question about the text above." and "Question: <question>"), chat-templated when the model has
@@ -93,7 +100,9 @@ def ask_many(
         speculation = speculate_setting(speculate)
         questions = list(question or []) + read_questions_file(questions_file)
         job = api.AskMany(
-            document=read_document(document),
+            documents=read_inputs(document),
+            retrieve=retrieve,
+            chunk_tokens=chunk_tokens,
             questions=questions,
             system=system,
             template=template or api.ASK_MANY_TEMPLATE,
@@ -133,7 +142,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         """The flag's value if it counts (see above), else None (keep the recipe's)."""
         return p[name] if base is None or _given(ctx, name) else None
 
-    document_text = read_document(p["document"])
+    document_text = api.joined_text(read_inputs(p["document"]))
     questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
     if base is None:  # the same checks and messages as a plain ask-many
         template = p["template"] or api.ASK_MANY_TEMPLATE

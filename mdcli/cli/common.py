@@ -100,6 +100,24 @@ SpeculateOpt = Annotated[
         "every branch guesses; elsewhere it stays within a few percent of off.",
     ),
 ]
+DocumentsArg = Annotated[
+    list[str],
+    typer.Argument(
+        help="Documents: files, folders (read recursively, text files only, sorted), globs, or - for stdin.",
+        show_default=False,
+    ),
+]
+RetrieveOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--retrieve", min=1, show_default=False,
+        help="Give each question only its K best passages (BM25), tagged [n] path:lines and listed as its Sources. "
+        "Default: every question reads every document.",
+    ),
+]
+ChunkTokensOpt = Annotated[
+    int, typer.Option("--chunk-tokens", min=16, help="With --retrieve: most tokens in one passage (cut on paragraphs, then lines).")
+]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
 ]
@@ -136,6 +154,24 @@ def read_document(source: str) -> str:
     if not text.strip():
         raise UsageError(f"{name} is empty", fix="give a document with some text")
     return text
+
+
+def read_stdin_bytes() -> bytes:
+    """What is piped to stdin, for a document given as '-'."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("the document is '-' but nothing is piped to stdin", fix="pipe a file in or give a path")
+    return sys.stdin.buffer.read()
+
+
+def read_inputs(sources: list[str], base: Path | None = None) -> list:
+    """Files, folders, globs and '-' as documents (api.Document: path + text); one line on
+    stderr for each file a folder or glob held that is not text."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, base=base)
+    for skipped in inputs.skipped:
+        stderr_line(skipped.line())
+    return inputs.documents
 
 
 def read_questions_file(path: Path | None) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from mdcli import settings
-from mdcli.events import Done, Event, Finish, Fork, Prune, Start, Stats, Token
+from mdcli.events import Done, Event, Finish, Fork, Prune, Source, Start, Stats, Token
 
 BranchStatus = Literal["running", "finished", "pruned"]
 
@@ -50,6 +50,7 @@ class BranchState:
     status: BranchStatus = "running"
     finish_reason: str | None = None
     score: float | None = None
+    sources: tuple[Source, ...] = ()  # the passages it was given (BranchInfo.sources)
     _pieces: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -99,9 +100,10 @@ class BranchBook:
         if isinstance(event, Start):
             self.start = event
             for info in event.branches:
-                self._announce(info.id, info.label, info.parent, info.group)
+                self._announce(info.id, info.label, info.parent, info.group, info.sources)
         elif isinstance(event, Fork):
-            self._announce(event.branch.id, event.branch.label, event.branch.parent, event.branch.group)
+            branch = event.branch
+            self._announce(branch.id, branch.label, branch.parent, branch.group, branch.sources)
         elif isinstance(event, Token):
             self[event.branch].add_token(event)
         elif isinstance(event, Finish):
@@ -111,10 +113,12 @@ class BranchBook:
         elif isinstance(event, Done):
             self.done = event
 
-    def _announce(self, branch_id: int, label: str, parent: int | None, group: str | None = None) -> None:
+    def _announce(
+        self, branch_id: int, label: str, parent: int | None, group: str | None = None, sources: tuple = ()
+    ) -> None:
         if branch_id in self._branches:
             raise ValueError(f"branch {branch_id} ({label!r}) was announced twice")
-        self._branches[branch_id] = BranchState(branch_id, label, parent, group)
+        self._branches[branch_id] = BranchState(branch_id, label, parent, group, sources=tuple(sources))
 
     def __getitem__(self, branch_id: int) -> BranchState:
         try:
@@ -188,12 +192,19 @@ def describe_start(start: Start) -> str:
     return header
 
 
-def answer_block(label: str, text: str, *, headered: bool) -> str:
+def answer_block(label: str, text: str, *, headered: bool, sources: tuple[Source, ...] = ()) -> str:
     """One branch's answer as printed to stdout: under a ``## label`` heading followed by a
     blank line when there are several answers, or the bare text when there is only one (so
-    that ``mdcli ... | wc -w`` counts the answer's words and nothing else)."""
+    that ``mdcli ... | wc -w`` counts the answer's words and nothing else). A branch that was
+    given passages lists them under its answer: ``Sources: [1] a.txt:3-9, [4] b.md:1-12``."""
     body = text if text.endswith("\n") else text + "\n"
+    if sources:
+        body += sources_line(sources) + "\n"
     return f"## {label}\n{body}\n" if headered else body
+
+
+def sources_line(sources: tuple[Source, ...]) -> str:
+    return "Sources: " + ", ".join(source.tag() for source in sources)
 
 
 def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -> str:

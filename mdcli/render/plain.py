@@ -131,7 +131,7 @@ class PlainRenderer:
             return
         self._progress.clear()  # stdout and stderr may be the same terminal
         self._stdout.write(
-            answer_block(branch.label, branch.text, headered=bool(self._headered))
+            answer_block(branch.label, branch.text, headered=bool(self._headered), sources=branch.sources)
         )
         self._stdout.flush()
         if branch.finish_reason == "interrupted":
