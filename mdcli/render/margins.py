@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from mdcli.events import Event, Finish, Fork, Note, Start
-from mdcli.render.base import BranchBook
+from mdcli.render.base import BranchBook, sources_line
 
 
 @dataclass
@@ -96,6 +96,9 @@ class MarginsPlain:
         answer = self._book[question.answer].text if question.answer is not None else ""
         lines = [f"## {question.title}"] if self._headered() else []
         lines.append(answer.rstrip("\n") if question.answer is not None else "(interrupted before the answer)")
+        sources = self._book[question.answer].sources if question.answer is not None else ()
+        if sources:
+            lines.append(sources_line(sources))
         if self._show_margins:
             lines += ["", f"### margins (answer read {len(question.kept)} of {len(question.margins)})"]
             lines += [self._margin_line(question, branch) for branch in question.margins]
