@@ -142,11 +142,12 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         """The flag's value if it counts (see above), else None (keep the recipe's)."""
         return p[name] if base is None or _given(ctx, name) else None
 
-    document_text = api.joined_text(read_inputs(p["document"]))
+    documents = read_inputs(p["document"])
     questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
     if base is None:  # the same checks and messages as a plain ask-many
         template = p["template"] or api.ASK_MANY_TEMPLATE
-        api.AskMany(document=document_text, questions=questions, template=template).validate()
+        api.AskMany(documents=documents, questions=questions, template=template, retrieve=p["retrieve"],
+                    chunk_tokens=p["chunk_tokens"]).validate()
     plan = ask_many_recipe(
         base,
         questions=questions or None,
@@ -155,6 +156,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
         speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
+        retrieve=flag("retrieve"),
+        chunk_tokens=flag("chunk_tokens"),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
@@ -166,7 +169,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 
-    specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
+    specs = compile_recipe(plan, lm.tokenizer, input_text=documents)
     events = api.run_specs(
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
         speculate=speculation,

@@ -111,6 +111,8 @@ def ask_many_recipe(
     chat_template: bool | None = None,
     sampling: Sampling | None = None,
     speculate: str | int | None = None,
+    retrieve: int | None = None,
+    chunk_tokens: int | None = None,
     source: str = "ask-many flags",
 ) -> AskManyRecipe:
     """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
@@ -134,6 +136,10 @@ def ask_many_recipe(
         data["chat_template"] = chat_template
     if speculate is not None:
         data["speculate"] = speculate
+    if retrieve is not None:
+        data["retrieve"] = retrieve
+    if chunk_tokens is not None and data.get("retrieve") is not None:
+        data["chunk_tokens"] = chunk_tokens
     base_dir = base.base_dir if base else None
     recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
     return with_sampling(recipe, sampling) if sampling is not None else recipe
