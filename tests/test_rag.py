@@ -59,6 +59,21 @@ def test_retrieved_branches_are_exact_on_tiny_models(tiny_dir, arch):
     assert all(len(b.sources) == 3 for b in events[0].branches)
 
 
+def test_passages_laid_out_in_corpus_order_are_prefilled_once_for_every_question_that_retrieved_them(tiny_dir):
+    """Retrieving every chunk gives every question the same passages in the same order: the
+    prompts differ only after them, so the passages enter the cache once."""
+    lm = load_model(str(tiny_dir("llama")), quiet=True)
+    questions = list(QUESTIONS)[:4]
+    job = AskMany(documents=corpus()[:3], questions=questions, retrieve=100, chunk_tokens=64, max_new_tokens=4)
+    events = list(ask_many(lm, job))
+    assert_each_branch_equals_generate(lm.model, events)
+    prompts = [b.prompt_token_ids for b in events[0].branches]
+    stats = events[-1].stats
+    shared = min(len(p) for p in prompts) - 40  # every prompt's question fits in its last 40 tokens
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.prefill_tokens <= stats.prompt_tokens - (len(prompts) - 1) * shared
+
+
 def test_several_documents_without_retrieval_are_one_shared_context_under_path_headers(embedded):
     documents = corpus()[:3]
     job = AskMany(documents=documents, questions=["What is the Falcon budget?", "What is in the tank?"],
@@ -142,3 +157,69 @@ def test_margins_over_a_folder_names_the_documents_and_lines_its_answer_kept(tmp
     assert result.exit_code == 0, result.output
     sources = [line for line in result.stdout.splitlines() if line.startswith("Sources: ")]
     assert sources == [f"Sources: [1] {folder}/budget.md:1-7, [2] {folder}/lighthouse.txt:1-7"]
+
+
+# -- recipes ---------------------------------------------------------------------------------
+
+
+def finishes_of(result) -> dict[str, list[int]]:
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    return {e["label"]: e["token_ids"] for e in events if e["type"] == "finish"}
+
+
+def test_a_recipe_reads_context_files_relative_to_itself_and_dumps_them_back(tmp_path):
+    from mdcli.recipes import dump_recipe, load_recipe
+
+    shutil.copytree(CORPUS, tmp_path / "docs")
+    recipe_file = tmp_path / "rag.yaml"
+    recipe_file.write_text(
+        "version: 1\nstrategy: ask-many\ncontext:\n  files: [docs/lighthouse.txt, 'docs/b*.md']\n"
+        "questions:\n  - What is the cat called?\nretrieve: 2\nchunk_tokens: 32\n"
+    )
+    recipe = load_recipe(str(recipe_file))
+    assert recipe.context.files == ["docs/lighthouse.txt", "docs/b*.md"]
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_recipe(recipe))
+    reloaded = load_recipe(str(again))
+    assert (reloaded.context.files, reloaded.retrieve, reloaded.chunk_tokens) == (recipe.context.files, 2, 32)
+    result = mdcli("run", str(recipe_file), "-n", "6", "--jsonl")
+    start = json.loads(result.stdout.splitlines()[0])
+    assert {Path(s["path"]).name for s in start["branches"][0]["sources"]} <= {"lighthouse.txt", "bicycle.md", "budget.md"}
+    assert start["branches"][0]["sources"][0]["path"].startswith("docs/")
+
+
+def test_a_recipe_whose_context_files_match_nothing_is_refused_in_one_line(tmp_path):
+    recipe_file = tmp_path / "rag.yaml"
+    recipe_file.write_text("version: 1\nstrategy: ask-many\ncontext: {files: ['*.nothing']}\nquestions:\n  - Why?\n")
+    result = mdcli("run", str(recipe_file))
+    assert result.exit_code == 2
+    assert "context.files" in result.stderr and "matches no file" in result.stderr
+
+
+def test_ask_many_with_retrieve_saved_as_a_recipe_runs_again_to_the_same_tokens(tmp_path):
+    shutil.copytree(CORPUS, tmp_path / "docs")
+    saved = tmp_path / "saved.yaml"
+    questions = ["-q", "Who chaired the residents' meeting?", "-q", "How often should the chain be oiled?"]
+    first = mdcli("ask-many", str(tmp_path / "docs"), *questions, "--retrieve", "2", "--chunk-tokens", "48", "-n", "8",
+                  "--save-recipe", str(saved), "--jsonl")
+    assert "retrieve: 2" in saved.read_text() and "chunk_tokens: 48" in saved.read_text()
+    again = mdcli("run", str(saved), "--input", str(tmp_path / "docs"), "--jsonl")
+    assert finishes_of(first) == finishes_of(again)
+    plain = mdcli("ask-many", str(tmp_path / "docs"), *questions, "--retrieve", "2", "--chunk-tokens", "48", "-n", "8",
+                  "--jsonl", "--speculate", "off")
+    assert finishes_of(plain) == finishes_of(first)
+
+
+def test_explain_retrieve_draws_the_passages_questions_share(tmp_path):
+    shutil.copytree(CORPUS, tmp_path / "docs")
+    recipe_file = tmp_path / "rag.yaml"
+    recipe_file.write_text(
+        "version: 1\nstrategy: ask-many\ncontext: {files: [docs]}\n"
+        "questions:\n  - What is the name of the keeper's cat?\n  - How long should the apple cake bake?\n"
+    )
+    result = mdcli("explain", str(recipe_file), "--retrieve", "4", "--chunk-tokens", "32")
+    assert result.exit_code == 0, result.output
+    assert "2 branches" in result.stdout and "docs/" in result.stdout
+    refused = mdcli("explain", "follow-ups", "--retrieve", "2")
+    assert refused.exit_code == 2 and "--retrieve applies to an ask-many recipe" in refused.stderr
