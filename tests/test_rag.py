@@ -223,3 +223,29 @@ def test_explain_retrieve_draws_the_passages_questions_share(tmp_path):
     assert "2 branches" in result.stdout and "docs/" in result.stdout
     refused = mdcli("explain", "follow-ups", "--retrieve", "2")
     assert refused.exit_code == 2 and "--retrieve applies to an ask-many recipe" in refused.stderr
+
+
+# -- think with a context --------------------------------------------------------------------
+
+
+def test_think_with_context_documents_reads_them_before_the_question_and_stays_exact(embedded):
+    from mdcli.api import Think, think
+    from tests.test_think import assert_exact_branches_equal_generate
+
+    documents = corpus()[:2]
+    job = Think(question="Which project went over budget?", documents=documents, paths=2,
+                path_instructions=["Answer briefly.", "Quote the document."], max_new_tokens=10, conclusion_tokens=10)
+    events = list(think(embedded, job))
+    assert_exact_branches_equal_generate(embedded.model, events)
+    for branch in events[0].branches:
+        text = embedded.tokenizer.decode(branch.prompt_token_ids)
+        assert text.index(f"# {documents[0].path}") < text.index(f"# {documents[1].path}") < text.index("Which project")
+
+
+def test_think_context_flag_takes_a_folder(tmp_path):
+    shutil.copytree(CORPUS, tmp_path / "docs")
+    result = mdcli("think", "Who won the chess tournament?", "--context", str(tmp_path / "docs" / "chess.txt"),
+                   "--paths", "1", "--merge", "none", "-n", "6", "--jsonl")
+    assert result.exit_code == 0, result.output
+    prompt = json.loads(result.stdout.splitlines()[0])["branches"][0]["prompt_token_ids"]
+    assert len(prompt) > 80  # the chess report came before the question
