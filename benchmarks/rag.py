@@ -5,7 +5,7 @@
 
 The corpus is written by this script (deterministic): 12 plain-text field reports about as many
 sites, together over 20,000 tokens of the embedded model, into a temporary folder. The 8 questions
-each name a site and a quantity. Every question's prompt is built exactly as `mdcli ask-many DIR -q
+each name a site, a week and a quantity, two questions per site for four of the sites. Every question's prompt is built exactly as `mdcli ask-many DIR -q
 ... --retrieve 4` builds it (strategies.ask_many.AskMany: BM25 over chunks of 256 tokens, the 4
 best laid out in corpus order, each under its `[n] path:lines` tag), and all approaches get those
 same prompts and generate exactly N greedy tokens per question (EOS suppressed), so the work is
@@ -47,19 +47,19 @@ SITES = ["Aldermoor", "Brackwater", "Corrin Fell", "Dunmere", "Eskdale", "Fairho
          "Inverbeck", "Juniper Point", "Kestrel Bay", "Larkspur"]
 MEASURES = ["rainfall", "river level", "soil temperature", "wind speed", "bird count", "visitor count",
             "water clarity", "snow depth", "pollen count", "seedling survival"]
-QUESTIONS = [
+QUESTIONS = [  # two about each of four sites, as questions about a folder tend to cluster
     "What rainfall was recorded at Brackwater in week 7?",
+    "What was the river level at Brackwater in week 12?",
     "How many birds were counted at Eskdale in week 12?",
-    "What was the river level at Glenross in week 3?",
+    "What was the soil temperature at Eskdale in week 3?",
     "What wind speed was measured at Kestrel Bay in week 9?",
-    "How many visitors came to Aldermoor in week 15?",
+    "How many visitors came to Kestrel Bay in week 15?",
     "What was the snow depth at Inverbeck in week 5?",
-    "What was the water clarity at Dunmere in week 11?",
-    "What was the pollen count at Larkspur in week 2?",
+    "What was the pollen count at Inverbeck in week 2?",
 ]
 
 
-def write_corpus(folder: Path, weeks: int = 16) -> None:
+def write_corpus(folder: Path, weeks: int = 20) -> None:
     """Twelve field reports, one per site: a paragraph per week, each measure with its number."""
     rng = random.Random(33)
     for site in SITES:
