@@ -93,7 +93,7 @@ def test_a_context_too_long_for_the_model_is_refused_before_the_run_starts(embed
     with pytest.raises(UsageError) as refused:
         ask_many(embedded, job)  # refused when called, before any event (no forward) is asked for
     message = str(refused.value)
-    assert "the 3 documents" in message and f"{embedded.context_length:,}" in message
+    assert "the 3 documents" in message and f"more than the model's context of {embedded.context_length} allows" in message
     assert "retrieve" in message and "margins" in message
 
 

@@ -106,7 +106,9 @@ def check_context_fits(specs: list[BranchSpec], context_length: int | None, docu
     if longest < context_length:
         return
     what = f"the {documents} documents" if documents > 1 else "the document"
+    over = longest - context_length + 1  # a prompt needs room for one new token
     raise FieldError(
-        f"{what} with the question make a prompt of {longest:,} tokens; the model's context holds {context_length:,}",
+        f"{what} with the question make a prompt of {longest:,} tokens, {over:,} more than the model's context of "
+        f"{context_length} allows",
         fix="use {retrieve} K to read only each question's K best passages, or mdcli margins to read it in segments",
     )
