@@ -249,3 +249,14 @@ def test_think_context_flag_takes_a_folder(tmp_path):
     assert result.exit_code == 0, result.output
     prompt = json.loads(result.stdout.splitlines()[0])["branches"][0]["prompt_token_ids"]
     assert len(prompt) > 80  # the chess report came before the question
+
+
+def test_a_margins_recipe_over_several_inputs_gives_each_document_its_segment_group():
+    from mdcli.api import Document
+    from mdcli.recipes import load_recipe
+    from mdcli.recipes.margins import margins_job
+
+    documents = [Document("a.txt", "Alpha.\n"), Document("notes/b.md", "Bravo.\n")]
+    job = margins_job(load_recipe("margins"), input_text=documents)
+    assert (job.documents, job.names) == (["Alpha.\n", "Bravo.\n"], ["a.txt", "notes/b.md"])
+    assert margins_job(load_recipe("margins"), input_text=documents[:1]).documents == ["Alpha.\n"]
