@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, ChunkTokensOpt, DebugOpt, DocumentsArg, RetrieveOpt, read_inputs, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChunkOpt, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt,
+    EightBitOpt, FourBitOpt, JsonlOpt, RetrieveOpt, read_inputs,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_questions_file, render, sampling_params, speculate_setting,

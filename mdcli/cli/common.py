@@ -116,7 +116,8 @@ RetrieveOpt = Annotated[
     ),
 ]
 ChunkTokensOpt = Annotated[
-    int, typer.Option("--chunk-tokens", min=16, help="With --retrieve: most tokens in one passage (cut on paragraphs, then lines).")
+    int,
+    typer.Option("--chunk-tokens", min=16, help="With --retrieve: most tokens in one passage (cut on paragraphs, then lines)."),
 ]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")

@@ -116,8 +116,10 @@ def with_retrieval(plan, retrieve: int | None, chunk_tokens: int | None):
     if retrieve is None and chunk_tokens is None:
         return plan
     if plan.strategy != "ask-many" or plan.questions is None or plan.context is None:
-        raise UsageError(f"--retrieve applies to an ask-many recipe with questions and a context; {plan.source} is not one",
-                         fix="drop --retrieve, or explain a recipe saved with mdcli ask-many --save-recipe")
+        raise UsageError(
+            f"--retrieve applies to an ask-many recipe with questions and a context; {plan.source} is not one",
+            fix="drop --retrieve, or explain a recipe saved with mdcli ask-many --save-recipe",
+        )
     if retrieve is None and plan.retrieve is None:
         raise UsageError("--chunk-tokens applies only with --retrieve", fix="add --retrieve K")
     update = {name: value for name, value in (("retrieve", retrieve), ("chunk_tokens", chunk_tokens)) if value}
