@@ -104,7 +104,7 @@ DocumentsArg = Annotated[
     list[str],
     typer.Argument(
         help="Documents: files, folders (read recursively, text files only, sorted), globs, or - for stdin.",
-        show_default=False,
+        show_default=False, metavar="DOCUMENTS",
     ),
 ]
 RetrieveOpt = Annotated[
