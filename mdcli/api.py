@@ -63,8 +63,8 @@ def ask_many(
     """Answer every question about `document`, all decoding together over the document's cache.
 
     `document` is an AskMany job, or the document text with `questions` and the job's fields as
-    keywords (system, template, chat_template, sampling, max_new_tokens=256, stop: see
-    strategies.ask_many.AskMany); `max_forward_tokens`, `compact_ratio` and `speculate` go to the run."""
+    keywords (system, template, chat_template, sampling, max_new_tokens=256, stop, documents,
+    retrieve, chunk_tokens: see strategies.ask_many.AskMany); `max_forward_tokens`, `compact_ratio` and `speculate` go to the run."""
     engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
     if isinstance(document, AskMany):
         job = document
@@ -73,7 +73,7 @@ def ask_many(
             if name in options and not options[name]:
                 del options[name]
         job = AskMany(document=document, questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
-    specs = job.branches(model.tokenizer)
+    specs = job.branches(model.tokenizer, model.context_length)
     return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, **engine_options)
 
 
@@ -262,6 +262,7 @@ from mdcli.strategies.margins import (  # noqa: E402
     MarginsPrompts,
 )
 from mdcli.strategies.think import Think  # noqa: E402
+from mdcli.documents.inputs import Document, Inputs, joined_text, named_text, read_inputs  # noqa: E402
 
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
@@ -277,6 +278,8 @@ __all__ = [
     "MIN_SEGMENT_TOKENS",
     # the prompt cache on disk (mdcli cache list / clear)
     "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
+    # many inputs: files, folders, globs and stdin read as documents with their paths
+    "Document", "Inputs", "joined_text", "named_text", "read_inputs",
     # describing a run without running it
     "ForestLayout", "plan_layout", "render_explanation",
     # one speculative step of a run, watched and drawn (mdcli explain --speculate)

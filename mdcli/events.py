@@ -15,13 +15,31 @@ FinishReason = Literal["stop", "length", "interrupted"]
 
 
 @dataclass(frozen=True, slots=True)
+class Source:
+    """A passage a branch was given to read: lines `first_line`..`last_line` (1-based, inclusive)
+    of the document at `path`. `chunk` is its number in the corpus (its `[n]` tag when retrieved;
+    a margins answer: the segment's number); `score` its BM25 score for the branch's question
+    (None when nothing ranked it)."""
+
+    path: str
+    first_line: int
+    last_line: int
+    chunk: int
+    score: float | None = None
+
+    def tag(self) -> str:
+        return f"[{self.chunk}] {self.path}:{self.first_line}-{self.last_line}"
+
+
+@dataclass(frozen=True, slots=True)
 class BranchInfo:
     """A branch as announced to renderers.
 
     `prompt_token_ids` is everything the branch attends to, in order: running exactly this
     sequence alone through the plain model reproduces the branch's tokens. `group` names what
     the branch belongs to when a run answers several things at once (margins: the question), so
-    renderers can show a group's branches together; None otherwise.
+    renderers can show a group's branches together; None otherwise. `sources`: the passages the
+    branch was given (retrieved chunks, a margins answer's kept segments), in the order it reads them.
     """
 
     id: int
@@ -30,6 +48,7 @@ class BranchInfo:
     parent: int | None = None
     exact: bool = True
     group: str | None = None
+    sources: tuple[Source, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,8 +55,9 @@ def test_a_missing_document_is_a_usage_error(tmp_path):
     assert_one_line_error(result, 2, "does not exist", "nope.txt")
 
 
-def test_a_folder_is_not_a_document(tmp_path):
-    assert_one_line_error(mdcli("ask-many", str(tmp_path), "-q", "Who?"), 2, "is a folder")
+def test_a_folder_without_text_files_is_refused(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"\x00\x01")
+    assert_one_line_error(mdcli("ask-many", str(tmp_path), "-q", "Who?"), 2, "no text file")
 
 
 def test_a_non_utf8_document_names_the_byte_and_the_fix(tmp_path):

@@ -223,8 +223,8 @@ def test_an_extra_argument_to_ask_many_suggests_q(story):
     result = mdcli("ask-many", str(story), "Who is the main character?")
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        "mdcli: error: Got unexpected extra argument(s) (Who is the main character?); a question goes after -q: "
-        'mdcli ask-many FILE -q "Who is the main character?"'
+        "mdcli: error: 'Who is the main character?' is no file, folder or glob; a question goes after -q; "
+        '-q "Who is the main character?"'
     ]
 
 

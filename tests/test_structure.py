@@ -62,6 +62,8 @@ LAYER_RULES = (
                                     "mdcli.settings")),
     # renderers read events only
     ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
+    # documents are text, paths and a token counter handed in: read, chunked, ranked, never run
+    ("mdcli.documents", "only", ("mdcli.documents", "mdcli.events", "mdcli.errors")),
 )
 # The command line is the top: only these import it.
 MAY_IMPORT_THE_CLI = ("mdcli.cli", "mdcli.__main__", "mdcli.bench")

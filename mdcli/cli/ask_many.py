@@ -8,10 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
+    AttnOpt, ChunkOpt, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt, PromptCacheOpt,
+    EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, RetrieveOpt, announce_loading, output_mode, read_inputs,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
-    read_document, read_questions_file, render, sampling_params, speculate_setting,
+    read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
@@ -20,7 +21,7 @@ from mdcli.errors import UsageError
 
 def ask_many(
     ctx: typer.Context,
-    document: Annotated[str, typer.Argument(help="Document file, or - for stdin.", show_default=False)],
+    document: DocumentsArg,
     question: Annotated[
         Optional[list[str]], typer.Option("--question", "-q", help="A question (repeatable).", show_default=False)
     ] = None,
@@ -33,6 +34,8 @@ def ask_many(
         typer.Option("--template", help="User-turn template with $document and $question.", show_default=False),
     ] = None,
     system: SystemOpt = None,
+    retrieve: RetrieveOpt = None,
+    chunk_tokens: ChunkTokensOpt = 256,
     recipe: Annotated[
         Optional[str],
         typer.Option(
@@ -75,7 +78,12 @@ def ask_many(
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Ask many questions about one document: every answer decodes at once over the document's cache.
+    """Ask many questions about one document or many: every answer decodes at once over the shared cache.
+
+    Several documents (files, folders, globs) are read in order as one context, each under a
+    "# path" line; a context longer than the model's is refused (use --retrieve K or mdcli margins).
+    --retrieve K gives each question its K best passages (BM25, --chunk-tokens each), in corpus
+    order, each tagged "[n] path:first-last"; the answer lists them as its Sources.
 
     The user turn for each question is the template (default: the document, then "Answer this
     question about the text above." and "Question: <question>"), chat-templated when the model has
@@ -97,7 +105,9 @@ def ask_many(
         speculation = speculate_setting(speculate)
         questions = list(question or []) + read_questions_file(questions_file)
         job = api.AskMany(
-            document=read_document(document),
+            documents=read_inputs(document),
+            retrieve=retrieve,
+            chunk_tokens=chunk_tokens,
             questions=questions,
             system=system,
             template=template or api.ASK_MANY_TEMPLATE,
@@ -137,11 +147,12 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         """The flag's value if it counts (see above), else None (keep the recipe's)."""
         return p[name] if base is None or _given(ctx, name) else None
 
-    document_text = read_document(p["document"])
+    documents = read_inputs(p["document"])
     questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
     if base is None:  # the same checks and messages as a plain ask-many
         template = p["template"] or api.ASK_MANY_TEMPLATE
-        api.AskMany(document=document_text, questions=questions, template=template).validate()
+        api.AskMany(documents=documents, questions=questions, template=template, retrieve=p["retrieve"],
+                    chunk_tokens=p["chunk_tokens"]).validate()
     plan = ask_many_recipe(
         base,
         questions=questions or None,
@@ -151,6 +162,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
         speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
         prompt_cache=flag("prompt_cache"),
+        retrieve=flag("retrieve"),
+        chunk_tokens=flag("chunk_tokens"),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
@@ -162,7 +175,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 
-    specs = compile_recipe(plan, lm.tokenizer, input_text=document_text)
+    specs = compile_recipe(plan, lm.tokenizer, input_text=documents)
     events = api.run_specs(
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
         speculate=speculation,

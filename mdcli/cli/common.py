@@ -123,6 +123,25 @@ PromptCacheOpt = Annotated[
         "change. auto: mdcli's cache folder (MDCLI_PROMPT_CACHE_DIR), capped at MDCLI_PROMPT_CACHE_MB.",
     ),
 ]
+DocumentsArg = Annotated[
+    list[str],
+    typer.Argument(
+        help="Documents: files, folders (read recursively, text files only, sorted), globs, or - for stdin.",
+        show_default=False, metavar="DOCUMENTS",
+    ),
+]
+RetrieveOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--retrieve", min=1, show_default=False,
+        help="Give each question only its K best passages (BM25), tagged [n] path:lines and listed as its Sources. "
+        "Default: every question reads every document.",
+    ),
+]
+ChunkTokensOpt = Annotated[
+    int,
+    typer.Option("--chunk-tokens", min=16, help="With --retrieve: most tokens in one passage (cut on paragraphs, then lines)."),
+]
 ChunkOpt = Annotated[
     int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
 ]
@@ -181,32 +200,27 @@ def read_document(source: str) -> str:
         except OSError as error:
             raise UsageError(f"cannot read '{source}': {error.strerror}", fix="check its permissions") from error
         name = f"'{source}'"
-    utf16 = _utf16_bom(data)
-    if utf16 is not None:
-        raise UsageError(
-            f"{name} is {utf16} text (it starts with a {utf16} byte-order mark), not UTF-8",
-            fix="convert it, e.g. iconv -f UTF-16 -t UTF-8",
-        )
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise UsageError(
-            f"{name} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})",
-            fix="convert it, e.g. iconv -f latin1 -t utf-8",
-        ) from error
-    if not text.strip():
-        raise UsageError(f"{name} is empty", fix="give a document with some text")
-    return text
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    return api.named_text(data, name)  # one decoding rule for every document (mdcli/documents)
 
 
-def _utf16_bom(data: bytes) -> str | None:
-    """"UTF-16LE" or "UTF-16BE" when `data` starts with that byte-order mark (Windows editors write
-    it), else None: such a file fails as UTF-8 at byte 0xff or 0xfe, which names no encoding."""
-    if data.startswith(b"\xff\xfe"):
-        return "UTF-16LE"
-    if data.startswith(b"\xfe\xff"):
-        return "UTF-16BE"
-    return None
+def read_stdin_bytes() -> bytes:
+    """What is piped to stdin, for a document given as '-'."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("the document is '-' but nothing is piped to stdin", fix="pipe a file in or give a path")
+    return sys.stdin.buffer.read()
+
+
+def read_inputs(sources: list[str], base: Path | None = None) -> list:
+    """Files, folders, globs and '-' as documents (api.Document: path + text); one line on
+    stderr for each file a folder or glob held that is not text."""
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, base=base)
+    for skipped in inputs.skipped:
+        stderr_line(skipped.line())
+    return inputs.documents
 
 
 def read_questions_file(path: Path | None) -> list[str]:

@@ -12,9 +12,11 @@ from mdcli.cli.common import (
     ChunkOpt,
     DebugOpt,
     DeviceOpt,
+    ChunkTokensOpt,
     ModelOpt,
     NoChatOpt,
     RemoteCodeOpt,
+    RetrieveOpt,
     SystemOpt,
     errors,
     load, load_options,
@@ -40,6 +42,11 @@ def explain(
     input: InputOpt = None,
     var: VarOpt = None,
     tokens: TokensOpt = False,
+    retrieve: RetrieveOpt = None,
+    chunk_tokens: Annotated[
+        int | None, typer.Option("--chunk-tokens", min=16, show_default=False,
+                                 help="With --retrieve: most tokens in one passage (default: the recipe's, else 256).")
+    ] = None,
     speculate: SpeculateStepOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -55,6 +62,9 @@ def explain(
     Only the tokenizer is loaded. Positions are depths in the tree (the RoPE position ids the
     engine gives), slots are physical places in the cache. Follow-ups are listed but not placed:
     they fork after their parent's answer, whose length is known only when it runs.
+
+    --retrieve K (an ask-many recipe with questions) draws the forest each question's K best
+    passages make: questions that retrieved the same leading passages share them in the cache.
 
     A margins recipe is drawn at its margin phase: a branch per question and segment, every
     segment cached once and read by all questions (classifications and answers are prompted from
@@ -75,6 +85,7 @@ def explain(
         plan = load_with_overrides(
             recipe, values, system=system, no_chat_template=no_chat_template, sampling=Sampling()
         )
+        plan = with_retrieval(plan, retrieve, chunk_tokens)
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)
         if speculate is not None and tokens:
@@ -98,6 +109,21 @@ def explain(
             console, roots, layout, lambda token: tokenizer.decode([token]),
             title=title, tokens=tokens,
         )
+
+
+def with_retrieval(plan, retrieve: int | None, chunk_tokens: int | None):
+    """The recipe with --retrieve / --chunk-tokens on top (an ask-many recipe with questions and a context)."""
+    if retrieve is None and chunk_tokens is None:
+        return plan
+    if plan.strategy != "ask-many" or plan.questions is None or plan.context is None:
+        raise UsageError(
+            f"--retrieve applies to an ask-many recipe with questions and a context; {plan.source} is not one",
+            fix="drop --retrieve, or explain a recipe saved with mdcli ask-many --save-recipe",
+        )
+    if retrieve is None and plan.retrieve is None:
+        raise UsageError("--chunk-tokens applies only with --retrieve", fix="add --retrieve K")
+    update = {name: value for name, value in (("retrieve", retrieve), ("chunk_tokens", chunk_tokens)) if value}
+    return plan.model_copy(update=update)
 
 
 def explain_speculative_step(plan, input_text, values, most: int, model, device, trust_remote_code,

@@ -12,12 +12,11 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
-    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document,
+    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_inputs,
     read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
-from mdcli.errors import UsageError
 
 # The job model's defaults (strategies.margins: DEFAULT_*_TOKENS, for the help text), as literals:
 # importing them would load the decoding stack on `mdcli --help`. tests/test_recipes.py and
@@ -42,7 +41,10 @@ class KeepMargins(str, Enum):
 def margins(
     documents: Annotated[
         list[str],
-        typer.Argument(help="Document files (each its own segment group), or - for stdin.", show_default=False),
+        typer.Argument(
+            help="Documents, each its own segment group: files, folders (read recursively, text files only, "
+            "sorted), globs, or - for stdin.", show_default=False,
+        ),
     ],
     query: Annotated[
         Optional[list[str]],
@@ -175,10 +177,11 @@ def margins(
 
         questions = list(query or []) + read_questions_file(questions_file)
         speculation = speculate_setting(speculate)
+        texts, names = read_documents(documents)
         job = api.Margins(
-            documents=read_documents(documents),
+            documents=texts,
             questions=questions,
-            names=document_names(documents),
+            names=names,
             layout=context.value if context else None,  # type: ignore[arg-type]
             segment_tokens=segment_tokens,
             keep=keep.value,  # type: ignore[arg-type]
@@ -210,16 +213,12 @@ def margins(
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 
 
-def read_documents(sources: list[str]) -> list[str]:
-    """Every document's text; stdin ('-') can be read only once."""
-    if sources.count("-") > 1:
-        raise UsageError("stdin (-) is given more than once", fix="pipe one document and name the others")
-    return [read_document(source) for source in sources]
-
-
-def document_names(sources: list[str]) -> list[str]:
-    """Short names for labels and notes: the file name, or "stdin"."""
-    return ["stdin" if source == "-" else Path(source).name for source in sources]
+def read_documents(sources: list[str]) -> tuple[list[str], list[str]]:
+    """Every document's text and name: files, folders, globs and '-' (read once). A file named
+    on the command line is called by its file name, one found in a folder or by a glob by its
+    path, "stdin" for '-'."""
+    documents = read_inputs(sources)
+    return [d.text for d in documents], [Path(d.path).name if d.path in sources else d.path for d in documents]
 
 
 def prompts_with(prompts, margin: str | None, classification: str | None, answer: str | None):

@@ -42,6 +42,7 @@ from mdcli.cli.common import (
     header,
     load, load_options,
     read_document,
+    read_inputs,
     render,
     speculate_setting,
     VerboseOpt,
@@ -50,9 +51,10 @@ from mdcli.errors import RecipeError, UsageError
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a built-in recipe.", show_default=False)]
 InputOpt = Annotated[
-    str | None,
+    list[str] | None,
     typer.Option(
-        "--input", "-i", help="The text for a recipe with `context: {input: true}` (a file, or - for stdin).",
+        "--input", "-i", help="The context of a recipe with `context: {input: true}`: a file, or - for stdin "
+        "(repeatable; folders and globs too, several documents read in order, each under a '# path' line).",
         show_default=False,
     ),
 ]
@@ -137,11 +139,11 @@ def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_
     return with_flags(plan, system=system, chat_template=False if no_chat_template else None, sampling=sampling)
 
 
-def recipe_input(plan, source: str | None) -> str | None:
-    """The --input text, read only when given or when the recipe reads its context from input
-    (then text piped to stdin counts as `--input -`)."""
-    if source is not None:
-        return read_document(source)
+def recipe_input(plan, sources: list[str] | None):
+    """The --input documents (api.Document list), read only when given, or the text piped to
+    stdin when the recipe reads its context from input (it counts as `--input -`)."""
+    if sources:
+        return read_inputs(sources)
     if plan.context is None or not plan.context.input:
         return None
     missing = RecipeError(

@@ -13,7 +13,7 @@ from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
-    read_document, render, sampling_params, speculate_setting, stderr_line,
+    read_document, read_inputs, render, sampling_params, speculate_setting, stderr_line,
     VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
@@ -40,6 +40,14 @@ def think(
             help="Independent paths (default 4, or one per --path-instruction). With --plan: how many "
             "plain paths to run if the outline cannot be parsed.",
             show_default=False,
+        ),
+    ] = None,
+    context: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--context", "-c", show_default=False,
+            help="Documents the question is about, read before it: files, folders (text files, sorted), globs, "
+            "or - for stdin (repeatable; several each under a '# path' line).",
         ),
     ] = None,
     plan: Annotated[
@@ -155,8 +163,11 @@ def think(
 
         speculation = speculate_setting(speculate)
         instructions = list(path_instruction or ())
+        if question == "-" and "-" in (context or []):
+            raise UsageError("the question and --context both read stdin (-)", fix="give one of them as a file")
         job = api.Think(
             question=read_question(question),
+            documents=read_inputs(context) if context else [],
             paths=paths if paths is not None else (len(instructions) or api.Think.model_fields["paths"].default),
             plan=plan,
             max_paths=max_paths,

@@ -16,7 +16,7 @@ from mdcli.core.forest import common_prefix_length
 from mdcli.core.run import Run, prefill_prompts
 from mdcli.core.sampling import SamplingParams
 from mdcli.core.steps import Policy, StepLoop, Tip
-from mdcli.events import BranchInfo, Event, Progress, Stats
+from mdcli.events import BranchInfo, Event, Progress, Source, Stats
 from mdcli.speculative.planner import Speculate
 
 # common_prefix_length (mdcli.core.forest) and prefill_prompts (mdcli.core.run) are re-exported for
@@ -40,6 +40,7 @@ class BranchSpec:
     seed_key: int | None = None  # defaults to the branch id
     children: list[BranchSpec] = field(default_factory=list)
     ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens): equal-length benchmarks
+    sources: tuple[Source, ...] = ()  # the passages its prompt holds (announced on its BranchInfo)
 
 
 class Independent(Policy):

@@ -46,6 +46,8 @@ class Tip:
     drafts: object | None = None
 
     def info(self) -> BranchInfo:
+        """The branch as announced; its sources are those of the spec in `data`, if it names any."""
         return BranchInfo(
-            id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent, exact=self.exact
+            id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent, exact=self.exact,
+            sources=tuple(getattr(self.data, "sources", ())),
         )

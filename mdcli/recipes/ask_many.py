@@ -1,7 +1,9 @@
 """The ask-many recipe: independent branches over one context.
 
 `questions` + `template` is shorthand for a flat `branches` list: each question becomes a branch
-labelled by the question, its prompt the template with $question filled in.
+labelled by the question, its prompt the template with $question filled in. With `retrieve: K`
+each question's $context is its K best passages of the context's documents (as `mdcli ask-many
+--retrieve K`: strategies.ask_many), and its branch names them as its sources.
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from pydantic import Field
+
 from mdcli.core.decoding import BranchSpec
+from mdcli.documents.chunks import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_documents
+from mdcli.documents.inputs import Document
+from mdcli.documents.retrieve import ChunkIndex, context_text
+from mdcli.strategies.segmenting import token_counter
 from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.recipes.branches import BranchesRecipe, branch_spec
 from mdcli.recipes.checks import check_branch_list, check_questions, question_sites
@@ -26,8 +34,14 @@ class AskManyRecipe(BranchesRecipe):
     questions: list[str] | None = None
     template: str | None = None
     branches: list[Branch] | None = None
+    retrieve: int | None = Field(None, ge=1)  # each question reads its K best passages of the context
+    chunk_tokens: int | None = Field(None, ge=MIN_CHUNK_TOKENS)  # a passage's most tokens (default 256)
 
     def check(self, var_names: set[str]) -> None:
+        if self.retrieve is not None and (self.questions is None or self.context is None):
+            raise Problem(("retrieve",), "needs `questions:` and a `context:`", "add them, or remove `retrieve:`")
+        if self.chunk_tokens is not None and self.retrieve is None:
+            raise Problem(("chunk_tokens",), "only applies with `retrieve:`", "add `retrieve: K`, or remove it")
         if self.questions is None and self.branches is None:
             raise Problem(("questions",), "missing", "add `questions:` (a list), or `branches:`")
         if self.questions is not None and self.branches is not None:
@@ -53,10 +67,22 @@ class AskManyRecipe(BranchesRecipe):
         if self.questions is None:
             return super().specs(tokenizer, values)
         settings, template = self.sampling, self.template or ask_many_default_template()
+        index = self._index(tokenizer, values) if self.retrieve is not None else None
         specs = []
         for question in self.questions:
             label = fill(question, values)
-            text = fill(template, {**values, "question": label})
+            hits = index.top(label, self.retrieve) if index is not None else []
+            context = {"context": context_text(hits)} if index is not None else {}
+            text = fill(template, {**values, **context, "question": label})
             ids = prompt_token_ids(tokenizer, text, system=self.system, chat_template=self.chat_template)
-            specs.append(branch_spec(label, ids, settings, []))
+            spec = branch_spec(label, ids, settings, [])
+            spec.sources = tuple(hit.source() for hit in hits)
+            specs.append(spec)
         return specs
+
+    def _index(self, tokenizer, values: dict[str, str]) -> ChunkIndex:
+        """The BM25 index of the context's passages (compile.ContextText knows its documents)."""
+        context = values["context"]
+        documents = getattr(context, "documents", None) or [Document("context", context)]
+        budget = self.chunk_tokens or DEFAULT_CHUNK_TOKENS
+        return ChunkIndex(chunk_documents(documents, budget, token_counter(tokenizer)))

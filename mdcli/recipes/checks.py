@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from mdcli.documents.inputs import Inputs, read_inputs
+from mdcli.errors import UsageError
 from mdcli.recipes.errors import Problem, format_path
 from mdcli.recipes.schema import Branch, RecipeBase, TemplateSite
 from mdcli.recipes.templates import RESERVED_VARIABLES, is_identifier, template_variables
@@ -30,11 +32,15 @@ def _check_context(recipe: RecipeBase) -> None:
     context = recipe.context
     if context is None:
         return
-    given = [name for name in ("text", "file") if getattr(context, name) is not None]
+    given = [name for name in ("text", "file", "files") if getattr(context, name) is not None]
     given += ["input"] if context.input else []
     if len(given) != 1:
         problem = "is empty" if not given else f"gives {' and '.join(given)}"
-        raise Problem(("context",), problem, "give exactly one of `text: ...`, `file: path` or `input: true`")
+        raise Problem(
+            ("context",), problem, "give exactly one of `text: ...`, `file: path`, `files: [paths]` or `input: true`"
+        )
+    if context.files is not None:
+        context_documents(context.files, recipe.base_dir)  # every path and glob finds text, or a Problem
     if context.text is not None and not context.text.strip():
         raise Problem(("context", "text"), "is empty", "write the context text, or remove `context:`")
     if context.file is not None:
@@ -45,6 +51,16 @@ def _check_context(recipe: RecipeBase) -> None:
                 ("context", "file"), f"'{context.file}' {what} (looked for {path})",
                 "give the path of a text file, relative to the recipe file",
             )
+
+
+def context_documents(files: list[str], base_dir) -> Inputs:
+    """`context: {files: [...]}` read: paths, folders and globs relative to the recipe's folder."""
+    if not files:
+        raise Problem(("context", "files"), "is an empty list", "name at least one file, folder or glob")
+    try:
+        return read_inputs(files, base=base_dir)
+    except UsageError as error:
+        raise Problem(("context", "files"), error.problem, error.fix or "check the paths") from None
 
 
 def _check_declared_vars(recipe: RecipeBase) -> None:

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mdcli.documents.inputs import Document, joined_text
+from mdcli.recipes.checks import context_documents
 from mdcli.recipes.errors import Problem, recipe_error
 from mdcli.recipes.schema import RecipeBase
 from mdcli.recipes.templates import RESERVED_VARIABLES, template_variables
@@ -28,7 +30,7 @@ def resolved_seed(recipe: RecipeBase) -> int | None:
 
 
 def compile_recipe(
-    recipe: RecipeBase, tokenizer, *, input_text: str | None = None, vars: dict[str, str] | None = None
+    recipe: RecipeBase, tokenizer, *, input_text: str | Sequence[Document] | None = None, vars: dict[str, str] | None = None
 ) -> list[BranchSpec]:
     """The recipe's root branch specs (children nested), tokenized as the engine will see them.
 
@@ -39,7 +41,7 @@ def compile_recipe(
 
 
 def recipe_events(
-    recipe: RecipeBase, model: LoadedModel, *, input_text: str | None = None, vars: dict[str, str] | None = None,
+    recipe: RecipeBase, model: LoadedModel, *, input_text: str | Sequence[Document] | None = None, vars: dict[str, str] | None = None,
     max_forward_tokens: int = 1024, speculate: str | Speculate | None = None,
 ) -> Iterator[Event]:
     """The events of running `recipe` (sampling overrides already applied with with_sampling).
@@ -50,7 +52,7 @@ def recipe_events(
 
 
 def check_run_inputs(
-    recipe: RecipeBase, *, input_text: str | None = None, vars: dict[str, str] | None = None
+    recipe: RecipeBase, *, input_text: str | Sequence[Document] | None = None, vars: dict[str, str] | None = None
 ) -> None:
     """What compile_recipe checks before it needs a tokenizer: variables and the context source.
     Commands call it before loading the model, so a missing --input fails in a blink."""
@@ -58,7 +60,7 @@ def check_run_inputs(
 
 
 def values_and_context(
-    recipe: RecipeBase, input_text: str | None, vars: dict[str, str] | None
+    recipe: RecipeBase, input_text: str | Sequence[Document] | None, vars: dict[str, str] | None
 ) -> tuple[dict[str, str], str | None]:
     """The recipe's variable values (with $context set when it has one) and its context text.
     Raises RecipeError naming the field."""
@@ -88,7 +90,25 @@ def _variable_values(recipe: RecipeBase, given: dict[str, str]) -> dict[str, str
     return values
 
 
-def _context_text(recipe: RecipeBase, input_text: str | None) -> str | None:
+class ContextText(str):
+    """The context as prompts read it ($context), remembering the documents it joins
+    (documents.inputs.joined_text), for a strategy that retrieves from them."""
+
+    documents: tuple[Document, ...]
+
+    def __new__(cls, documents: Sequence[Document]) -> ContextText:
+        text = super().__new__(cls, joined_text(documents))
+        text.documents = tuple(documents)
+        return text
+
+
+def _context_text(recipe: RecipeBase, input_text: str | Sequence[Document] | None) -> ContextText | None:
+    """The context: `input_text` is what --input gave, a text or the documents read from it."""
+    documents = _context_documents(recipe, input_text)
+    return None if documents is None else ContextText(documents)
+
+
+def _context_documents(recipe: RecipeBase, input_text: str | Sequence[Document] | None) -> list[Document] | None:
     context = recipe.context
     takes_input = context is not None and bool(context.input)
     if input_text is not None and not takes_input:
@@ -103,10 +123,12 @@ def _context_text(recipe: RecipeBase, input_text: str | None) -> str | None:
                 ("context", "input"), "the recipe reads its context from --input",
                 "give --input FILE, or pipe text to stdin",
             )
-        return input_text
+        return [Document("input", input_text)] if isinstance(input_text, str) else list(input_text)
     if context.text is not None:
-        return context.text
-    return _read_context_file(recipe.base_dir / context.file)
+        return [Document("context", context.text)]
+    if context.files is not None:
+        return context_documents(context.files, recipe.base_dir).documents
+    return [Document(context.file, _read_context_file(recipe.base_dir / context.file))]
 
 
 def _read_context_file(path: Path) -> str:

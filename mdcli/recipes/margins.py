@@ -99,11 +99,16 @@ class MarginsRecipe(RecipeBase, MarginsOptions):
         return run_margins(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
 
     def job(self, values: dict[str, str], context: str) -> Margins:
-        """The strategies.margins job this recipe runs, its variables' values known."""
+        """The strategies.margins job this recipe runs, its variables' values known. A context of
+        several documents (`files:`, or several --input) gives each its own segment group, named
+        by its path (compile.ContextText knows them)."""
         overrides = {name: getattr(self, field) for field, name in _TEMPLATE_FIELDS.items()}
         prompts = MarginsPrompts(system=self.system, **{k: v for k, v in overrides.items() if v is not None})
+        documents = list(getattr(context, "documents", ()))
+        several = len(documents) > 1
         return Margins(
-            documents=[context], query=fill(self.query, values) if self.query is not None else "",
+            documents=[d.text for d in documents] if several else [context],
+            names=[d.path for d in documents] if several else None, query=fill(self.query, values) if self.query is not None else "",
             questions=[fill(question, values) for question in self.questions or []], prompts=prompts,
             chat_template=self.chat_template, sampling=self.sampling.params(),
             margin_tokens=self.sampling.new_tokens(Margins.model_fields["margin_tokens"].default),

@@ -112,6 +112,8 @@ def ask_many_recipe(
     sampling: Sampling | None = None,
     speculate: str | int | None = None,
     prompt_cache: str | None = None,
+    retrieve: int | None = None,
+    chunk_tokens: int | None = None,
     source: str = "ask-many flags",
 ) -> AskManyRecipe:
     """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
@@ -137,6 +139,10 @@ def ask_many_recipe(
         data["speculate"] = speculate
     if prompt_cache is not None:
         data["prompt_cache"] = prompt_cache
+    if retrieve is not None:
+        data["retrieve"] = retrieve
+    if chunk_tokens is not None and data.get("retrieve") is not None:
+        data["chunk_tokens"] = chunk_tokens
     base_dir = base.base_dir if base else None
     recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
     return with_sampling(recipe, sampling) if sampling is not None else recipe

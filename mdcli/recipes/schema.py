@@ -87,11 +87,13 @@ class Sampling(Strict):
 
 
 class Context(Strict):
-    """The shared document: exactly one of `text`, `file` (relative to the recipe) or `input: true`
-    (the text given with --input, or stdin)."""
+    """The shared document: exactly one of `text`, `file` (relative to the recipe), `files` (paths,
+    folders or globs relative to the recipe, read as several documents) or `input: true` (what
+    --input gives, or stdin)."""
 
     text: str | None = None
     file: str | None = None
+    files: list[str] | None = None
     input: bool | None = None
 
 

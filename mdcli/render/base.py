@@ -11,11 +11,11 @@ its own.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Protocol
 
 from mdcli import settings
-from mdcli.events import Done, Event, Finish, Fork, Prune, Start, Stats, Token
+from mdcli.events import Done, Event, Finish, Fork, Prune, Source, Start, Stats, Token
 
 BranchStatus = Literal["running", "finished", "pruned"]
 
@@ -50,6 +50,7 @@ class BranchState:
     status: BranchStatus = "running"
     finish_reason: str | None = None
     score: float | None = None
+    sources: tuple[Source, ...] = ()  # the passages it was given (BranchInfo.sources)
     _pieces: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -99,9 +100,10 @@ class BranchBook:
         if isinstance(event, Start):
             self.start = event
             for info in event.branches:
-                self._announce(info.id, info.label, info.parent, info.group)
+                self._announce(info.id, info.label, info.parent, info.group, info.sources)
         elif isinstance(event, Fork):
-            self._announce(event.branch.id, event.branch.label, event.branch.parent, event.branch.group)
+            branch = event.branch
+            self._announce(branch.id, branch.label, branch.parent, branch.group, branch.sources)
         elif isinstance(event, Token):
             self[event.branch].add_token(event)
         elif isinstance(event, Finish):
@@ -111,10 +113,12 @@ class BranchBook:
         elif isinstance(event, Done):
             self.done = event
 
-    def _announce(self, branch_id: int, label: str, parent: int | None, group: str | None = None) -> None:
+    def _announce(
+        self, branch_id: int, label: str, parent: int | None, group: str | None = None, sources: tuple = ()
+    ) -> None:
         if branch_id in self._branches:
             raise ValueError(f"branch {branch_id} ({label!r}) was announced twice")
-        self._branches[branch_id] = BranchState(branch_id, label, parent, group)
+        self._branches[branch_id] = BranchState(branch_id, label, parent, group, sources=tuple(sources))
 
     def __getitem__(self, branch_id: int) -> BranchState:
         try:
@@ -192,14 +196,20 @@ CUT_MARK = " …"
 """Ends the printed text of an answer that stopped at its token limit (-n), not at its end."""
 
 
-def answer_block(label: str, text: str, *, headered: bool, cut: bool = False, facts: str | None = None) -> str:
+def answer_block(
+    label: str, text: str, *, headered: bool, cut: bool = False, facts: str | None = None,
+    sources: tuple[Source, ...] = (),
+) -> str:
     """One branch's answer as printed to stdout: under a ``## label`` heading followed by a
     blank line when there are several answers, or the bare text when there is only one (so
     that ``mdcli ... | wc -w`` counts the answer's words and nothing else). A `cut` answer (it
-    stopped at -n) ends in CUT_MARK; `facts` (a beam's score and finish reason) follow the label."""
+    stopped at -n) ends in CUT_MARK; `facts` (a beam's score and finish reason) follow the label. A
+    branch that was given passages lists them under its answer: ``Sources: [1] a.txt:3-9, [4] b.md:1-12``."""
     if cut:
         text = text.rstrip("\n") + CUT_MARK
     body = text if text.endswith("\n") else text + "\n"
+    if sources:
+        body += sources_line(sources) + "\n"
     heading = label if facts is None else f"{label} · {facts}"
     return f"## {heading}\n{body}\n" if headered else body
 
@@ -257,6 +267,8 @@ def answer_record(branch: BranchState, strategy: str | None = None) -> dict:
     }
     if branch.score is not None:
         record["score"] = branch.score
+    if branch.sources:
+        record["sources"] = [asdict(source) for source in branch.sources]
     return record
 
 
@@ -274,6 +286,10 @@ def answer_branches(book: BranchBook) -> list[BranchState]:
     if book.start is not None and book.start.strategy == "margins":
         return [branch for branch in shown if branch.label in (branch.group, "answer")]
     return shown
+
+
+def sources_line(sources: tuple[Source, ...]) -> str:
+    return "Sources: " + ", ".join(source.tag() for source in sources)
 
 
 def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -> str:

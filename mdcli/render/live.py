@@ -227,7 +227,7 @@ class LiveRenderer:
             return
         answers = self._answers()
         for branch in answers:
-            block = answer_block(branch.label, branch.text, headered=len(answers) >= 2)
+            block = answer_block(branch.label, branch.text, headered=len(answers) >= 2, sources=branch.sources)
             self._console.print(Text(block), end="", soft_wrap=True)
 
     def _print_notes(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from mdcli.events import Event, Finish, Fork, Note, Start
-from mdcli.render.base import CUT_MARK, BranchBook, BranchState, was_cut
+from mdcli.render.base import CUT_MARK, BranchBook, BranchState, sources_line, was_cut
 
 
 @dataclass
@@ -104,6 +104,8 @@ class MarginsPlain:
             lines.append(branch.text.rstrip("\n") + CUT_MARK)
         else:
             lines.append(branch.text.rstrip("\n"))
+        if branch is not None and branch.sources:
+            lines.append(sources_line(branch.sources))
         if self._show_margins:
             lines += ["", f"### margins (answer read {len(question.kept)} of {len(question.margins)})"]
             lines += [self._margin_line(question, branch) for branch in question.margins]

@@ -169,7 +169,7 @@ class PlainRenderer:
         cut = was_cut(branch) and facts is None  # a beam's finish reason is in its heading
         if cut:
             self._cut.append(branch)
-        self._stdout.write(answer_block(branch.label, text, headered=headered, cut=cut, facts=facts))
+        self._stdout.write(answer_block(branch.label, text, headered=headered, cut=cut, facts=facts, sources=branch.sources))
         self._stdout.flush()
         if facts is not None and not headered and not self._quiet:
             self._chrome(f"{branch.label}: {facts}")

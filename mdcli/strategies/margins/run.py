@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, Decoder
-from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Source
 from mdcli.core.run import Run
 from mdcli.strategies.segmenting import Segment
 from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
@@ -104,7 +104,7 @@ def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[
         yield from classify_margins(decoder, job, margins)
         decoder.run.empty_cache()
 
-    yield from answer(decoder, job, margins, count)
+    yield from answer(decoder, job, margins, count, segment_lines(segments))
     yield decoder.run.done()
 
 
@@ -153,12 +153,21 @@ def classification_note(job: Margins, margin: MarginResult, finish: Finish) -> N
     )
 
 
-def answer(decoder: Decoder, job: Margins, margins: list[MarginResult], segments: int) -> Iterator[Event]:
+def answer(
+    decoder: Decoder, job: Margins, margins: list[MarginResult], segments: int,
+    lines: list[tuple[int, int]] | None = None,
+) -> Iterator[Event]:
     """Phase 3: one branch per question reading that question's kept margins, all at once; each
-    answer's sources are announced right before its Finish."""
+    answer's Fork names the segments of its kept margins as its `sources` (document, lines from
+    `lines`, per segment: see segment_lines), and its sources note comes right before its Finish."""
     questions = range(len(job.all_questions()))
     kept = {q: job.kept([m for m in margins if m.question == q]) for q in questions}
     specs = [job.answer_spec(decoder.tokenizer, kept[q], q, segments) for q in questions]
+    if lines is not None:
+        for q, spec in zip(questions, specs):
+            spec.sources = tuple(
+                Source(m.segment.name, *lines[m.number - 1], chunk=m.number) for m in kept[q]
+            )
     infos = grouped(job, decoder.announce(specs), list(questions))
     question_of = {info.id: q for info, q in zip(infos, questions)}
     for info in infos:
@@ -168,6 +177,21 @@ def answer(decoder: Decoder, job: Margins, margins: list[MarginResult], segments
             q = question_of[event.branch]
             yield sources_note(event.branch, kept[q], question=q + 1, several=job.several())
         yield event
+
+
+def segment_lines(segments: list[Segment]) -> list[tuple[int, int]]:
+    """(first, last) line, 1-based, of each segment's text in its document (segments of one
+    document join back to its text, in order); blank lines at a segment's edges are not counted."""
+    spans = []
+    line, document = 1, None
+    for segment in segments:
+        if segment.document != document:
+            line, document = 1, segment.document
+        text = segment.text
+        first = line + text[: len(text) - len(text.lstrip())].count("\n")
+        spans.append((first, max(first, line + text.rstrip().count("\n"))))
+        line += text.count("\n")
+    return spans
 
 
 def sources_note(branch: int, kept: list[MarginResult], *, question: int = 1, several: bool = False) -> Note:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.sampling import SamplingParams
+from mdcli.documents.inputs import Document, joined_text
 from mdcli.errors import UsageError
 from mdcli.strategies.job import FieldError, Job, Options
 from mdcli.strategies.prompts import fill_template
@@ -54,6 +55,7 @@ class Think(Job, ThinkOptions):
     """Everything a think run is asked to do, checked (`validate`) before any model is loaded."""
 
     question: str
+    documents: list[Document] = Field(default_factory=list)  # what the question is about, read before it
     system: str | None = None
     chat_template: bool = True
     sampling: SamplingParams | None = None  # None: see default_sampling
@@ -109,10 +111,17 @@ class Think(Job, ThinkOptions):
 
     # prompts
 
+    def asked(self) -> str:
+        """The question as every prompt states it: after its documents (each under a `# path`
+        line when there are several; documents.inputs.joined_text), when it has any."""
+        if not self.documents:
+            return self.question.strip()
+        return f"{joined_text(self.documents).strip()}\n\n{self.question.strip()}"
+
     def question_turns(self) -> list[Turn]:
         """The conversation every path shares: the question, and with a plan the plan request."""
         if self.plan:
-            return [("user", f"{self.question.strip()}\n\n{PLAN_INSTRUCTION}")]
+            return [("user", f"{self.asked()}\n\n{PLAN_INSTRUCTION}")]
         return []
 
     def plan_prompt_ids(self, tokenizer) -> list[int]:
@@ -121,7 +130,7 @@ class Think(Job, ThinkOptions):
     def path_prompt_ids(self, tokenizer, index: int, plan_text: str | None = None, item: str | None = None) -> list[int]:
         instruction = self.instruction_for(index)
         if item is None:
-            return self._ids(tokenizer, [("user", with_instruction(self.question.strip(), instruction))])
+            return self._ids(tokenizer, [("user", with_instruction(self.asked(), instruction))])
         work = fill_template(ITEM_TEMPLATE, "item", number=str(index + 1), item=item)
         turns = self.question_turns() + [("assistant", plan_text or ""), ("user", with_instruction(work, instruction))]
         return self._ids(tokenizer, turns)
@@ -129,7 +138,7 @@ class Think(Job, ThinkOptions):
     def conclusion_prompt_ids(self, tokenizer, path_texts: list[str], plan_text: str | None = None) -> list[int]:
         body = conclusion_user_text(path_texts, planned=plan_text is not None)
         if plan_text is None:
-            return self._ids(tokenizer, [("user", f"{self.question.strip()}\n\n{body}")])
+            return self._ids(tokenizer, [("user", f"{self.asked()}\n\n{body}")])
         return self._ids(tokenizer, self.question_turns() + [("assistant", plan_text), ("user", body)])
 
     def _ids(self, tokenizer, turns: list[Turn]) -> list[int]:
