@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_questions_file, render, sampling_params, speculate_setting,
@@ -62,6 +62,9 @@ def ask_many(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
@@ -101,6 +104,7 @@ def ask_many(
             sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
             max_new_tokens=max_new_tokens,
             stop=tuple(stop or ()),
+            constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output

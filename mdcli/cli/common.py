@@ -108,6 +108,43 @@ ChunkOpt = Annotated[
 # -- helpers ------------------------------------------------------------------------------
 
 
+ChoicesOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--choices", help="The answer is exactly one of these (repeatable: --choices A --choices B).",
+                 show_default=False),
+]
+RegexOpt = Annotated[
+    Optional[str], typer.Option("--regex", help="The answer matches this regular expression in full.", show_default=False)
+]
+SchemaOpt = Annotated[
+    Optional[str],
+    typer.Option("--schema", help="The answer is JSON valid under this schema: a file, JSON, or llm's concise form "
+                 "'name, age int'. Plain output is the JSON alone, one document per line.", show_default=False),
+]
+
+
+def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: str | None):
+    """--choices / --regex / --schema as an api.Constraint (None when none is given), checked here,
+    before any model loads. --schema names a file when one exists at that path."""
+    if choices is None and regex is None and schema is None:
+        return None
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    if schema is not None and not schema.lstrip().startswith("{") and Path(schema).is_file():
+        schema = Path(schema).read_text(encoding="utf-8")
+    given = {"choices": choices, "regex": regex, "schema": schema}
+    try:
+        return api.Constraint(**{name: value for name, value in given.items() if value is not None})
+    except UsageError as error:
+        words = {"choices, regex": "--choices, --regex", "choices, schema": "--choices, --schema",
+                 "regex, schema": "--regex, --schema", "choices, regex, schema": "--choices, --regex, --schema"}
+        problem = error.problem
+        for plain, flags in words.items():
+            problem = problem.replace(f"(got {plain})", f"(got {flags})")
+        raise UsageError(problem.replace("exactly one of choices, regex or schema", "one of --choices, --regex or --schema"),
+                         fix=error.fix) from None
+
+
 def read_document(source: str) -> str:
     """Read a document file (or stdin for '-') as UTF-8, with a usable message on any failure."""
     if source == "-":

@@ -111,7 +111,7 @@ def schema_from_text(text: str) -> dict[str, Any]:
 
 def concise_schema(text: str) -> dict[str, Any]:
     """llm's concise schema: 'name, age int, bio: their story' -> a JSON Schema object with those
-    properties, all required."""
+    properties, all required, no others."""
     fields = [part.strip() for part in (text.splitlines() if "\n" in text else text.split(","))]
     properties: dict[str, Any] = {}
     for field in filter(None, fields):
@@ -128,7 +128,7 @@ def concise_schema(text: str) -> dict[str, Any]:
         properties[words[0]] = spec
     if not properties:
         raise UsageError("the schema is empty", fix="give fields, e.g. 'name, age int', or a JSON Schema")
-    return {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
 class _ByteTokenizer:

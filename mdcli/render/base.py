@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from mdcli import settings
 from mdcli.events import Done, Event, Finish, Fork, Prune, Start, Stats, Token
@@ -50,6 +50,8 @@ class BranchState:
     status: BranchStatus = "running"
     finish_reason: str | None = None
     score: float | None = None
+    json: bool = False  # decoded under a JSON schema: plain output prints its document alone
+    parsed: Any = None  # Finish.parsed
     _pieces: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -83,6 +85,7 @@ class BranchState:
         self.status = "finished"
         self.finish_reason = finish.finish_reason
         self.score = finish.score
+        self.parsed = finish.parsed
 
 
 class BranchBook:
@@ -100,8 +103,10 @@ class BranchBook:
             self.start = event
             for info in event.branches:
                 self._announce(info.id, info.label, info.parent, info.group)
+                self[info.id].json = _is_schema(info.constraint)
         elif isinstance(event, Fork):
             self._announce(event.branch.id, event.branch.label, event.branch.parent, event.branch.group)
+            self[event.branch.id].json = _is_schema(event.branch.constraint)
         elif isinstance(event, Token):
             self[event.branch].add_token(event)
         elif isinstance(event, Finish):
@@ -228,3 +233,7 @@ def color_disabled(no_color: bool) -> bool:
     """The --no-color flag, or the NO_COLOR convention (https://no-color.org): set and
     non-empty."""
     return no_color or settings.current().colour_off
+
+
+def _is_schema(constraint: str | None) -> bool:
+    return constraint is not None and constraint.startswith("schema:")

@@ -8,6 +8,7 @@ one block per question instead (mdcli/render/margins.py).
 
 from __future__ import annotations
 
+import json
 from typing import TextIO
 
 from mdcli.events import Done, Event, Finish, Note, Prune, Start
@@ -130,9 +131,11 @@ class PlainRenderer:
         if branch.status == "pruned":
             return
         self._progress.clear()  # stdout and stderr may be the same terminal
-        self._stdout.write(
-            answer_block(branch.label, branch.text, headered=bool(self._headered))
-        )
+        if branch.json:  # --schema: the JSON document alone, one per line, for jq
+            if branch.parsed is not None:
+                self._stdout.write(json.dumps(branch.parsed, ensure_ascii=False) + "\n")
+        else:
+            self._stdout.write(answer_block(branch.label, branch.text, headered=bool(self._headered)))
         self._stdout.flush()
         if branch.finish_reason == "interrupted":
             self._chrome(

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
+from mdcli.constraints import Constraint, compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.errors import UsageError
 from mdcli.strategies.job import FieldError, Job
@@ -27,6 +28,7 @@ class AskMany(Job):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     max_new_tokens: int = Field(256, ge=1)
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None  # every answer's shape (--choices / --regex / --schema)
 
     @classmethod
     def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
@@ -49,6 +51,7 @@ class AskMany(Job):
     def branches(self, tokenizer) -> list[BranchSpec]:
         self.validate()
         specs = []
+        constraint = compile_for(self.constraint, tokenizer)  # once: each branch starts its own state
         for question in self.questions:
             text = fill_template(self.template, "question", document=self.document, question=question)
             ids = prompt_token_ids(tokenizer, text, system=self.system, chat_template=self.chat_template)
@@ -59,6 +62,7 @@ class AskMany(Job):
                     sampling=self.sampling,
                     max_new_tokens=self.max_new_tokens,
                     stop=self.stop,
+                    constraint=constraint,
                 )
             )
         return specs
