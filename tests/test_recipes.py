@@ -723,7 +723,7 @@ def _strategy_models():
         (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {},
          "version: 1\nstrategy: explore\nprompt: Hi\n"),
         (MarginsOptions, api.Margins, MarginsRecipe, margins_command.margins,
-         {"layout": "context", "classify": "no_classify"},
+         {"layout": "context", "classify": "no_classify", "classify_constraint": "no_classify_constraint"},
          "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: Who?\n"),
     ]
 
@@ -749,7 +749,7 @@ def test_the_recipe_the_api_and_the_command_share_one_model_per_strategy(index):
         command_default = _command_defaults(command)[parameters.get(name, name)]
         if name == "early_stopping":  # the command line spells it as text
             command_default = api.parse_early_stopping(command_default)
-        if name == "classify":  # margins: the command line's flag is --no-classify
+        if name in ("classify", "classify_constraint"):  # margins: the flags are --no-classify, --no-classify-constraint
             command_default = not command_default
         assert command_default is None or command_default == model_default, (name, command_default, model_default)
     # the budget per branch (margins: per margin, its job's margin_tokens) is the command's -n

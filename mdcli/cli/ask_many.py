@@ -150,6 +150,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
         speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
+        constraint=constraint_from_flags(p["choices"], p["regex"], p["schema"]),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from mdcli.constraints import compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.recipes.branches import BranchesRecipe, branch_spec
@@ -53,10 +54,10 @@ class AskManyRecipe(BranchesRecipe):
         if self.questions is None:
             return super().specs(tokenizer, values)
         settings, template = self.sampling, self.template or ask_many_default_template()
-        specs = []
+        specs, constraint = [], compile_for(self.constraint, tokenizer)
         for question in self.questions:
             label = fill(question, values)
             text = fill(template, {**values, "question": label})
             ids = prompt_token_ids(tokenizer, text, system=self.system, chat_template=self.chat_template)
-            specs.append(branch_spec(label, ids, settings, []))
+            specs.append(branch_spec(label, ids, settings, [], constraint))
         return specs

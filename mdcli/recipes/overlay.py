@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mdcli.constraints import Constraint
 from mdcli.errors import UsageError
 from mdcli.recipes.ask_many import AskManyRecipe
 from mdcli.recipes.errors import RANGE_FIXES, bound, short
@@ -111,6 +112,7 @@ def ask_many_recipe(
     chat_template: bool | None = None,
     sampling: Sampling | None = None,
     speculate: str | int | None = None,
+    constraint: Constraint | None = None,
     source: str = "ask-many flags",
 ) -> AskManyRecipe:
     """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
@@ -119,7 +121,7 @@ def ask_many_recipe(
     `context: {input: true}`, so the recipe runs again with `mdcli run FILE --input DOC`.
     `template` is in ask-many form ($document); questions are literal text (`$` is escaped);
     `speculate` is the recipe's form of --speculate ("auto", "off" or N)."""
-    data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True) if base else {}
+    data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True, by_alias=True, mode="json") if base else {}
     data.update(version=RECIPE_VERSION, strategy="ask-many", context={"input": True})
     data.setdefault("description", "Saved from mdcli ask-many.")
     if questions is not None:
@@ -134,6 +136,8 @@ def ask_many_recipe(
         data["chat_template"] = chat_template
     if speculate is not None:
         data["speculate"] = speculate
+    if constraint is not None:
+        data["constraint"] = constraint.recipe_value()
     base_dir = base.base_dir if base else None
     recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
     return with_sampling(recipe, sampling) if sampling is not None else recipe
