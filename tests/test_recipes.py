@@ -717,10 +717,11 @@ def _strategy_models():
     from mdcli.strategies.think import ThinkOptions
 
     return [
-        (ThinkOptions, api.Think, ThinkRecipe, think_command.think, {"path_instructions": "path_instruction"},
+        (ThinkOptions, api.Think, ThinkRecipe, think_command.think,
+         {"path_instructions": "path_instruction", "constraint": "regex"},  # --choices / --regex / --schema
          "version: 1\nstrategy: think\nquestion: Why?\n"),
         (BeamOptions, api.BeamParams, BeamRecipe, beam_command.beam, {}, "version: 1\nstrategy: beam\nprompt: Hi\n"),
-        (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {},
+        (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {"constraint": "regex"},
          "version: 1\nstrategy: explore\nprompt: Hi\n"),
         (MarginsOptions, api.Margins, MarginsRecipe, margins_command.margins,
          {"layout": "context", "classify": "no_classify", "classify_constraint": "no_classify_constraint"},

@@ -57,6 +57,9 @@ LAYER_RULES = (
     # how one forward runs on this host: handed to the engine, never reaching up into it
     ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
     ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
+    # output constraints: the llguidance adapter behind core's ConstraintState protocol; it knows core's
+    # protocol and a tokenizer, never a backend, a model loader, a strategy or the CLI
+    ("mdcli.constraints", "only", ("mdcli.constraints", "mdcli.core", "mdcli.errors")),
     # renderers read events only
     ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
 )

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
+    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, EightBitOpt, FourBitOpt, JsonlOpt,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, render, sampling_params, speculate_setting, stderr_line,
@@ -97,6 +97,9 @@ def think(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
@@ -140,6 +143,7 @@ def think(
             plan_tokens=plan_tokens,
             conclusion_tokens=conclusion_tokens,
             stop=tuple(stop or ()),
+            constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # before the model loads
         mode = Output.jsonl if jsonl else output
