@@ -283,7 +283,7 @@ BAD_RECIPES = [
     ("invalid-yaml", "version: 1\nstrategy: tree\nbranches: [\n", "line 4, column 1", "invalid YAML",
      "indentation"),
     ("unknown-key", "version: 1\nstrategy: tree\nbranches:\n  - label: a\n    prompt: hi\n    temprature: 1\n",
-     "branches[0].temprature", "unknown key", "allowed here: label, prompt, sampling, children"),
+     "branches[0].temprature", "unknown key", "allowed here: label, prompt, sampling, constraint, children"),
     ("wrong-type", "version: 1\nstrategy: tree\nsampling: {max_new_tokens: lots}\nbranches: [{label: a, prompt: hi}]\n",
      "sampling.max_new_tokens", "expected a whole number, got the text 'lots'", "write a whole number"),
     ("wrong-type-list", "version: 1\nstrategy: tree\nbranches: {label: a, prompt: hi}\n",

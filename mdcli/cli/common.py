@@ -126,6 +126,7 @@ SchemaOpt = Annotated[
 def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: str | None):
     """--choices / --regex / --schema as an api.Constraint (None when none is given), checked here,
     before any model loads. --schema names a file when one exists at that path."""
+    choices = list(choices) if choices else None  # typer hands an option never given as an empty list
     if choices is None and regex is None and schema is None:
         return None
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
