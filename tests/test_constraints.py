@@ -24,6 +24,7 @@ from mdcli.events import Finish, Note, Start
 from mdcli.models.load import load_model
 from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.errors import UsageError
+from tests.tiny_models import TINY_ARCHS
 
 STORY = open("examples/story.txt", encoding="utf-8").read()
 
@@ -117,7 +118,7 @@ def test_speculation_keeps_constrained_branches_exact(embedded):
     assert_each_equals_its_run_alone(embedded, specs, list(MIXED.values()), 48, speculate="4")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_architectures_stay_exact_under_choices_and_regex(tiny_dir, arch):
     lm = load_model(str(tiny_dir(arch)), quiet=True)
     questions = {
@@ -202,3 +203,84 @@ def test_schema_answers_print_as_one_json_document_per_line(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and all(set(json.loads(line)) == {"name"} for line in lines)
+
+
+def test_think_votes_with_paths_decoded_under_the_answer_pattern_each_equal_to_its_run_alone(embedded):
+    from mdcli.api import Think, think
+
+    job = Think(question="What is 12 + 30? Think, then end with 'Answer: <number>'.", paths=2, vote=True,
+                answer_pattern="Answer: (?P<answer>[0-9]+)", max_new_tokens=96,
+                path_instructions=["Add the tens first.", "Count up from 30."])
+    prompts, finishes, vote = {}, {}, None
+    for event in think(embedded, job):
+        if isinstance(event, Start):
+            prompts = {b.id: (b.prompt_token_ids, b.constraint) for b in event.branches}
+        elif isinstance(event, Finish):
+            finishes[event.branch] = event
+        elif isinstance(event, Note) and event.kind == "vote":
+            vote = event
+    pattern = job.path_constraint()
+    assert vote is not None and vote.data["constraint"] == pattern.describe()
+    for branch, (prompt, described) in prompts.items():
+        assert described == pattern.describe()
+        ours = finishes[branch].token_ids
+        theirs = generate_constrained(embedded, prompt, pattern, 96)
+        assert ours == theirs[: len(ours)] and len(theirs) - len(ours) <= 1
+        if finishes[branch].finish_reason == "stop":  # complete: the vote has an answer from it
+            assert vote.data["answers"][f"path {branch + 1}"] is not None
+
+
+def test_explore_greedy_single_candidate_under_a_constraint_is_generate_under_it(embedded):
+    from mdcli.api import Explore, explore
+
+    constraint = Constraint(regex=r"[A-Z][a-z]+( [a-z]+){2,8}\.")
+    job = Explore(prompt="Describe the sea in one sentence.", k=1, sampling=SamplingParams(), max_new_tokens=40,
+                  constraint=constraint)
+    answer = next(e for e in explore(embedded, job) if isinstance(e, Finish) and e.label == "explore")
+    prompt = prompt_token_ids(embedded.tokenizer, job.prompt)
+    theirs = generate_constrained(embedded, prompt, constraint, 40)
+    assert answer.token_ids == theirs[: len(answer.token_ids)]
+    assert answer.parsed == answer.text and answer.text.endswith(".")
+
+
+def test_margins_classifications_are_always_a_valid_label(embedded):
+    from mdcli.api import Margins, margins
+
+    held_out = open("docs/how-it-works.md", encoding="utf-8").read()[:3000]  # a report the prompts never saw
+    job = Margins(documents=[held_out], questions=["How is the cache shared?", "What is the price of bread?"],
+                  segment_tokens=256, margin_tokens=24)
+    notes = [e for e in margins(embedded, job) if isinstance(e, Note) and e.kind == "classification"]
+    assert len(notes) >= 4
+    assert all(note.data["parsed"] and note.data["constraint"] for note in notes)
+
+
+def test_a_recipe_with_constraints_runs_them_and_saves_them_back(tmp_path):
+    recipe = tmp_path / "shapes.yaml"
+    recipe.write_text(
+        "version: 1\nstrategy: tree\ncontext: {input: true}\nconstraint: {regex: '[0-9]{4}'}\nbranches:\n"
+        "  - label: year\n    prompt: \"$context\\n\\nIn which year might it be set?\"\n    children:\n"
+        "      - {label: mood, prompt: 'Is it happy?', constraint: {choices: [happy, sad]}}\n"
+        "  - label: person\n    prompt: \"$context\\n\\nWho is it about?\"\n"
+        "    constraint: {schema: 'name, age int'}\n    sampling: {max_new_tokens: 64}\n"
+    )
+    done = cli("run", str(recipe), "--input", "examples/story.txt", "--jsonl")
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    finishes = {e["label"]: e for e in events if e["type"] == "finish"}
+    assert len(finishes["year"]["text"]) == 4 and finishes["year"]["text"].isdigit()
+    assert finishes["year/mood"]["parsed"] in ("happy", "sad")
+    person = finishes["person"]
+    assert person["parsed"] is None or set(person["parsed"]) == {"name", "age"}
+    described = {b["label"]: b["constraint"] for e in events if e["type"] == "start" for b in e["branches"]}
+    assert described["year"] == "regex: [0-9]{4}" and described["person"].startswith("schema: ")
+
+    saved = tmp_path / "saved.yaml"
+    first = cli("ask-many", "examples/story.txt", "-q", "Is it sad?", "--choices", "yes", "--choices", "no",
+                "-n", "4", "--save-recipe", str(saved), "--jsonl")
+    again = cli("run", str(saved), "--input", "examples/story.txt", "--jsonl")
+    assert "constraint:" in saved.read_text() and first.returncode == again.returncode == 0
+
+    def tokens(out: str):
+        return [e["token_ids"] for e in map(json.loads, out.splitlines()) if e["type"] == "finish"]
+
+    assert tokens(first.stdout) == tokens(again.stdout) and json.loads(first.stdout.splitlines()[-2])["parsed"] in ("yes", "no")
