@@ -284,3 +284,17 @@ def test_a_recipe_with_constraints_runs_them_and_saves_them_back(tmp_path):
         return [e["token_ids"] for e in map(json.loads, out.splitlines()) if e["type"] == "finish"]
 
     assert tokens(first.stdout) == tokens(again.stdout) and json.loads(first.stdout.splitlines()[-2])["parsed"] in ("yes", "no")
+
+
+def test_run_flags_set_the_constraint_everywhere_and_a_beam_recipe_refuses_them(tmp_path):
+    recipe = tmp_path / "two.yaml"
+    recipe.write_text(
+        "version: 1\nstrategy: tree\nbranches:\n  - {label: a, prompt: 'Is the sky blue?', constraint: {regex: '[0-9]+'}}\n"
+        "  - {label: b, prompt: 'Is grass red?'}\n"
+    )
+    done = cli("run", str(recipe), "--choices", "yes", "--choices", "no", "-n", "6", "--jsonl")
+    assert done.returncode == 0, done.stderr
+    finishes = [e for e in map(json.loads, done.stdout.splitlines()) if e["type"] == "finish"]
+    assert sorted(f["label"] for f in finishes) == ["a", "b"] and all(f["parsed"] in ("yes", "no") for f in finishes)
+    refused = cli("run", "beam", "--regex", "a+")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "beam recipe" in refused.stderr

@@ -59,6 +59,23 @@ def with_sampling(recipe: Recipe, overrides: Sampling) -> Recipe:
     return copy
 
 
+def with_constraint(recipe: Recipe, constraint: Constraint | None) -> Recipe:
+    """The recipe with the command line's constraint (--choices / --regex / --schema) winning
+    everywhere: its top-level `constraint:`, and cleared from every branch. A strategy with no
+    constraint (beam, margins) refuses it rather than dropping it."""
+    if constraint is None:
+        return recipe
+    if "constraint" not in type(recipe).model_fields:
+        raise UsageError(
+            f"--choices, --regex and --schema do not apply to a {recipe.strategy} recipe",
+            fix="use them with ask-many, tree, think or explore recipes",
+        )
+    copy = recipe.model_copy(deep=True, update={"constraint": constraint})
+    for branch in _all_branches(copy.branch_tree()):
+        branch.constraint = None
+    return copy
+
+
 def _all_branches(branches: list[Branch]) -> Iterator[Branch]:
     for branch in branches:
         yield branch
