@@ -66,7 +66,8 @@ def think(
         typer.Option(
             "--answer-pattern",
             help="Regex for a path's answer with --vote (last match; group 'answer', else group 1, else the "
-            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number.",
+            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number. With --vote "
+            "each path decodes under it: any text that ends in a match.",
             show_default=False,
         ),
     ] = None,
