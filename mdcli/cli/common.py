@@ -131,19 +131,16 @@ def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: 
         return None
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-    if schema is not None and not schema.lstrip().startswith("{") and Path(schema).is_file():
-        schema = Path(schema).read_text(encoding="utf-8")
-    given = {"choices": choices, "regex": regex, "schema": schema}
-    try:
-        return api.Constraint(**{name: value for name, value in given.items() if value is not None})
-    except UsageError as error:
-        words = {"choices, regex": "--choices, --regex", "choices, schema": "--choices, --schema",
-                 "regex, schema": "--regex, --schema", "choices, regex, schema": "--choices, --regex, --schema"}
-        problem = error.problem
-        for plain, flags in words.items():
-            problem = problem.replace(f"(got {plain})", f"(got {flags})")
-        raise UsageError(problem.replace("exactly one of choices, regex or schema", "one of --choices, --regex or --schema"),
-                         fix=error.fix) from None
+    given = {name: value for name, value in (("choices", choices), ("regex", regex), ("schema", schema)) if value is not None}
+    if len(given) > 1:
+        flags = ", ".join(f"--{name}" for name in given)
+        raise UsageError(f"{flags} were given together; an answer takes one constraint", fix="keep one of them")
+    if schema is not None and not schema.lstrip().startswith("{"):
+        if Path(schema).is_file():
+            given["schema"] = Path(schema).read_text(encoding="utf-8")
+        elif schema.endswith(".json") or "/" in schema:
+            raise UsageError(f"the schema file '{schema}' does not exist", fix="give an existing file, JSON, or 'name, age int'")
+    return api.Constraint(**given)
 
 
 def read_document(source: str) -> str:

@@ -79,9 +79,6 @@ class MatcherState:
     def is_stopped(self) -> bool:
         return self.matcher.is_stopped()
 
-    def rollback(self, tokens: int) -> None:
-        self.matcher.rollback(tokens)
-
     def parse(self, text: str) -> object | None:
         constraint = self.compiled.constraint
         if constraint.choices is not None:

@@ -32,9 +32,6 @@ class ConstraintState(Protocol):
     def is_stopped(self) -> bool:
         """No token but EOS can follow: the branch ends here."""
 
-    def rollback(self, tokens: int) -> None:
-        """Forget the last `tokens` advanced."""
-
     def parse(self, text: str) -> object | None:
         """The complete answer `text` as the constraint reads it (a schema's JSON value, a choice,
         the regex's match), or None when `text` is not a valid answer (e.g. a stop string cut it)."""
