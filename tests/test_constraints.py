@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from mdcli.api import BranchSpec, Constraint, run_specs
 from mdcli.constraints import compile_for
@@ -24,38 +23,14 @@ from mdcli.events import Finish, Note, Start
 from mdcli.models.load import load_model
 from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.errors import UsageError
+from tests import reference
 from tests.tiny_models import TINY_ARCHS
 
 STORY = open("examples/story.txt", encoding="utf-8").read()
 
 
-class ConstrainedAlone(LogitsProcessor):
-    """generate's logits processor: the tokens generated so far advance one llguidance matcher,
-    and every disallowed token's score is -inf."""
-
-    def __init__(self, constraint: Constraint, tokenizer, prompt_length: int) -> None:
-        self.state = compile_for(constraint, tokenizer).start()
-        self.prompt_length = prompt_length
-        self.seen = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[0, self.prompt_length :].tolist()
-        for token in generated[self.seen :]:
-            self.state.advance(token)
-        self.seen = len(generated)
-        allowed = torch.empty(scores.shape[-1], dtype=torch.bool)
-        self.state.allowed(allowed)
-        return scores.masked_fill(~allowed[None], float("-inf"))
-
-
 def generate_constrained(lm, prompt: list[int], constraint: Constraint | None, new_tokens: int) -> list[int]:
-    processors = LogitsProcessorList([ConstrainedAlone(constraint, lm.tokenizer, len(prompt))] if constraint else [])
-    with torch.inference_mode():
-        out = lm.model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False, max_new_tokens=new_tokens, logits_processor=processors,
-        )
-    return out[0, len(prompt) :].tolist()
+    return reference.generate_constrained(lm.model, lm.tokenizer, prompt, constraint, new_tokens)
 
 
 def run(lm, specs, **options) -> tuple[dict[int, list[int]], dict[str, Finish], list[Note]]:
