@@ -273,3 +273,15 @@ def test_run_flags_set_the_constraint_everywhere_and_a_beam_recipe_refuses_them(
     assert sorted(f["label"] for f in finishes) == ["a", "b"] and all(f["parsed"] in ("yes", "no") for f in finishes)
     refused = cli("run", "beam", "--regex", "a+")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "beam recipe" in refused.stderr
+
+
+def test_a_bad_constraint_in_a_recipe_or_job_names_where_it_is():
+    from mdcli.api import AskMany
+    from mdcli.errors import RecipeError
+    from mdcli.recipes import load_recipe_text
+
+    text = "version: 1\nstrategy: tree\nbranches:\n  - {label: a, prompt: hi, constraint: {regex: 'a('}}\n"
+    with pytest.raises(RecipeError, match=r"shapes.yaml: branches\[0\]\.constraint: the regex is invalid"):
+        load_recipe_text(text, source="shapes.yaml")
+    with pytest.raises(UsageError, match="^constraint: the choice list is empty"):
+        AskMany(document="d", questions=["q"], constraint={"choices": []})

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 import llguidance
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mdcli.errors import UsageError
 
@@ -30,10 +30,27 @@ _CONCISE_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
+class ConstraintError(UsageError, ValueError):
+    """A constraint that cannot be used: a usage error (exit 2, one line) when a Constraint is
+    built directly; a ValueError inside validation, so a recipe reports it at its field's path
+    (recipes/errors.py) and a job names its field (strategies/job.py)."""
+
+
 class Constraint(BaseModel):
-    """One output constraint (module docstring). Invalid input raises UsageError (exit 2)."""
+    """One output constraint (module docstring). Built directly, invalid input raises UsageError
+    (exit 2) in one line; inside a job or recipe, the job's or recipe's error names the field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            first = error.errors()[0]
+            cause = first.get("ctx", {}).get("error")
+            if isinstance(cause, ConstraintError):
+                raise cause from None
+            raise  # a key or type pydantic refused: a recipe or job names it in its own words
 
     choices: tuple[str, ...] | None = None
     regex: str | None = None
@@ -48,15 +65,15 @@ class Constraint(BaseModel):
     def _check(self) -> Constraint:
         given = [name for name in ("choices", "regex", "schema") if self._value(name) is not None]
         if len(given) != 1:
-            raise UsageError(
+            raise ConstraintError(
                 "a constraint takes exactly one of choices, regex or schema" + (f" (got {', '.join(given)})" if given else ""),
                 fix="keep one of them",
             )
         if self.choices is not None:
             if not self.choices:
-                raise UsageError("the choice list is empty", fix="give at least one choice")
+                raise ConstraintError("the choice list is empty", fix="give at least one choice")
             if any(not choice for choice in self.choices):
-                raise UsageError("a choice is empty", fix="give each choice some text")
+                raise ConstraintError("a choice is empty", fix="give each choice some text")
         _probe(self.grammar(), self.kind, self._shown())
         return self
 
@@ -101,10 +118,10 @@ def schema_from_text(text: str) -> dict[str, Any]:
         try:
             schema = json.loads(stripped)
         except json.JSONDecodeError as error:
-            raise UsageError(f"the schema is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+            raise ConstraintError(f"the schema is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
                              fix="fix the JSON, or use the concise form 'name, age int'") from None
         if not isinstance(schema, dict):
-            raise UsageError("the schema is not a JSON object", fix="give a JSON Schema object")
+            raise ConstraintError("the schema is not a JSON object", fix="give a JSON Schema object")
         return schema
     return concise_schema(stripped)
 
@@ -118,7 +135,7 @@ def concise_schema(text: str) -> dict[str, Any]:
         head, _, description = field.partition(":")
         words = head.split()
         if not words or len(words) > 2 or not _NAME.match(words[0]) or (len(words) == 2 and words[1] not in _CONCISE_TYPES):
-            raise UsageError(
+            raise ConstraintError(
                 f"cannot read the schema field '{field}'",
                 fix="write fields as 'name [str|int|float|bool][: description]', separated by commas, or give JSON",
             )
@@ -127,7 +144,7 @@ def concise_schema(text: str) -> dict[str, Any]:
             spec["description"] = description.strip()
         properties[words[0]] = spec
     if not properties:
-        raise UsageError("the schema is empty", fix="give fields, e.g. 'name, age int', or a JSON Schema")
+        raise ConstraintError("the schema is empty", fix="give fields, e.g. 'name, age int', or a JSON Schema")
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
@@ -155,11 +172,11 @@ def _probe(grammar: str, kind: str, shown: str) -> None:
         problem = matcher.get_error().strip().splitlines()
         details = [line.split("error:", 1)[1].strip() for line in problem if line.startswith("error:")]
         detail = details[0] if details else (problem[0] if problem else "")
-        raise UsageError(f"the {kind} is invalid: {detail}", fix=_FIXES[kind])
+        raise ConstraintError(f"the {kind} is invalid: {detail}", fix=_FIXES[kind])
     mask = matcher.compute_bitmask()
     if not any(mask[:32]):  # no byte can start an answer
         what = "only the empty answer" if matcher.is_accepting() else "nothing"
-        raise UsageError(f"the {kind} '{shown[:60]}' matches {what}", fix=_FIXES[kind])
+        raise ConstraintError(f"the {kind} '{shown[:60]}' matches {what}", fix=_FIXES[kind])
 
 
 _FIXES = {
