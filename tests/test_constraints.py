@@ -285,3 +285,19 @@ def test_a_bad_constraint_in_a_recipe_or_job_names_where_it_is():
         load_recipe_text(text, source="shapes.yaml")
     with pytest.raises(UsageError, match="^constraint: the choice list is empty"):
         AskMany(document="d", questions=["q"], constraint={"choices": []})
+
+
+def test_a_sampled_constrained_branch_draws_the_same_tokens_alone_as_in_a_forest(embedded):
+    questions = {
+        "Name a colour.": Constraint(regex=r"[a-z]{3,12}"),
+        "Is the story sad?": Constraint(choices=["yes", "no", "maybe"]),
+        "Who is the main character?": None,
+    }
+    sampling = SamplingParams(temperature=1.0, top_k=50, seed=3)
+    specs = specs_for(embedded, questions, 10, sampling)
+    for spec, key in zip(specs, range(len(specs))):
+        spec.seed_key = key  # the branch's stream, whatever runs beside it
+    _, together, _ = run(embedded, specs)
+    for spec in specs:
+        _, alone, _ = run(embedded, [spec])
+        assert alone[spec.label].token_ids == together[spec.label].token_ids, spec.label
