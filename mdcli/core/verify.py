@@ -8,7 +8,9 @@ own generator over that node's logits), and while that token is one of the node'
 it is accepted: shown, checked for a finish, and walked into. The first token that no draft
 guessed is kept for the next step (`pending`), so the branch's tokens, logprobs and random draws
 are those of the run without drafts. Draft nodes nobody accepted then leave the cache
-(`Engine.keep_tail`), so later steps see only accepted paths.
+(`Engine.keep_tail`), so later steps see only accepted paths. A tip under an output constraint
+(mdcli/core/constraint.py) drafts nothing and chooses nothing in the walk: it takes its new logits,
+and the next step's `choose` masks them, exactly as without speculation.
 
 A run's `Speculate.watch`, when set, is shown each verified step as a `VerifiedStep`
 (mdcli/speculative/planner.py): what every branch fed, the mask rows the engine gave those tokens
