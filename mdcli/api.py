@@ -247,6 +247,7 @@ from mdcli.explain.step import describe_step, first_verified_step  # noqa: E402
 from mdcli.models.load import LoadedModel, LoadOptions, load_model, load_tokenizer  # noqa: E402
 from mdcli.backends.host import host_report  # noqa: E402
 from mdcli.settings import changed_settings  # noqa: E402
+from mdcli.constraints import Constraint  # noqa: E402
 from mdcli.core.sampling import SamplingParams  # noqa: E402, F811
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
 from mdcli.speculative.planner import Speculate, parse_speculate  # noqa: E402
@@ -272,7 +273,7 @@ __all__ = [
     # what `mdcli info` reports: the host, the settings that differ from their defaults
     "host_report", "changed_settings",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded
-    "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
+    "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",

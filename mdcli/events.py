@@ -49,6 +49,7 @@ class BranchInfo:
     exact: bool = True
     group: str | None = None
     sources: tuple[Source, ...] = ()
+    constraint: str | None = None  # the output constraint the branch decodes under, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,9 @@ class Prune:
 @dataclass(frozen=True, slots=True)
 class Finish:
     """A branch is complete. `token_ids` include a final EOS token if one was generated;
-    `text` never contains it, nor a matched stop string."""
+    `text` never contains it, nor a matched stop string. `parsed`: for a branch decoded under a
+    constraint, the answer as the constraint reads it (the JSON value for a schema, the text for
+    choices and regexes) when it is complete; None when it is not (or there is no constraint)."""
 
     branch: int
     label: str
@@ -107,6 +110,7 @@ class Finish:
     finish_reason: FinishReason
     cumulative_logprob: float
     score: float | None = None
+    parsed: Any = None
     type: Literal["finish"] = "finish"
 
 

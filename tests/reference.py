@@ -4,6 +4,7 @@ plain model, greedy, with Hugging Face's own `generate`."""
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
 def generate_alone(model, prompt_ids: list[int], new_tokens: int, *, device=None) -> list[int]:
@@ -13,6 +14,41 @@ def generate_alone(model, prompt_ids: list[int], new_tokens: int, *, device=None
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
             do_sample=False,
             max_new_tokens=new_tokens,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+class ConstrainedAlone(LogitsProcessor):
+    """generate's logits processor for a branch under an output constraint: the tokens generated
+    so far advance one llguidance matcher (mdcli.constraints, the same library and grammar the
+    forest uses), and every token it does not allow scores -inf."""
+
+    def __init__(self, constraint, tokenizer, prompt_length: int) -> None:
+        from mdcli.constraints import compile_for  # lazy: the reference helpers above need only torch
+
+        self.state = compile_for(constraint, tokenizer).start()
+        self.prompt_length = prompt_length
+        self.seen = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[0, self.prompt_length :].tolist()
+        for token in generated[self.seen :]:
+            self.state.advance(token)
+        self.seen = len(generated)
+        allowed = torch.empty(scores.shape[-1], dtype=torch.bool)
+        self.state.allowed(allowed)
+        return scores.masked_fill(~allowed.to(scores.device)[None], float("-inf"))
+
+
+def generate_constrained(model, tokenizer, prompt_ids: list[int], constraint, new_tokens: int, *, device=None) -> list[int]:
+    """generate_alone under `constraint` (an mdcli Constraint; None: none). A branch whose answer
+    is complete ends without EOS; generate, whose mask then allows only EOS, adds it next."""
+    processors = LogitsProcessorList([ConstrainedAlone(constraint, tokenizer, len(prompt_ids))] if constraint else [])
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+            do_sample=False, max_new_tokens=new_tokens, logits_processor=processors,
         )
     return out[0, len(prompt_ids) :].tolist()
 

@@ -23,10 +23,11 @@ from mdcli.recipes import load_recipe
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
-    ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR,
-    NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,
+    ANSWER_TEMPLATE, CLASSIFICATION_CONSTRAINT, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE,
+    NO_NOTES, NOTE_SEPARATOR, NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,
 )
-from tests.reference import generate_alone
+from tests.reference import generate_alone, generate_constrained
+from tests.tiny_models import tiny_tokenizer
 
 REPORT = (
     "Quarterly project report.\n\n"
@@ -69,11 +70,21 @@ def announced(events) -> dict[int, list[int]]:
 
 
 def assert_every_branch_equals_generate(model, events) -> None:
+    """Each branch against generate on its prompt alone; a classification (announced under
+    CLASSIFICATION_CONSTRAINT) against generate under that constraint."""
     prompts = announced(events)
+    constrained = {e.branch.id for e in events if isinstance(e, Fork) and e.branch.constraint is not None}
+    assert all(e.branch.constraint == CLASSIFICATION_CONSTRAINT.describe() for e in events
+               if isinstance(e, Fork) and e.branch.id in constrained)
     finishes = [e for e in events if isinstance(e, Finish)]
     assert sorted(f.branch for f in finishes) == sorted(prompts)
     for finish in finishes:
-        expected = generate_alone(model, prompts[finish.branch], len(finish.token_ids))
+        if finish.branch in constrained:
+            expected = generate_constrained(
+                model, tiny_tokenizer(), prompts[finish.branch], CLASSIFICATION_CONSTRAINT, len(finish.token_ids)
+            )
+        else:
+            expected = generate_alone(model, prompts[finish.branch], len(finish.token_ids))
         assert finish.token_ids == expected, f"branch {finish.branch} ({finish.label})"
 
 
@@ -177,8 +188,9 @@ def test_events_announce_classify_and_source_the_answer(tiny):
     assert [n.data["margin_branch"] for n in classified] == margin_ids
     for note in classified:
         assert set(note.data) == {
-            "branch", "margin_branch", "question", "segment", "document", "relevant", "parsed", "reason",
+            "branch", "margin_branch", "question", "segment", "document", "relevant", "parsed", "reason", "constraint",
         }
+        assert note.data["constraint"] is True and note.data["parsed"]  # decoded under (YES|NO)#: always a label
         if not note.data["parsed"]:
             assert note.data["relevant"] is True and "kept as relevant" in note.message
     answer = forks[-1].branch

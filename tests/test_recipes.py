@@ -283,7 +283,7 @@ BAD_RECIPES = [
     ("invalid-yaml", "version: 1\nstrategy: tree\nbranches: [\n", "line 4, column 1", "invalid YAML",
      "indentation"),
     ("unknown-key", "version: 1\nstrategy: tree\nbranches:\n  - label: a\n    prompt: hi\n    temprature: 1\n",
-     "branches[0].temprature", "unknown key", "allowed here: label, prompt, sampling, children"),
+     "branches[0].temprature", "unknown key", "allowed here: label, prompt, sampling, constraint, children"),
     ("wrong-type", "version: 1\nstrategy: tree\nsampling: {max_new_tokens: lots}\nbranches: [{label: a, prompt: hi}]\n",
      "sampling.max_new_tokens", "expected a whole number, got the text 'lots'", "write a whole number"),
     ("wrong-type-list", "version: 1\nstrategy: tree\nbranches: {label: a, prompt: hi}\n",
@@ -717,13 +717,14 @@ def _strategy_models():
     from mdcli.strategies.think import ThinkOptions
 
     return [
-        (ThinkOptions, api.Think, ThinkRecipe, think_command.think, {"path_instructions": "path_instruction"},
+        (ThinkOptions, api.Think, ThinkRecipe, think_command.think,
+         {"path_instructions": "path_instruction", "constraint": "regex"},  # --choices / --regex / --schema
          "version: 1\nstrategy: think\nquestion: Why?\n"),
         (BeamOptions, api.BeamParams, BeamRecipe, beam_command.beam, {}, "version: 1\nstrategy: beam\nprompt: Hi\n"),
-        (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {},
+        (ExploreOptions, api.Explore, ExploreRecipe, explore_command.explore, {"constraint": "regex"},
          "version: 1\nstrategy: explore\nprompt: Hi\n"),
         (MarginsOptions, api.Margins, MarginsRecipe, margins_command.margins,
-         {"layout": "context", "classify": "no_classify"},
+         {"layout": "context", "classify": "no_classify", "classify_constraint": "no_classify_constraint"},
          "version: 1\nstrategy: margins\ncontext: {input: true}\nquery: Who?\n"),
     ]
 
@@ -749,7 +750,7 @@ def test_the_recipe_the_api_and_the_command_share_one_model_per_strategy(index):
         command_default = _command_defaults(command)[parameters.get(name, name)]
         if name == "early_stopping":  # the command line spells it as text
             command_default = api.parse_early_stopping(command_default)
-        if name == "classify":  # margins: the command line's flag is --no-classify
+        if name in ("classify", "classify_constraint"):  # margins: the flags are --no-classify, --no-classify-constraint
             command_default = not command_default
         assert command_default is None or command_default == model_default, (name, command_default, model_default)
     # the budget per branch (margins: per margin, its job's margin_tokens) is the command's -n

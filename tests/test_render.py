@@ -299,6 +299,7 @@ def test_jsonl_interrupted_finishes_each_unfinished_branch_then_writes_a_done_li
         "finish_reason": "interrupted",
         "cumulative_logprob": -0.5,
         "score": None,
+        "parsed": None,
     }
     assert final == {"type": "done", "interrupted": True, "stats": None}
     assert [record["type"] for record in records].count("finish") == 2

@@ -60,6 +60,9 @@ LAYER_RULES = (
     # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models)
     ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.errors", "mdcli.events",
                                     "mdcli.settings")),
+    # output constraints: the llguidance adapter behind core's ConstraintState protocol; it knows core's
+    # protocol and a tokenizer, never a backend, a model loader, a strategy or the CLI
+    ("mdcli.constraints", "only", ("mdcli.constraints", "mdcli.core", "mdcli.errors")),
     # renderers read events only
     ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
     # documents are text, paths and a token counter handed in: read, chunked, ranked, never run

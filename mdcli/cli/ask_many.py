@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt, PromptCacheOpt,
+    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt, PromptCacheOpt,
     EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, RetrieveOpt, announce_loading, output_mode, read_inputs,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
@@ -66,6 +66,9 @@ def ask_many(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
@@ -115,6 +118,7 @@ def ask_many(
             sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
             max_new_tokens=max_new_tokens,
             stop=tuple(stop or ()),
+            constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # before the model loads
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
@@ -164,6 +168,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         prompt_cache=flag("prompt_cache"),
         retrieve=flag("retrieve"),
         chunk_tokens=flag("chunk_tokens"),
+        constraint=constraint_from_flags(p["choices"], p["regex"], p["schema"]),
         source=recipe_name or "ask-many flags",
     )
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's

@@ -182,6 +182,41 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+ChoicesOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--choices", help="The answer is exactly one of these (repeatable: --choices A --choices B).",
+                 show_default=False),
+]
+RegexOpt = Annotated[
+    Optional[str], typer.Option("--regex", help="The answer matches this regular expression in full.", show_default=False)
+]
+SchemaOpt = Annotated[
+    Optional[str],
+    typer.Option("--schema", help="The answer is JSON valid under this schema: a file, JSON, or llm's concise form "
+                 "'name, age int'. Plain output is the JSON alone, one document per line.", show_default=False),
+]
+
+
+def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: str | None):
+    """--choices / --regex / --schema as an api.Constraint (None when none is given), checked here,
+    before any model loads. --schema names a file when one exists at that path."""
+    choices = list(choices) if choices else None  # typer hands an option never given as an empty list
+    if choices is None and regex is None and schema is None:
+        return None
+    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
+
+    given = {name: value for name, value in (("choices", choices), ("regex", regex), ("schema", schema)) if value is not None}
+    if len(given) > 1:
+        flags = ", ".join(f"--{name}" for name in given)
+        raise UsageError(f"{flags} were given together; an answer takes one constraint", fix="keep one of them")
+    if schema is not None and not schema.lstrip().startswith("{"):
+        if Path(schema).is_file():
+            given["schema"] = Path(schema).read_text(encoding="utf-8")
+        elif schema.endswith(".json") or "/" in schema:
+            raise UsageError(f"the schema file '{schema}' does not exist", fix="give an existing file, JSON, or 'name, age int'")
+    return api.Constraint(**given)
+
+
 def read_document(source: str) -> str:
     """Read a document file (or stdin for '-') as UTF-8, with a usable message on any failure."""
     if source == "-":

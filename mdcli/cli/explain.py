@@ -162,6 +162,8 @@ def margin_phase(plan, tokenizer, input_text: str | None, values: dict[str, str]
         f"question{'s' if questions != 1 else ''} x {len(segments)} segments; each segment is cached once "
         "and read by every question's margin)"
     )
+    if job.classify and job.classify_constraint:
+        title += "; each margin's classification then decodes under regex: (YES|NO)#[^\\n]*"
     return job.margin_specs(tokenizer, segments), title
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, MaxNewOpt,
+    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, MaxNewOpt,
     MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
     TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
     VerboseOpt,
@@ -52,6 +52,9 @@ def explore(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = 256,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     system: SystemOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -100,6 +103,7 @@ def explore(
             chat_template=not no_chat_template,
             sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
             max_new_tokens=max_new_tokens,
+            constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # bad input exits 2 before the model loads
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)

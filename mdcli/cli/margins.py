@@ -88,6 +88,10 @@ def margins(
     no_classify: Annotated[
         bool, typer.Option("--no-classify", help="Skip the YES/NO classification; the answer reads every margin.")
     ] = False,
+    no_classify_constraint: Annotated[
+        bool, typer.Option("--no-classify-constraint", help="Let the classifier write freely instead of decoding "
+                           "it under '(YES|NO)#<one line>' (the default), then read YES/NO out of its reply.")
+    ] = False,
     with_segments: Annotated[
         bool, typer.Option("--with-segments", help="Give the answer each kept margin's source segment too.")
     ] = False,
@@ -186,6 +190,7 @@ def margins(
             segment_tokens=segment_tokens,
             keep=keep.value,  # type: ignore[arg-type]
             classify=not no_classify,
+            classify_constraint=not no_classify_constraint,
             with_segments=with_segments,
             prompts=prompts_with(
                 api.MarginsPrompts(system=system), margin_template, classification_template, answer_template

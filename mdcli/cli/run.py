@@ -9,7 +9,11 @@ import typer
 
 from mdcli.cli.common import (
     AttnOpt,
+    ChoicesOpt,
     ChunkOpt,
+    RegexOpt,
+    SchemaOpt,
+    constraint_from_flags,
     DebugOpt,
     DeviceMapOpt,
     DeviceOpt,
@@ -86,6 +90,9 @@ def run(
     min_p: MinPOpt = None,  # type: ignore[assignment]
     seed: SeedOpt = None,
     stop: StopOpt = None,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     system: SystemOpt = None,
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
@@ -102,14 +109,15 @@ def run(
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
 
     The recipe's sampling settings are the defaults; sampling flags given here win over the
-    recipe everywhere, per-branch settings included. See docs/recipes.md for the format and
+    recipe everywhere, per-branch settings included; so do --choices / --regex / --schema (ask-many,
+    tree, think and explore recipes). See docs/recipes.md for the format and
     `mdcli recipes list` for the built-in recipes.
     """
     with errors(debug):
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
-        from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags
+        from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags, with_constraint
 
         speculate_setting(speculate)  # a bad value fails before anything loads
         values = parse_vars(var or [])
@@ -120,6 +128,7 @@ def run(
                 max_new_tokens=max_new_tokens, stop=stop,
             ),
         )
+        plan = with_constraint(plan, constraint_from_flags(choices, regex, schema))
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)

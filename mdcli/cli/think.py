@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
+    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
     MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_inputs, render, sampling_params, speculate_setting, stderr_line,
@@ -73,7 +73,8 @@ def think(
         typer.Option(
             "--answer-pattern",
             help="Regex for a path's answer with --vote (last match; group 'answer', else group 1, else the "
-            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number.",
+            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number. With --vote "
+            "each path decodes under it: any text that ends in a match.",
             show_default=False,
         ),
     ] = None,
@@ -129,6 +130,9 @@ def think(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
+    choices: ChoicesOpt = None,
+    regex: RegexOpt = None,
+    schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
     output: OutputOpt = Output.auto,
     jsonl: JsonlOpt = False,
@@ -182,6 +186,7 @@ def think(
             plan_tokens=plan_tokens,
             conclusion_tokens=conclusion_tokens,
             stop=tuple(stop or ()),
+            constraint=constraint_from_flags(choices, regex, schema),
         )
         job = job.model_copy(update={"sampling": paths_sampling(job.sampling, temperature, greedy, top_p, top_k,
                                                                  min_p, seed)})

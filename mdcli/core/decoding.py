@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from mdcli.core.constraint import TokenConstraint
 from mdcli.core.engine import Engine
 from mdcli.core.forest import common_prefix_length
 from mdcli.core.run import Run, prefill_prompts
@@ -41,6 +42,7 @@ class BranchSpec:
     children: list[BranchSpec] = field(default_factory=list)
     ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens): equal-length benchmarks
     sources: tuple[Source, ...] = ()  # the passages its prompt holds (announced on its BranchInfo)
+    constraint: TokenConstraint | None = None  # the answer's shape (mdcli/core/constraint.py)
 
 
 class Independent(Policy):
@@ -72,6 +74,7 @@ class Independent(Policy):
             _, fork = loop.fork(
                 tip, f"{tip.label}/{child.label}", continuation, sampling=child.sampling, seed_key=child.seed_key,
                 max_new_tokens=child.max_new_tokens, stop=child.stop, ignore_eos=child.ignore_eos, data=child,
+                constraint=child.constraint,
             )
             yield fork
 
@@ -118,6 +121,7 @@ class Decoder:
             loop.tip(
                 spec.label, list(spec.prompt_ids), sampling=spec.sampling, seed_key=spec.seed_key,
                 max_new_tokens=spec.max_new_tokens, stop=spec.stop, ignore_eos=spec.ignore_eos, data=spec,
+                constraint=spec.constraint,
             )
             for spec in specs
         ]

@@ -86,13 +86,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from mdcli.core.constraint import ConstraintState, TokenConstraint, mask_rows
 from mdcli.core.detok import StreamingDetokenizer
 from mdcli.core.forest import pad_rows
 from mdcli.core.run import Run
 from mdcli.core.sampling import Sampler, SamplingParams, choose_tokens
 from mdcli.core.tip import Tip
 from mdcli.core.verify import feed_with_drafts, time_step
-from mdcli.events import BranchInfo, Event, Finish, Fork, Progress, Prune, Token
+from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Prune, Token
 
 __all__ = ["Policy", "StepLoop", "Tip"]
 
@@ -149,6 +150,7 @@ class StepLoop:
         self._walking = False  # True while the verify walk runs after the forward
         self.deferred: list[Tip] = []  # children forked during the walk, fed next step
         self.explicit_depths = False  # a tip was started at an explicit depth (start_at)
+        self.notes: list[Note] = []  # said after the step: constrained branches that ended incomplete
 
     # -- tips ----------------------------------------------------------------------------------
 
@@ -166,9 +168,11 @@ class StepLoop:
         data: object = None,
         fit: bool = True,
         counted: bool = True,
+        constraint: TokenConstraint | None = None,
     ) -> Tip:
         """A new tip (not in the cache yet). `fit`: cap its budget by the context (raising
-        ContextTooLongError when its prompt fills it); `counted`: add its path to prompt_tokens."""
+        ContextTooLongError when its prompt fills it); `counted`: add its path to prompt_tokens;
+        `constraint`: its output decodes under it, from its start (mdcli/core/constraint.py)."""
         max_new = self.run.fit(label, len(path_ids), max_new_tokens) if fit else max_new_tokens
         branch = self.run.new_id()
         detok = StreamingDetokenizer(self.tokenizer, stop) if self.tokenizer is not None else None
@@ -189,6 +193,8 @@ class StepLoop:
             parent=parent,
             ignore_eos=ignore_eos,
             data=data,
+            constraint=None if constraint is None else constraint.start(),
+            constraint_label=None if constraint is None else constraint.description,
         )
 
     def prefill(self, tips: list[Tip], phase: str) -> Iterator[Event]:
@@ -218,6 +224,9 @@ class StepLoop:
         self.live = list(tips)
         while self.live:
             yield from self._step() if self.speculation is None else time_step(self, self._step())
+            if self.notes:
+                yield from self.notes
+                self.notes = []
             progress = self.policy.progress(self)
             if progress is not None:
                 yield progress
@@ -234,6 +243,8 @@ class StepLoop:
         if todo:
             sub = [tips[i] for i in todo]
             logits = self.suppress_eos(torch.stack([t.logits for t in sub]), sub, in_place=True)  # [k, V], a copy
+            if any(t.constraint is not None for t in sub):
+                mask_rows(logits, [t.constraint for t in sub])
             chosen = choose_tokens(logits, [t.sampler for t in sub])
             picked = torch.log_softmax(logits, -1)[torch.arange(len(sub)), torch.tensor(chosen)].tolist()
             for i, token, logprob in zip(todo, chosen, picked):
@@ -259,8 +270,13 @@ class StepLoop:
         tip.logprob += logprob
         detok = tip.detok
         text = detok.add(token)
+        constraint = tip.constraint
+        if constraint is not None and token not in self.eos:
+            constraint.advance(token)
         if token in self.eos or detok.stopped_at is not None:
             reason = "stop"
+        elif constraint is not None and constraint.is_stopped():
+            reason = "stop"  # the answer is complete: nothing but EOS could follow
         elif len(detok.token_ids) >= tip.max_new_tokens:
             reason = "length"
         else:
@@ -274,15 +290,25 @@ class StepLoop:
         self._waiting.append(tip)
 
     def finish(self, tip: Tip, reason: str, *, score: float | None = None) -> Finish:
+        """The branch's Finish event. Under a constraint it carries the answer as the constraint
+        reads it (`parsed`) when complete; an incomplete one is said in a note after the step."""
         self._ended = True
+        text = tip.detok.final_text if tip.detok is not None else ""
+        parsed = None
+        if tip.constraint is not None:
+            cut = tip.detok is not None and tip.detok.stopped_at is not None  # a stop string cut the answer
+            parsed = tip.constraint.parse(text) if tip.constraint.is_accepting() and not cut else None
+            if parsed is None:
+                self.notes.append(_incomplete(tip, reason))
         return Finish(
             branch=tip.id,
             label=tip.label,
-            text=tip.detok.final_text if tip.detok is not None else "",
+            text=text,
             token_ids=list(tip.tokens),
             finish_reason=reason,  # type: ignore[arg-type]
             cumulative_logprob=tip.logprob,
             score=score,
+            parsed=parsed,
         )
 
     def prune(self, tip: Tip, reason: str) -> Prune:
@@ -308,14 +334,21 @@ class StepLoop:
         data: object = None,
         prompt_ids: list[int] | None = None,
         counted: bool = True,
+        constraint: TokenConstraint | None = None,
+        continues: ConstraintState | None = None,
     ) -> tuple[Tip, Fork]:
         """A child of `parent` (module docstring). `prompt_ids`: what the Fork event shows as
-        the child's prompt, by default its whole path; `counted`: add the path to prompt_tokens."""
+        the child's prompt, by default its whole path; `counted`: add the path to prompt_tokens;
+        `constraint`: the child's own answer decodes under it, from its start; `continues`: the
+        child goes on with this constraint state instead (a copy is taken), e.g. a candidate
+        continuing its parent's constrained answer."""
         path = parent.path_ids + parent.tokens + list(continuation)
         child = self.tip(
             label, path, sampling=sampling, seed_key=seed_key, max_new_tokens=max_new_tokens, stop=stop,
-            ignore_eos=ignore_eos, parent=parent.id, data=data, counted=counted,
+            ignore_eos=ignore_eos, parent=parent.id, data=data, counted=counted, constraint=constraint,
         )
+        if continues is not None:
+            child.constraint, child.constraint_label = continues.copy(), parent.constraint_label
         child.row, child.cached, child.depth, child.exact = parent.row, parent.cached, parent.depth, parent.exact
         chain = path[parent.cached :]
         if not chain:
@@ -326,7 +359,8 @@ class StepLoop:
         else:
             self._fed.append((child, chain))
         info = child.info() if prompt_ids is None else BranchInfo(
-            id=child.id, label=label, prompt_token_ids=prompt_ids, parent=parent.id, exact=child.exact
+            id=child.id, label=label, prompt_token_ids=prompt_ids, parent=parent.id, exact=child.exact,
+            constraint=child.constraint_label,
         )
         return child, Fork(branch=info)
 
@@ -393,6 +427,17 @@ class StepLoop:
         if remapped is not None:
             for tip, row in zip(live, remapped):
                 tip.row = row
+
+
+def _incomplete(tip: Tip, reason: str) -> Note:
+    """The one-line note for a constrained branch that ended before its answer was complete."""
+    why = f"its {len(tip.tokens)}-token budget (-n) ran out" if reason == "length" else f"it ended ({reason})"
+    return Note(
+        "constraint",
+        f"{tip.label}: {why} before the answer satisfied its constraint ({tip.constraint_label}); "
+        "the text is incomplete, not a valid answer",
+        {"branch": tip.id, "finish_reason": reason},
+    )
 
 
 def _index(values: list[int], device) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mdcli.core.constraint import ConstraintState
 from mdcli.core.detok import StreamingDetokenizer
 from mdcli.core.sampling import Sampler
 from mdcli.events import BranchInfo
@@ -38,6 +39,8 @@ class Tip:
     depth: int | None = None  # explicit position of the next fed token (None: follows the row)
     ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens)
     exact: bool = True
+    constraint: ConstraintState | None = None  # the output constraint's state (mdcli/core/constraint.py)
+    constraint_label: str | None = None  # its description, for BranchInfo
     data: object = None  # the policy's own (e.g. the BranchSpec with the children to fork)
     # speculative decoding (mdcli/core/verify.py): the token already chosen after the last accepted
     # guess (token, logprob); a chain still to feed (a child forked after a verify); the drafter
@@ -50,4 +53,5 @@ class Tip:
         return BranchInfo(
             id=self.id, label=self.label, prompt_token_ids=list(self.path_ids), parent=self.parent, exact=self.exact,
             sources=tuple(getattr(self.data, "sources", ())),
+            constraint=self.constraint_label,
         )

@@ -8,7 +8,9 @@ own generator over that node's logits), and while that token is one of the node'
 it is accepted: shown, checked for a finish, and walked into. The first token that no draft
 guessed is kept for the next step (`pending`), so the branch's tokens, logprobs and random draws
 are those of the run without drafts. Draft nodes nobody accepted then leave the cache
-(`Engine.keep_tail`), so later steps see only accepted paths.
+(`Engine.keep_tail`), so later steps see only accepted paths. A tip under an output constraint
+(mdcli/core/constraint.py) drafts nothing and chooses nothing in the walk: it takes its new logits,
+and the next step's `choose` masks them, exactly as without speculation.
 
 A run's `Speculate.watch`, when set, is shown each verified step as a `VerifiedStep`
 (mdcli/speculative/planner.py): what every branch fed, the mask rows the engine gave those tokens
@@ -60,7 +62,8 @@ def feed_with_drafts(loop: Loop, to_feed: list[tuple[Tip, list[int]]]) -> Iterat
     forked by a finishing tip wait in `loop.deferred`, to be fed next step)."""
     policy, engine = loop.speculation, loop.engine
     fed = sum(len(chain) for _, chain in to_feed)
-    trees = [_draft(loop, tip) if len(chain) == 1 else DraftTree() for tip, chain in to_feed]
+    # a constrained tip drafts nothing: its tokens are chosen under its mask at the next step
+    trees = [_draft(loop, tip) if len(chain) == 1 and tip.constraint is None else DraftTree() for tip, chain in to_feed]
     room = engine.max_forward_tokens - fed
     remaining = [t.max_new_tokens - len(t.tokens) for t, _ in to_feed]
     trees = policy.plan(trees, room, remaining) if room > 0 else [DraftTree() for _ in trees]
@@ -192,7 +195,7 @@ def _greedy_choices(loop: Loop, to_feed, trees: list[DraftTree], results) -> lis
     reads from the device, not a few per node (on a GPU each read waits for the device): the
     argmax after every fed token, then the logprobs where each walk will go (the chain's last
     token, then every guess the argmax confirms; a finish may stop it sooner)."""
-    greedy = [i for i, (tip, _) in enumerate(to_feed) if tip.sampler.params.greedy]
+    greedy = [i for i, (tip, _) in enumerate(to_feed) if tip.sampler.params.greedy and tip.constraint is None]
     if not greedy:
         return [None] * len(to_feed)
     sizes = [results[i].logits.shape[0] for i in greedy]
@@ -224,6 +227,11 @@ def _walk(loop: Loop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _Gree
     path. Returns (the fed nodes it keeps, indices into its tree of fed tokens; the draft nodes it
     accepted; whether the tip goes on: a finished tip's children are forked by the policy into
     the next step)."""
+    if tip.constraint is not None:  # no drafts: it only takes its new logits; `choose` masks them next step
+        at = fed - 1
+        tip.row, tip.logits = result.rows[at], result.logits[at]
+        tip.cached += fed
+        return list(range(fed)), [], True
     children = tree.children()
     node, accepted = -1, []  # node: draft index, -1 is the chain's last token
     while True:

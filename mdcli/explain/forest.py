@@ -201,6 +201,8 @@ def render_explanation(
 ) -> None:
     """Print the branch tree and the attention mask (token by token, or one row per edge)."""
     console.print(forest_tree(roots, layout, token_text, title=title))
+    for line in constraint_lines(roots):
+        console.print(line, markup=False, highlight=False)
     console.print()
     if tokens and len(layout) <= TOKEN_GRID_LIMIT:
         lines = token_grid(layout, token_text)
@@ -213,6 +215,21 @@ def render_explanation(
         lines = edge_grid(layout, token_text)
     for line in lines:
         console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def constraint_lines(roots: list[BranchSpec]) -> list[str]:
+    """One line per constraint the branches (children included) answer under, naming them."""
+    under: dict[str, list[str]] = {}
+
+    def visit(spec: BranchSpec, path: str) -> None:
+        if spec.constraint is not None:
+            under.setdefault(spec.constraint.description, []).append(_clip(path))
+        for child in spec.children:
+            visit(child, f"{path}/{child.label}")
+
+    for root in roots:
+        visit(root, root.label)
+    return [f"answers under {description}: {', '.join(labels)}" for description, labels in under.items()]
 
 
 def forest_tree(roots: list[BranchSpec], layout: ForestLayout, token_text: TokenText, *, title: str):

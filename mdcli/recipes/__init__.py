@@ -53,6 +53,7 @@ from mdcli.recipes.overlay import (
     margins_recipe_text,
     parse_vars,
     sampling_from_flags,
+    with_constraint,
     with_flags,
     with_sampling,
 )
@@ -78,5 +79,5 @@ __all__ = [
     "escape_dollars", "fill", "format_path", "load_recipe", "load_recipe_text", "margins_job", "margins_recipe_data",
     "margins_recipe_text", "parse_vars", "parse_yaml", "read_recipe_source", "recipe_events", "resolved_seed",
     "sampling_from_flags", "strategy_names", "template_variables", "validate_recipe_data", "values_and_context",
-    "with_flags", "with_sampling",
+    "with_constraint", "with_flags", "with_sampling",
 ]

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from mdcli.constraints import compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.documents.chunks import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_documents
 from mdcli.documents.inputs import Document
@@ -68,14 +69,14 @@ class AskManyRecipe(BranchesRecipe):
             return super().specs(tokenizer, values)
         settings, template = self.sampling, self.template or ask_many_default_template()
         index = self._index(tokenizer, values) if self.retrieve is not None else None
-        specs = []
+        specs, constraint = [], compile_for(self.constraint, tokenizer)
         for question in self.questions:
             label = fill(question, values)
             hits = index.top(label, self.retrieve) if index is not None else []
             context = {"context": context_text(hits)} if index is not None else {}
             text = fill(template, {**values, **context, "question": label})
             ids = prompt_token_ids(tokenizer, text, system=self.system, chat_template=self.chat_template)
-            spec = branch_spec(label, ids, settings, [])
+            spec = branch_spec(label, ids, settings, [], constraint)
             spec.sources = tuple(hit.source() for hit in hits)
             specs.append(spec)
         return specs

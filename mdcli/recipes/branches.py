@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mdcli import api
+from mdcli.constraints import Constraint, compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.recipes.checks import branch_sites
@@ -25,7 +26,10 @@ if TYPE_CHECKING:
 
 
 class BranchesRecipe(RecipeBase):
-    """What ask-many and tree share: `branches:` (a subclass declares the field) and their run."""
+    """What ask-many and tree share: `branches:` (a subclass declares the field) and their run.
+    `constraint:` is every branch's (children included) unless the branch states its own."""
+
+    constraint: Constraint | None = None
 
     def branch_tree(self) -> list[Branch]:
         return self.branches or []
@@ -57,7 +61,12 @@ def root_spec(branch: Branch, recipe: RecipeBase, tokenizer, values: dict[str, s
     text = fill(branch.prompt, values)
     ids = prompt_token_ids(tokenizer, text, system=recipe.system, chat_template=recipe.chat_template)
     children = [_child_spec(child, recipe, tokenizer, values, settings) for child in branch.children]
-    return branch_spec(branch.label, ids, settings, children)
+    return branch_spec(branch.label, ids, settings, children, _constraint(branch, recipe, tokenizer))
+
+
+def _constraint(branch: Branch, recipe: RecipeBase, tokenizer):
+    given: Constraint | None = branch.constraint or getattr(recipe, "constraint", None)
+    return compile_for(given, tokenizer)
 
 
 def _child_spec(branch: Branch, recipe: RecipeBase, tokenizer, values: dict[str, str], parent: Sampling) -> BranchSpec:
@@ -65,11 +74,11 @@ def _child_spec(branch: Branch, recipe: RecipeBase, tokenizer, values: dict[str,
     settings = parent.then(branch.sampling)
     ids = continuation_token_ids(tokenizer, fill(branch.prompt, values), chat_template=recipe.chat_template)
     children = [_child_spec(child, recipe, tokenizer, values, settings) for child in branch.children]
-    return branch_spec(branch.label, ids, settings, children)
+    return branch_spec(branch.label, ids, settings, children, _constraint(branch, recipe, tokenizer))
 
 
-def branch_spec(label: str, ids: list[int], settings: Sampling, children: list[BranchSpec]) -> BranchSpec:
+def branch_spec(label: str, ids: list[int], settings: Sampling, children: list[BranchSpec], constraint=None) -> BranchSpec:
     return BranchSpec(
         label=label, prompt_ids=ids, sampling=settings.params(), max_new_tokens=settings.new_tokens(),
-        stop=settings.stop_strings(), children=children,
+        stop=settings.stop_strings(), children=children, constraint=constraint,
     )

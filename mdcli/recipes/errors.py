@@ -131,6 +131,9 @@ def problem_from_pydantic(error: dict, data: dict, models: Sequence[type[RecipeB
     if kind == "invalid_key":
         key_path = (*loc[:-1], str(loc[-1])) if loc else loc  # a mapping key, not a list index
         return Problem(key_path, f"the key {short(given)} is not text", "write mapping keys as names")
+    cause = error.get("ctx", {}).get("error")
+    if kind == "value_error" and hasattr(cause, "problem") and hasattr(cause, "fix"):  # e.g. a ConstraintError
+        return Problem(loc, cause.problem, cause.fix)
     if kind == "recursion_loop":
         return Problem(loc, "this part contains itself (a cycle)", "write the branches out instead of aliasing")
     return Problem(loc, error["msg"], "see docs/recipes.md for the recipe format")
@@ -169,7 +172,8 @@ def _allowed_keys(model: Any, path: tuple) -> list[str]:
             continue
         field = model.model_fields.get(part)
         model = _model_in(field.annotation) if field else None
-    return list(model.model_fields) if model is not None else []
+    # a key is written as its alias where it has one (a constraint's `schema`)
+    return [field.alias or name for name, field in model.model_fields.items()] if model is not None else []
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

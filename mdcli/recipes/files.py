@@ -161,7 +161,7 @@ _KEY_ORDER = ("version", "description", "strategy", "context", "system", "chat_t
 def dump_recipe(recipe: RecipeBase) -> str:
     """YAML for a recipe: the fields that differ from defaults (of `sampling:` layers, the
     settings they state), in a readable order."""
-    data = recipe.model_dump(exclude_none=True, exclude_defaults=True)
+    data = recipe.model_dump(exclude_none=True, exclude_defaults=True, by_alias=True, mode="json")
     data["version"], data["strategy"] = recipe.version, recipe.strategy
     ordered = {key: data.pop(key) for key in _KEY_ORDER if key in data}
     ordered.update(data)

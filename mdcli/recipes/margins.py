@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 _TEMPLATE_FIELDS = {"margin_template": "margin", "classification_template": "classification",
                     "answer_template": "answer"}
 # a dumped recipe's own keys, after the common ones: the order a person reads them in
-_DUMP_ORDER = ("query", "questions", "layout", "segment_tokens", "keep", "classify", "with_segments",
+_DUMP_ORDER = ("query", "questions", "layout", "segment_tokens", "keep", "classify", "classify_constraint", "with_segments",
                "margin_template", "classification_template", "answer_template", "classify_tokens", "answer_tokens")
 # dumped whenever the recipe states them, even at their defaults: a saved recipe (--save-recipe
 # states them all) keeps its meaning if the defaults change
@@ -156,6 +156,8 @@ def margins_recipe_data(job: Margins, *, given_layout: bool) -> dict[str, Any]:
     data.update(
         segment_tokens=job.segment_tokens, keep=job.keep, classify=job.classify, with_segments=job.with_segments,
     )
+    if not job.classify_constraint:
+        data["classify_constraint"] = False
     defaults = MarginsPrompts()
     for name in ("margin", "classification", "answer"):
         if getattr(job.prompts, name) != getattr(defaults, name):

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mdcli.constraints import Constraint
 from mdcli.errors import UsageError
 from mdcli.recipes.ask_many import AskManyRecipe
 from mdcli.recipes.errors import RANGE_FIXES, bound, short
@@ -55,6 +56,23 @@ def with_sampling(recipe: Recipe, overrides: Sampling) -> Recipe:
     for branch in _all_branches(copy.branch_tree()):
         if branch.sampling is not None:
             branch.sampling = branch.sampling.without(given)
+    return copy
+
+
+def with_constraint(recipe: Recipe, constraint: Constraint | None) -> Recipe:
+    """The recipe with the command line's constraint (--choices / --regex / --schema) winning
+    everywhere: its top-level `constraint:`, and cleared from every branch. A strategy with no
+    constraint (beam, margins) refuses it rather than dropping it."""
+    if constraint is None:
+        return recipe
+    if "constraint" not in type(recipe).model_fields:
+        raise UsageError(
+            f"--choices, --regex and --schema do not apply to a {recipe.strategy} recipe",
+            fix="use them with ask-many, tree, think or explore recipes",
+        )
+    copy = recipe.model_copy(deep=True, update={"constraint": constraint})
+    for branch in _all_branches(copy.branch_tree()):
+        branch.constraint = None
     return copy
 
 
@@ -114,6 +132,7 @@ def ask_many_recipe(
     prompt_cache: str | None = None,
     retrieve: int | None = None,
     chunk_tokens: int | None = None,
+    constraint: Constraint | None = None,
     source: str = "ask-many flags",
 ) -> AskManyRecipe:
     """The recipe equivalent to `mdcli ask-many` flags, on top of `base` (from --recipe) if any.
@@ -122,7 +141,7 @@ def ask_many_recipe(
     `context: {input: true}`, so the recipe runs again with `mdcli run FILE --input DOC`.
     `template` is in ask-many form ($document); questions are literal text (`$` is escaped);
     `speculate` is the recipe's form of --speculate ("auto", "off" or N)."""
-    data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True) if base else {}
+    data: dict[str, Any] = base.model_dump(exclude_none=True, exclude_defaults=True, by_alias=True, mode="json") if base else {}
     data.update(version=RECIPE_VERSION, strategy="ask-many", context={"input": True})
     data.setdefault("description", "Saved from mdcli ask-many.")
     if questions is not None:
@@ -143,6 +162,8 @@ def ask_many_recipe(
         data["retrieve"] = retrieve
     if chunk_tokens is not None and data.get("retrieve") is not None:
         data["chunk_tokens"] = chunk_tokens
+    if constraint is not None:
+        data["constraint"] = constraint.recipe_value()
     base_dir = base.base_dir if base else None
     recipe = validate_recipe_data(data, source=source, base_dir=base_dir)
     return with_sampling(recipe, sampling) if sampling is not None else recipe

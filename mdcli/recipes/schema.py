@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from mdcli.constraints import Constraint
 from mdcli.errors import RecipeError
 from mdcli.core.sampling import SamplingParams
 from mdcli.speculative.planner import parse_speculate
@@ -103,6 +104,7 @@ class Branch(Strict):
     label: str
     prompt: str
     sampling: Sampling | None = None
+    constraint: Constraint | None = None  # its answer's shape; else the recipe's `constraint:`
     children: list[Branch] = Field(default_factory=list)
 
 

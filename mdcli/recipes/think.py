@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 from mdcli import api
+from mdcli.core.decoding import BranchSpec
+from mdcli.recipes.compile import values_and_context
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RecipeBase, TemplateSite
 from mdcli.recipes.templates import fill
@@ -41,10 +43,7 @@ class ThinkRecipe(RecipeBase, ThinkOptions):
     def template_sites(self) -> Iterator[TemplateSite]:
         yield TemplateSite(("question",), self.question, "root")
 
-    def events(
-        self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
-    ) -> Iterator[Event]:
+    def job(self, values: dict[str, str]) -> Think:
         settings = self.sampling
         job = Think(
             question=fill(self.question, values), system=self.system, chat_template=self.chat_template,
@@ -54,4 +53,18 @@ class ThinkRecipe(RecipeBase, ThinkOptions):
         # the job's default sampling for these paths (as `mdcli think`), with what the recipe states on top
         stated = {name: value for name, value in settings.stated().items() if name in type(job.sampling).model_fields}
         job = job.model_copy(update={"sampling": job.sampling.model_copy(update=stated)})
-        return api.think(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+        return job
+
+    def branch_specs(self, tokenizer, *, input_text: str | None, vars: dict[str, str] | None) -> list[BranchSpec]:
+        """For `mdcli explain`: the first phase's branches, the plan, or the paths (each under the
+        constraint it decodes with: the vote's answer pattern, or the answer's shape with merge none)."""
+        values, _ = values_and_context(self, input_text, vars)
+        job = self.job(values)
+        job.validate()
+        return [job.plan_spec(tokenizer)] if job.plan else [job.path_spec(tokenizer, i) for i in range(job.paths)]
+
+    def events(
+        self, model: LoadedModel, values: dict[str, str], context: str | None, *,
+        max_forward_tokens: int, speculation: Speculate | None,
+    ) -> Iterator[Event]:
+        return api.think(model, self.job(values), max_forward_tokens=max_forward_tokens, speculate=speculation)

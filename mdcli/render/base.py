@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from mdcli import settings
 from mdcli.events import Done, Event, Finish, Fork, Prune, Source, Start, Stats, Token
@@ -51,6 +51,8 @@ class BranchState:
     finish_reason: str | None = None
     score: float | None = None
     sources: tuple[Source, ...] = ()  # the passages it was given (BranchInfo.sources)
+    json: bool = False  # decoded under a JSON schema: plain output prints its document alone
+    parsed: Any = None  # Finish.parsed
     _pieces: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -84,6 +86,7 @@ class BranchState:
         self.status = "finished"
         self.finish_reason = finish.finish_reason
         self.score = finish.score
+        self.parsed = finish.parsed
 
 
 class BranchBook:
@@ -101,9 +104,11 @@ class BranchBook:
             self.start = event
             for info in event.branches:
                 self._announce(info.id, info.label, info.parent, info.group, info.sources)
+                self[info.id].json = _is_schema(info.constraint)
         elif isinstance(event, Fork):
             branch = event.branch
             self._announce(branch.id, branch.label, branch.parent, branch.group, branch.sources)
+            self[branch.id].json = _is_schema(branch.constraint)
         elif isinstance(event, Token):
             self[event.branch].add_token(event)
         elif isinstance(event, Finish):
@@ -269,6 +274,8 @@ def answer_record(branch: BranchState, strategy: str | None = None) -> dict:
         record["score"] = branch.score
     if branch.sources:
         record["sources"] = [asdict(source) for source in branch.sources]
+    if branch.json:
+        record["parsed"] = branch.parsed  # None: the answer did not complete its schema
     return record
 
 
@@ -327,3 +334,7 @@ def color_disabled(no_color: bool) -> bool:
     """The --no-color flag, or the NO_COLOR convention (https://no-color.org): set and
     non-empty."""
     return no_color or settings.current().colour_off
+
+
+def _is_schema(constraint: str | None) -> bool:
+    return constraint is not None and constraint.startswith("schema:")

@@ -8,6 +8,7 @@ one block per question instead (mdcli/render/margins.py).
 
 from __future__ import annotations
 
+import json
 from typing import TextIO
 
 from mdcli.events import Done, Event, Finish, Note, Prune, Start
@@ -165,11 +166,17 @@ class PlainRenderer:
         self._progress.clear()  # stdout and stderr may be the same terminal
         headered = bool(self._headered)
         facts = scored_facts(branch)
-        text = visible_trailing_whitespace(branch.text) if facts is not None and headered else branch.text
-        cut = was_cut(branch) and facts is None  # a beam's finish reason is in its heading
-        if cut:
-            self._cut.append(branch)
-        self._stdout.write(answer_block(branch.label, text, headered=headered, cut=cut, facts=facts, sources=branch.sources))
+        if branch.json:  # --schema: the JSON document alone, one per line, for jq
+            if branch.parsed is not None:
+                self._stdout.write(json.dumps(branch.parsed, ensure_ascii=False) + "\n")
+        else:
+            text = visible_trailing_whitespace(branch.text) if facts is not None and headered else branch.text
+            cut = was_cut(branch) and facts is None  # a beam's finish reason is in its heading
+            if cut:
+                self._cut.append(branch)
+            self._stdout.write(
+                answer_block(branch.label, text, headered=headered, cut=cut, facts=facts, sources=branch.sources)
+            )
         self._stdout.flush()
         if facts is not None and not headered and not self._quiet:
             self._chrome(f"{branch.label}: {facts}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
+from mdcli.constraints import Constraint, compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.sampling import SamplingParams
 from mdcli.documents.chunks import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_documents
@@ -42,6 +43,7 @@ class AskMany(Job):
     stop: tuple[str, ...] = ()
     retrieve: int | None = Field(None, ge=1)  # None: every question reads every document
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=MIN_CHUNK_TOKENS)  # a retrieved chunk's most tokens
+    constraint: Constraint | None = None  # every answer's shape (--choices / --regex / --schema)
 
     @classmethod
     def problem(cls, name: str, value: Any, data: dict[str, Any], message: str) -> FieldError:
@@ -75,25 +77,27 @@ class AskMany(Job):
         if self.retrieve is not None:
             return self._retrieved_branches(tokenizer)
         text = joined_text(self.documents) if self.documents else self.document
-        specs = [self._spec(tokenizer, text, question) for question in self.questions]
+        constraint = compile_for(self.constraint, tokenizer)  # once: each branch starts its own state
+        specs = [self._spec(tokenizer, text, question, constraint) for question in self.questions]
         check_context_fits(specs, context_length, len(self.corpus()))
         return specs
 
     def _retrieved_branches(self, tokenizer) -> list[BranchSpec]:
         index = ChunkIndex(chunk_documents(self.corpus(), self.chunk_tokens, token_counter(tokenizer)))
-        specs = []
+        specs, constraint = [], compile_for(self.constraint, tokenizer)  # once: each branch starts its own state
         for question in self.questions:
             hits = index.top(question, self.retrieve)
-            spec = self._spec(tokenizer, context_text(hits), question)
+            spec = self._spec(tokenizer, context_text(hits), question, constraint)
             spec.sources = tuple(hit.source() for hit in hits)
             specs.append(spec)
         return specs
 
-    def _spec(self, tokenizer, document: str, question: str) -> BranchSpec:
+    def _spec(self, tokenizer, document: str, question: str, constraint) -> BranchSpec:
         text = fill_template(self.template, "question", document=document, question=question)
         ids = prompt_token_ids(tokenizer, text, system=self.system, chat_template=self.chat_template)
         return BranchSpec(
-            label=question, prompt_ids=ids, sampling=self.sampling, max_new_tokens=self.max_new_tokens, stop=self.stop
+            label=question, prompt_ids=ids, sampling=self.sampling, max_new_tokens=self.max_new_tokens, stop=self.stop,
+            constraint=constraint,
         )
 
 

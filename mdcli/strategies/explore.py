@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from mdcli.constraints import Constraint, compile_for
 from mdcli.errors import UsageError
 from mdcli.events import BranchInfo, Event, Finish, Progress, Prune
 from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
@@ -71,6 +72,7 @@ class ExploreOptions(Options):
     keep: int = Field(1, ge=1)  # paths kept after each step (at most k)
     chunk_tokens: int | None = Field(None, ge=1)  # None: a step ends at the end of a sentence or line
     score: Literal["logprob", "judge"] = "logprob"
+    constraint: Constraint | None = None  # the answer's shape: every candidate continues its path under it
 
 
 class Explore(Job, ExploreOptions):
@@ -158,7 +160,8 @@ class ExploreSearch(Policy):
         self.rating_ids, self.yes_no = _rating(tokenizer, job.chat_template) if job.score == "judge" else ([], (0, 0))
         # a judge reads the whole answer and its rating question: the budget leaves room for both
         budget = run.fit("explore", len(ids) + len(self.rating_ids), job.max_new_tokens)
-        self.root = self.loop.tip("explore", ids, max_new_tokens=budget, fit=False, data=_Role("root"))
+        self.root = self.loop.tip("explore", ids, max_new_tokens=budget, fit=False, data=_Role("root"),
+                                  constraint=compile_for(job.constraint, tokenizer))
         self.root.asked_new_tokens = job.max_new_tokens
         self.lanes: dict[int, Sampler] = {}
         self.parents: list[Tip] = [self.root]  # kept paths, best first, that fork next
@@ -230,6 +233,7 @@ class ExploreSearch(Policy):
                 child, fork = loop.fork(
                     parent, f"step {self.round} #{index + 1}", max_new_tokens=self.root.max_new_tokens - len(path),
                     counted=False, data=_Role("candidate", index, self.round, path=path, path_logprob=path_logprob),
+                    continues=parent.constraint,  # a copy of the path's constraint state, if any
                 )
                 if index not in self.lanes:  # one generator per candidate index, for the whole run
                     self.lanes[index] = Sampler(sampling, index, loop.engine.device)
@@ -288,6 +292,7 @@ class ExploreSearch(Policy):
         for token in best.data.path + list(best.tokens):
             root.detok.add(token)
         root.logprob = best.data.path_logprob + best.logprob
+        root.constraint = best.constraint  # where the chosen path stands in the constraint
         return loop.finish(root, best.data.done)
 
 

@@ -61,6 +61,9 @@ class Job(Options):
         except ValidationError as error:
             first = error.errors()[0]
             name = str(first["loc"][0]) if first["loc"] else ""
+            cause = first.get("ctx", {}).get("error")
+            if hasattr(cause, "problem") and hasattr(cause, "fix"):  # a field's own words (e.g. a ConstraintError)
+                raise FieldError(f"{{{name}}}: {cause.problem}", fix=cause.fix) from None
             raise self.problem(name, first.get("input"), data, first["msg"]) from None
 
     @classmethod

@@ -10,6 +10,7 @@
 from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
 from mdcli.strategies.margins.job import (
     ANSWER_TEMPLATE,
+    CLASSIFICATION_CONSTRAINT,
     CLASSIFICATION_TEMPLATE,
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_CLASSIFY_TOKENS,
@@ -34,7 +35,7 @@ from mdcli.strategies.margins.job import (
 from mdcli.strategies.margins.run import new_decoder, run_margins, sources_note
 
 __all__ = [
-    "ANSWER_TEMPLATE", "CLASSIFICATION_TEMPLATE", "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS",
+    "ANSWER_TEMPLATE", "CLASSIFICATION_CONSTRAINT", "CLASSIFICATION_TEMPLATE", "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS",
     "DEFAULT_MARGIN_TOKENS", "DOCUMENT_SEPARATOR", "KEEPS", "LAYOUTS", "MARGIN_TEMPLATE", "MEMORY_SHARE", "NO_NOTES",
     "NOTE_SEPARATOR", "NOTE_TEMPLATE", "NOTE_WITH_SEGMENT_TEMPLATE", "Keep", "Layout", "MarginResult", "Margins",
     "MarginsOptions", "MarginsPrompts", "Verdict", "cache_tokens", "check_fits", "new_decoder", "parse_verdict",

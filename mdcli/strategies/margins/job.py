@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
+from mdcli.constraints import Constraint, compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.sampling import SamplingParams
 from mdcli.errors import UsageError
@@ -57,6 +58,11 @@ CLASSIFICATION_TEMPLATE = (
     "This is its answer:\n```text\n$margin\n```\n" + CLASSIFICATION_RULES
 )
 """The paper's classifier prompt: the margin is judged without the segment it came from."""
+
+CLASSIFICATION_CONSTRAINT = Constraint(regex=r"(YES|NO)#[^\n]*")
+"""The classifier's reply, as CLASSIFICATION_RULES ask for it: the label, '#', a one-line
+explanation. Without it the embedded model wrote every verdict as "relevant" or unreadable
+(docs/performance.md, "Margins' labels")."""
 
 ANSWER_TEMPLATE = "Notes taken while reading the document:\n```\n$notes\n```\n$query"
 """The paper's final prompt (margins, then the query), with a line saying what the notes are."""
@@ -124,6 +130,8 @@ class MarginsOptions(Options):
     segment_tokens: int = Field(DEFAULT_SEGMENT_TOKENS, ge=1)
     keep: Keep = "relevant"  # the margins the answer reads: those classified relevant, or all
     classify: bool = True  # False: no classification; the answer reads every margin
+    # the classifier's reply decodes under CLASSIFICATION_CONSTRAINT: it always starts YES# or NO#
+    classify_constraint: bool = True
     with_segments: bool = False  # the answer's notes quote each kept margin's segment too
     # None: follow the margins' limit (-n), as Margins resolves it; see Margins._token_limits
     classify_tokens: int | None = Field(None, ge=1)
@@ -286,6 +294,7 @@ class Margins(Job, MarginsOptions):
 
     def classification_specs(self, tokenizer, margins: list[MarginResult]) -> list[BranchSpec]:
         total = len({m.number for m in margins})
+        constraint = compile_for(CLASSIFICATION_CONSTRAINT if self.classify_constraint else None, tokenizer)
         specs = []
         for m in margins:
             query = self.all_questions()[m.question]
@@ -293,6 +302,7 @@ class Margins(Job, MarginsOptions):
             label = self.branch_label(m.question, f"classification {m.number}/{total}")
             spec = self._spec(tokenizer, label, text, SamplingParams(), self.classify_tokens)
             spec.seed_key = total + m.number - 1  # as in a single-question run (greedy anyway)
+            spec.constraint = constraint
             specs.append(spec)
         return specs
 

@@ -23,7 +23,8 @@ before the query for the final answer. Here each of the three stages is ONE deco
 
 2. classification, all at once: for each margin `CLASSIFICATION_TEMPLATE` ($query, $margin),
    answered "YES#reason" or "NO#reason" (the paper's prompt). Always greedy: a verdict should not
-   be sampled. Read by `parse_verdict`; a reply with no YES/NO counts as relevant, and the Note
+   be sampled. Decoded under CLASSIFICATION_CONSTRAINT ("(YES|NO)#" and one line) unless
+   `classify_constraint=False`. Read by `parse_verdict`; a reply with no YES/NO counts as relevant, and the Note
    says it was not understood. Skipped with `classify=False` (every margin is kept).
 
 3. the answers, one branch per question, all at once: `ANSWER_TEMPLATE` with `$notes` (the
@@ -41,7 +42,7 @@ documents; with several questions "q2 segment 3/8"; every branch's `group` is it
 "segment-split" for each segment cut inside a sentence; the margins' Token/Finish; a Fork per
 classification branch ("classification 3/8", or "q2 classification 3/8") and their Token/Finish, each Finish
 followed by Note kind "classification" with data {"branch", "margin_branch", "question",
-"segment", "document", "relevant", "parsed", "reason"}; a Fork per answer ("answer", or the
+"segment", "document", "relevant", "parsed", "reason", "constraint"}; a Fork per answer ("answer", or the
 question itself when there are several), their Tokens, and right before each answer's Finish a
 Note kind "answer-sources" with data {"branch", "question", "segments", "margin_branches"}; Done
 with the stats of all phases. Segment and question numbers are 1-based, as in the labels.
@@ -149,6 +150,7 @@ def classification_note(job: Margins, margin: MarginResult, finish: Finish) -> N
             "relevant": verdict.relevant,
             "parsed": verdict.parsed,
             "reason": verdict.reason,
+            "constraint": job.classify_constraint,  # the reply was decoded under CLASSIFICATION_CONSTRAINT
         },
     )
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from mdcli.constraints import Constraint, compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.sampling import SamplingParams
 from mdcli.documents.inputs import Document, joined_text
@@ -49,6 +50,8 @@ class ThinkOptions(Options):
     path_instructions: list[str] = Field(default_factory=list)  # dealt out to the paths in turn
     plan_tokens: int | None = Field(None, ge=1)  # None: min(128, max_new_tokens)
     conclusion_tokens: int | None = Field(None, ge=1)  # None: max_new_tokens (-n)
+    # the final answer's shape: the conclusion's, or every path's when there is none (merge none)
+    constraint: Constraint | None = None
 
 
 class Think(Job, ThinkOptions):
@@ -99,6 +102,7 @@ class Think(Job, ThinkOptions):
                     f"{{answer_pattern}} is not a valid regular expression: {error}",
                     fix="check the pattern, e.g. 'Answer: (.+)'",
                 ) from error
+        self.path_constraint()  # a pattern the constraint engine cannot read fails here, before any model loads
         for number, instruction in enumerate(self.path_instructions, 1):
             if not instruction.strip():
                 raise UsageError(f"path instruction {number} is empty", fix="remove it or write the instruction")
@@ -144,6 +148,16 @@ class Think(Job, ThinkOptions):
     def _ids(self, tokenizer, turns: list[Turn]) -> list[int]:
         return conversation_token_ids(tokenizer, turns, system=self.system, chat_template=self.chat_template)
 
+    def path_constraint(self) -> Constraint | None:
+        """What each path decodes under: `constraint` when the paths are the answers (merge none);
+        else, when voting with an answer pattern, any text that ends in a match of the pattern, so
+        every path that finishes has an answer to vote with."""
+        if self.constraint is not None and self.merge == "none":
+            return self.constraint
+        if self.vote and self.answer_pattern is not None:
+            return Constraint(regex=r"[\s\S]*(?:" + self.answer_pattern + ")")
+        return None
+
     # branch specs
 
     def path_spec(self, tokenizer, index: int, plan_text: str | None = None, item: str | None = None) -> BranchSpec:
@@ -155,6 +169,7 @@ class Think(Job, ThinkOptions):
             max_new_tokens=self.max_new_tokens,
             stop=self.stop,
             seed_key=index,
+            constraint=compile_for(self.path_constraint(), tokenizer),
         )
 
     def plan_spec(self, tokenizer) -> BranchSpec:
@@ -174,6 +189,7 @@ class Think(Job, ThinkOptions):
             max_new_tokens=self.conclusion_tokens,
             stop=self.stop,
             seed_key=CONCLUSION_SEED_KEY,
+            constraint=compile_for(self.constraint, tokenizer),
         )
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mdcli.constraints import compile_for
 from mdcli.core.decoding import BranchSpec, Decoder, Independent
 from mdcli.core.forest import stack_rows
 from mdcli.core.run import Run
@@ -195,7 +196,10 @@ class ThinkRun:
             f"path {i}": extract_answer(path.text, self.job.answer_pattern, question=self.job.question)
             for i, path in enumerate(paths, 1)
         }
-        return majority_vote(answers).note()
+        note = majority_vote(answers).note()
+        constraint = self.job.path_constraint()
+        note.data["constraint"] = None if constraint is None else constraint.describe()  # the paths decoded under it
+        return note
 
     def _merge_by_reencoding(self, paths: list[_Path], plan_text: str | None) -> Iterator[Event]:
         """Exact: one conclusion prompt, tokenized whole; only the tokens after the cached
@@ -243,7 +247,7 @@ class ThinkRun:
             "conclusion (approximate)",
             self.engine.forest.path_token_ids(union) + chain,  # in cache order, not a sequence
             sampling=self.job.sampling, seed_key=CONCLUSION_SEED_KEY, max_new_tokens=budget, stop=self.job.stop,
-            fit=False, counted=False,
+            fit=False, counted=False, constraint=compile_for(self.job.constraint, self.tokenizer),
         )
         tip.exact = False
         yield Fork(branch=tip.info())
