@@ -171,7 +171,9 @@ def test_retrieved_passages_come_in_corpus_order_each_under_its_tag():
     assert source.score == round(hits[0].score, 4) and source.score > 0
 
 
-def test_ties_and_questions_with_no_known_word_fall_back_to_corpus_order():
+def test_a_question_reads_only_passages_that_share_a_word_with_it():
     index = ChunkIndex(chunk_documents(corpus_documents(), 256, word_count))
-    assert [h.chunk.id for h in index.top("the of and", 3)] == [1, 2, 3]
+    assert index.top("the of and", 3) == []  # stopwords only: nothing is related, nothing is read
+    hits = index.top("Pixel", 50)  # fewer related passages than asked for: only those
+    assert hits and len(hits) < len(index.chunks) and all(hit.score > 0 for hit in hits)
     assert words("The Keeper's CAT, and Pixel!") == ["keeper", "s", "cat", "pixel"]

@@ -40,7 +40,7 @@ def test_each_question_reads_its_retrieved_passages_and_its_answer_equals_genera
     start = events[0]
     assert isinstance(start, Start)
     cited = [{Path(s.path).name for s in b.sources} for b in start.branches]
-    assert all(len(b.sources) == 2 for b in start.branches)
+    assert all(1 <= len(b.sources) <= 2 and all(s.score > 0 for s in b.sources) for b in start.branches)
     assert sum(QUESTIONS[b.label] in files for b, files in zip(start.branches, cited)) >= 9
     text = embedded.tokenizer.decode(start.branches[0].prompt_token_ids)
     for source in start.branches[0].sources:
@@ -56,7 +56,7 @@ def test_retrieved_branches_are_exact_on_tiny_models(tiny_dir, arch):
     job = AskMany(documents=corpus(), questions=list(QUESTIONS)[:6], retrieve=3, chunk_tokens=24, max_new_tokens=6)
     events = list(ask_many(lm, job))
     assert_each_branch_equals_generate(lm.model, events)
-    assert all(len(b.sources) == 3 for b in events[0].branches)
+    assert all(1 <= len(b.sources) <= 3 for b in events[0].branches)
 
 
 def test_passages_laid_out_in_corpus_order_are_prefilled_once_for_every_question_that_retrieved_them(tiny_dir):
@@ -133,7 +133,8 @@ def test_retrieve_names_the_sources_in_plain_text_and_in_jsonl(folder_with_binar
     jsonl = mdcli("ask-many", str(folder_with_binary), *questions, "--retrieve", "2", "-n", "8", "--jsonl")
     start = json.loads(jsonl.stdout.splitlines()[0])
     for branch in start["branches"]:
-        assert [set(s) for s in branch["sources"]] == [{"path", "first_line", "last_line", "chunk", "score"}] * 2
+        assert 1 <= len(branch["sources"]) <= 2
+        assert all(set(s) == {"path", "first_line", "last_line", "chunk", "score"} for s in branch["sources"])
 
 
 def test_an_over_long_corpus_without_retrieve_is_refused_in_one_line_with_exit_2(tmp_path):

@@ -1,8 +1,9 @@
 """BM25 over a corpus' chunks (bm25s): each question's top K chunks, laid out in corpus order.
 
 Words are lowercased runs of letters and digits, minus bm25s' English stopwords; no stemmer.
-A question's context is its K best chunks by BM25 score (ties: the earlier chunk), then put back
-in corpus order (file, then position), each under its tag `[n] path:first-last`. Corpus order is
+A question's context is its K best chunks by BM25 score (ties: the earlier chunk), among the
+chunks that share a word with it (a chunk scoring 0 is unrelated: passing it to the model as a
+source only misleads it, so a question may get fewer than K), then put back in corpus order (file, then position), each under its tag `[n] path:first-last`. Corpus order is
 what makes retrieval cheap here: two questions that retrieved the same leading chunks have
 prompts that begin with the same tokens, and the forest's radix prefill stores those tokens once.
 """
@@ -50,18 +51,18 @@ class ChunkIndex:
             raise UsageError("the documents hold no text to retrieve from", fix="give documents with some text")
         self.chunks = list(chunks)
         self._bm25 = bm25s.BM25()
-        # a chunk with no indexable word (only stopwords or punctuation) still takes a row
         # the path's words count too (a question may name the file); a chunk with no indexable word
         # (only stopwords or punctuation) still takes a row
         self._bm25.index([words(f"{c.path}\n{c.text}") or ["\u2063"] for c in self.chunks], show_progress=False)
 
     def top(self, question: str, k: int) -> list[Hit]:
-        """The question's `k` best chunks, in corpus order."""
+        """The question's `k` best chunks that share a word with it, in corpus order."""
         if k < 1:
             raise UsageError(f"retrieve must be at least 1 (got {k})", fix="use a positive number")
         terms = words(question)
         scores = self._bm25.get_scores(terms) if terms else np.zeros(len(self.chunks))
-        best = sorted(range(len(self.chunks)), key=lambda i: (-float(scores[i]), i))[:k]
+        related = [i for i in range(len(self.chunks)) if scores[i] > 0]
+        best = sorted(related, key=lambda i: (-float(scores[i]), i))[:k]
         return [Hit(self.chunks[i], float(scores[i])) for i in sorted(best)]
 
 
