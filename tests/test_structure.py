@@ -57,9 +57,10 @@ LAYER_RULES = (
     # how one forward runs on this host: handed to the engine, never reaching up into it
     ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
     ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
-    # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models)
-    ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.errors", "mdcli.events",
-                                    "mdcli.settings")),
+    # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models); it
+    # shares core.forest's token-prefix helper
+    ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.core.forest", "mdcli.errors",
+                                    "mdcli.events", "mdcli.settings")),
     # output constraints: the llguidance adapter behind core's ConstraintState protocol; it knows core's
     # protocol and a tokenizer, never a backend, a model loader, a strategy or the CLI
     ("mdcli.constraints", "only", ("mdcli.constraints", "mdcli.core", "mdcli.errors")),

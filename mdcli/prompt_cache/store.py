@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
+from mdcli.core.forest import common_prefix_length
 from mdcli.core.prefix_store import PrefixHit
 from mdcli.prompt_cache.key import FORMAT_VERSION, tensor_bytes
 
@@ -94,7 +95,7 @@ class PromptStore:
         for path in entry_files(self.entries):
             try:
                 header = read_header(path)
-                shared = _shared(header.tokens, ids)
+                shared = common_prefix_length(header.tokens, ids)
             except (BadEntry, KeyError, ValueError, TypeError) as problem:
                 self._skip(path, problem)
                 continue
@@ -304,15 +305,6 @@ def _checksum(tensors: dict[str, torch.Tensor], layers: int) -> str:
         for name in (f"k.{index}", f"v.{index}"):
             digest.update(tensor_bytes(tensors[name]))
     return digest.hexdigest()
-
-
-def _shared(cached: list[int], ids: list[int]) -> int:
-    n = 0
-    for a, b in zip(cached, ids):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def _reason(problem: Exception) -> str:
