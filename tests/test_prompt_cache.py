@@ -309,6 +309,8 @@ def test_cache_list_and_clear(cached_llama, tmp_path):
     assert kept.exit_code == 0 and entry.exists() and "removed 0 entries" in kept.stderr
     cleared = runner.invoke(app, ["cache", "clear", "--prompt-cache", str(tmp_path)])
     assert cleared.exit_code == 0 and not entry.exists() and "removed 1 entry" in cleared.stderr
+    empty = runner.invoke(app, ["cache", "list", "--prompt-cache", str(tmp_path)])
+    assert empty.exit_code == 0 and empty.stdout == "" and "0 entries" in empty.stderr  # no table without rows
     bad = runner.invoke(app, ["cache", "clear", "--older-than", "soon", "--prompt-cache", str(tmp_path)])
     assert bad.exit_code == 2 and "--older-than 'soon' is not a duration" in bad.stderr
 

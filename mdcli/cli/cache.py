@@ -47,7 +47,7 @@ def list_entries(
         rows += [(e.model, f"{e.tokens:,}", _size(e.bytes), _age(e.age_seconds),
                   e.first_words if e.problem is None else f"(bad: {e.problem})") for e in entries]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        for row in rows:
+        for row in rows if entries else []:  # an empty cache prints no table, only the count below
             typer.echo("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:4], widths[1:])),
                                   row[4]]).rstrip())
         total = sum(e.bytes for e in entries)
