@@ -220,10 +220,7 @@ def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: 
 def read_document(source: str) -> str:
     """Read a document file (or stdin for '-') as UTF-8, with a usable message on any failure."""
     if source == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise UsageError("the document is '-' but nothing is piped to stdin", fix="pipe a file in or give a path")
-        data = sys.stdin.buffer.read()
-        name = "stdin"
+        data, name = read_stdin_bytes(), "stdin"
     else:
         path = Path(source)
         if not path.exists():
