@@ -3,8 +3,10 @@
 Rule: a forward with a mask (a forest step, a tree prefill) and a lone token without a sliding
 window run on mdcli's own forward where the plan has one (the Llama family); a causal continuation
 (a document's prefill, which the model masks itself) and every forward of another model run on
-transformers' forward, the reference. The plan (mdcli.backends.select) decided everything else
-at load.
+transformers' forward, the reference. A model that holds no float32 projections (its .gguf's
+blocks serve every forward: mdcli.models.on_blocks) runs every forward on mdcli's own, a causal
+continuation with the causal mask `causal_mask` makes. The plan (mdcli.backends.select) decided
+everything else at load.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ class ModelForward:
     def __init__(self, model, plan: Plan, *, sliding_window: int | None = None, own: bool = True) -> None:
         self.model = model
         self.plan = plan
-        self.device = next(model.parameters()).device
+        self.device = torch.device(plan.device)
         self.dtype = compute_dtype(model)
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+        if mask is None and len(tokens) > 1 and self.plan.on_blocks:  # no float32 weights for transformers' forward
+            mask = causal_mask(len(tokens), cache.get_seq_length(), self.dtype)
         own = self.own is not None and (mask is not None or (len(tokens) == 1 and not self.windowed))
         with torch.inference_mode(), cuda_attention(self.device, self.plan.cudnn_attention):
             return (self.own if own else self.reference)(tokens, positions, mask, cache, keep)
@@ -46,6 +50,12 @@ def forward_for(model, settings=None, *, sliding_window: int | None = None, own:
     """The forward for a transformers model under `settings` (default: the environment's), its plan
     chosen here: for tests and benchmarks that hold a bare model. Loaded models carry theirs."""
     return ModelForward(model, select(model, settings), sliding_window=sliding_window, own=own)
+
+
+def causal_mask(m: int, cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, M, N + M] additive: new token i sees the N cached slots and new tokens 0..i."""
+    allowed = torch.ones(m, cached + m, dtype=torch.bool).tril(diagonal=cached)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def compute_dtype(model) -> torch.dtype:

@@ -144,6 +144,8 @@ class FastForward:
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
             self.small = _with_weights(self.layers, copies)
+        self.on_blocks = plan.on_blocks  # the model holds no float32 projections: every forward reads the blocks
+        self.embedding = gguf_blocks.embedding_blocks(model) if self.on_blocks else None  # None: float32 rows
         self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
         self.blocks = self._block_copies(model) if (plan.blocks if blocks is None else blocks) else None
         self.block_rows = plan.block_rows
@@ -175,8 +177,10 @@ class FastForward:
             return (WeightFormat("int8", None, _int8_linear, self.layers, self.head),)
         formats = []
         if self.blocks:
-            formats.append(WeightFormat(".gguf blocks", self.block_rows, _block_linear, self.block_layers,
-                                        self.block_head))
+            formats.append(WeightFormat(".gguf blocks", None if self.on_blocks else self.block_rows, _block_linear,
+                                        self.block_layers, self.block_head))
+            if self.on_blocks:  # no float32 weights: the blocks serve every width
+                return tuple(formats)
         if self.transposed:
             formats.append(WeightFormat("transposed", 1, _blas_linear if self.lone_blas else _transposed_linear,
                                         self.lone, self.lone_head))
@@ -220,7 +224,7 @@ class FastForward:
         weighted_sum: the batched product of bmm attention's probabilities and values (None:
         torch.bmm)."""
         m = tokens.shape[0]
-        hidden = self.inner.embed_tokens.weight[tokens][None]  # [1, M, hidden]
+        hidden = self._embedded(tokens)[None]  # [1, M, hidden]
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
@@ -255,6 +259,13 @@ class FastForward:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
+
+    def _embedded(self, tokens) -> torch.Tensor:
+        """[M, hidden] float32 embeddings of tokens [M]: rows of the float32 embedding, or of its
+        blocks where the model holds none (the same numbers)."""
+        if self.embedding is not None:
+            return gguf_blocks.embedded_rows(self.embedding, tokens)
+        return self.inner.embed_tokens.weight[tokens]
 
     def _read_reach(self, plan, mask, m: int, attention: str) -> int:
         """How many leading cache slots each layer streams through the CPU's caches before attending
@@ -411,8 +422,8 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
         fused = fused_int8(linears)
     else:
         weights = [m.weight for m in linears]
-        fused = joined_rows(weights)
-        if fused is None:
+        fused = None if weights[0].is_meta else joined_rows(weights)  # meta: the blocks replace them (mdcli.models.on_blocks)
+        if fused is None and not weights[0].is_meta:
             with torch.inference_mode(False), torch.no_grad():
                 fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
                 _repoint(linears, "weight", fused)

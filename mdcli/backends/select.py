@@ -120,6 +120,8 @@ class Plan:
     blocks: str | None  # the .gguf block kinds serving forwards of up to block_rows tokens, e.g. "Q4_1/Q8_0"
     blocks_reason: str | None  # why the blocks were looked for and not used
     block_rows: int
+    on_blocks: bool  # every forward multiplies by the blocks: the model holds no float32 projections or head
+    float32_reason: str  # why a .gguf's float32 weights were loaded all the same ("" where they were not, or no .gguf)
     blas_queries: int  # forwards of up to this many tokens take OpenBLAS's weighted sum of the values, where
     # a lone token's products run on OpenBLAS or on a narrower copy (tiled, blocks): 1 on AVX2-only hosts
     read_ahead: bool  # wide forwards read the cached keys and values before multiplying by them
@@ -136,12 +138,15 @@ class Plan:
         return asdict(self) | {"description": self.describe()}
 
 
-def select(model, settings: Settings | None = None, host: Host | None = None) -> Plan:
+def select(model, settings: Settings | None = None, host: Host | None = None, *,
+           float32_reason: str | None = None) -> Plan:
     """The plan for `model` (a loaded transformers model) on this host under `settings` (default:
-    the environment's)."""
+    the environment's); float32_reason: why the loader kept a .gguf's float32 weights, if it did
+    (mdcli.models.on_blocks)."""
     settings = settings or settings_module.current()
     host = host or Host.read()
-    device, dtype = weight_kind(model)
+    on_blocks = gguf_blocks.on_blocks_only(model)
+    device, dtype = (torch.device("cpu"), torch.float32) if on_blocks else weight_kind(model)
     linears = linear_kernels(device, dtype, settings, host)
     onednn = linears.name == "oneDNN"
     auto_x86 = device.type == "cpu" and dtype == torch.float32 and settings.cpu_kernels == "auto" and host.x86
@@ -149,14 +154,13 @@ def select(model, settings: Settings | None = None, host: Host | None = None) ->
     lone_blas_host = auto_x86 and host.threads == 1 and host.measured_isa and host.onednn() and host.openblas()
     tiled_host = _tiled_host(device, dtype, settings, host, avx2)
     own_reason = "MDCLI_FORWARD=transformers" if settings.forward == "transformers" else unsupported_reason(model)
-    copies = own_reason is None and not has_int8_weights(model) and settings.packed_weights
+    copies = own_reason is None and not has_int8_weights(model) and settings.packed_weights and not on_blocks
     fits = _fits(model, host)
     packed = copies and (onednn or avx2) and fits(1)
     tiled = copies and tiled_host and fits(2 if packed else 1)
     blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
-    notes = [f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"] \
-        if blocks else []
+    notes = [_blocks_note(blocks, on_blocks)] if blocks else []
     if transposed and lone_blas_host:
         notes.append("one thread: a lone token on OpenBLAS")
     if tiled:
@@ -179,6 +183,8 @@ def select(model, settings: Settings | None = None, host: Host | None = None) ->
         blocks=blocks,
         blocks_reason=blocks_reason,
         block_rows=gguf_blocks.max_rows(),
+        on_blocks=on_blocks,
+        float32_reason=float32_reason or "",
         blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2 else SMALL_BLAS_QUERIES,
         read_ahead=auto_x86 and host.measured_isa and host.vendor == "AMD",
         gather_cost=GATHER_COST_AVX512 if onednn else GATHER_COST,
@@ -186,6 +192,12 @@ def select(model, settings: Settings | None = None, host: Host | None = None) ->
         cudnn_attention=settings.cudnn_attention,
         notes=tuple(notes),
     )
+
+
+def _blocks_note(blocks: str, on_blocks: bool) -> str:
+    if on_blocks:
+        return f"every forward on the .gguf's own {blocks} blocks, no float32 copy (the same float32 weights)"
+    return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, settings: Settings, host: Host) -> KernelChoice:

@@ -49,6 +49,7 @@ from mdcli.models.architectures import (
     model_type,
     sliding_window_layout,
 )
+from mdcli.models import on_blocks
 from mdcli.models.prompt_identity import check_prompt_cache, prompt_store
 from mdcli.prompt_cache.store import PromptStore
 from mdcli.models.embedded import (
@@ -162,25 +163,31 @@ def _load_model(
     _check_cpu_weights(cpu_weights, torch_device, torch_dtype, bits)
     with quiet_loading(quiet):
         source = _resolve_source(model, progress)
-        _refuse_from_config(source, attn, bits, trust_remote_code)
+        config = _refuse_from_config(source, attn, bits, trust_remote_code)
         if progress is not None:
             progress(f"loading {source.name}...")
         placement = _placement(bits, torch_dtype, device_map, torch_device)
-        hf_model = _load_weights(
-            source,
-            torch_device,
-            dtype=torch_dtype,
-            attn_implementation=attn,
-            trust_remote_code=trust_remote_code,
-            **placement,
-        )
+        try:  # the projections and head left in the .gguf's blocks where mdcli.models.on_blocks covers it
+            hf_model, float32_reason = on_blocks.load_if_covered(source.blocks_from, config, attn, torch_device, torch_dtype,
+                                                                 cpu_weights, placed=bool(placement))
+        except _weight_errors() as exc:
+            raise _load_error(source, exc) from exc
+        if hf_model is None:
+            hf_model = _load_weights(
+                source,
+                torch_device,
+                dtype=torch_dtype,
+                attn_implementation=attn,
+                trust_remote_code=trust_remote_code,
+                **placement,
+            )
+            if source.blocks_from is not None:
+                remember_source(hf_model, source.blocks_from)
         tokenizer = _load_tokenizer(source, trust_remote_code)
-    if source.blocks_from is not None:
-        remember_source(hf_model, source.blocks_from)
     if cpu_weights == "int8":
         dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
-    plan = select(hf_model)  # every kernel choice for this model, made once, here
+    plan = select(hf_model, float32_reason=float32_reason)  # every kernel choice for this model, made once, here
     device = hf_model.device if placement else torch_device
     store = prompt_store(prompt_cache, location=source.location, gguf_file=source.gguf_file, is_hub_id=source.is_hub_id,
                          hf_model=hf_model, plan=plan, tokenizer=tokenizer, name=source.name, dtype=torch_dtype,
@@ -388,7 +395,7 @@ def _load_config(source: _Source, trust_remote_code: bool) -> PretrainedConfig:
         raise _load_error(source, exc) from exc
 
 
-def _refuse_from_config(source: _Source, attn: str, bits: int | None, trust_remote_code: bool) -> None:
+def _refuse_from_config(source: _Source, attn: str, bits: int | None, trust_remote_code: bool) -> PretrainedConfig:
     """Every check that needs the config but not the weights, so refusals cost seconds."""
     if bits and source.gguf_file:
         raise UsageError(
@@ -398,6 +405,7 @@ def _refuse_from_config(source: _Source, attn: str, bits: int | None, trust_remo
     config = _load_config(source, trust_remote_code)
     check_exact_support(config, attn)
     _check_model_class(config, attn, trust_remote_code)
+    return config
 
 
 def _check_model_class(config: PretrainedConfig, attn: str, trust_remote_code: bool) -> None:

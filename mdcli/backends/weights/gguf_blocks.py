@@ -45,6 +45,7 @@ import struct
 import weakref
 from dataclasses import dataclass
 from functools import cache
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,8 @@ MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
 # float32 weights were dequantized from, and its blocks read from that file (or why there are none).
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CHECK_ROWS = 4096  # a big matrix is checked this many rows at a time (its float32 never whole in memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,36 @@ def max_rows() -> int:
 def remember_source(model, path: Path | str) -> None:
     """Note the .gguf file the model's float32 weights were dequantized from (mdcli.models.load)."""
     _SOURCES[model] = str(path)
+
+
+def adopt(model, path: Path | str, found: tuple[list[tuple[BlockWeight, ...]], BlockWeight],
+          embedding: BlockWeight) -> None:
+    """Keep `found` (read_blocks' answer for `path`) as the blocks of `model`, a model whose
+    projections, head and embedding hold no float32 weights (mdcli.models.on_blocks), and
+    `embedding` as the blocks its token embeddings are read from."""
+    _SOURCES[model] = str(path)
+    _BLOCKS[model] = found
+    _EMBEDDINGS[model] = embedding
+
+
+def embedding_blocks(model) -> BlockWeight | None:
+    """The blocks a model adopted for its token embeddings (None: it holds them in float32)."""
+    return _EMBEDDINGS.get(model)
+
+
+def embedded_rows(weight: BlockWeight, tokens: torch.Tensor) -> torch.Tensor:
+    """[M, hidden] float32: the rows `tokens` [M] of an embedding in blocks, as the float32
+    embedding holds them (each row's blocks gathered, then turned back into float32 by the
+    kernel's own code, bit for bit gguf-py's)."""
+    return dequantize(BlockWeight(weight.kind, weight.data[tokens], weight.in_features))
+
+
+def on_blocks_only(model) -> bool:
+    """The model's projections hold no float32 weights (they are on the meta device): every forward
+    multiplies by the .gguf's blocks."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    weight = getattr(getattr(getattr(layers[0], "mlp", None), "up_proj", None), "weight", None) if layers else None
+    return weight is not None and weight.is_meta and model in _BLOCKS
 
 
 def source_known(model) -> bool:
@@ -194,9 +227,17 @@ def model_blocks(model, free_memory=available_memory_bytes) -> tuple[list[tuple[
     return cached
 
 
-def read_blocks(path: Path, model, free_memory=available_memory_bytes) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+def read_blocks(path: Path, model, free_memory=available_memory_bytes,
+                reference: Callable[[str], Callable] | None = None) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
     """The blocks of `path` for every projection and the head, each checked bit for bit against the
-    model's float32 weight; or the first reason not."""
+    model's float32 weight; or the first reason not. Where the model holds no float32 weight (a
+    model built on the meta device: mdcli.models.on_blocks), the check is against
+    `reference(tensor name)(start, stop)`: rows start..stop of the float32 weights transformers'
+    loader makes of that tensor."""
+
+    def expected(name: str, weight: torch.Tensor):
+        return reference(name) if weight.is_meta and reference is not None else weight
+
     try:
         tensors = read_tensors(path)
     except (OSError, ValueError, struct.error) as exc:  # no copy, never a failed run
@@ -216,10 +257,11 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes) -> tuple[
                                    ("attn_v", attention.v_proj, None), ("attn_output", attention.o_proj, None),
                                    ("ffn_gate", mlp.gate_proj, None), ("ffn_up", mlp.up_proj, None),
                                    ("ffn_down", mlp.down_proj, None)):
-            candidates = _tensor_blocks(tensors, f"blk.{index}.{name}.weight", rows)
+            tensor_name = f"blk.{index}.{name}.weight"
+            candidates = _tensor_blocks(tensors, tensor_name, rows)
             if isinstance(candidates, str):
                 return candidates
-            chosen = _matching(candidates, module.weight)
+            chosen = _matching(candidates, expected(tensor_name, module.weight))
             if chosen is None:
                 return f"blk.{index}.{name}.weight is not the model's float32 weight"
             parts.append(chosen)
@@ -228,13 +270,26 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes) -> tuple[
         if None in fused:
             return f"layer {index} mixes block kinds in a matrix mdcli multiplies as one"
         copies.append(fused)
-    head = _tensor_blocks(tensors, "output.weight" if "output.weight" in tensors else "token_embd.weight", None)
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = _tensor_blocks(tensors, head_name, None)
     if isinstance(head, str):
         return head
-    chosen_head = _matching(head, model.lm_head.weight)
+    chosen_head = _matching(head, expected(head_name, model.lm_head.weight))
     if chosen_head is None:
         return "the output head's blocks are not the model's float32 weights"
     return copies, chosen_head
+
+
+def read_embedding(path: Path, reference: Callable[[str], Callable]) -> BlockWeight | str:
+    """The blocks of `path`'s token embedding, checked bit for bit against
+    `reference("token_embd.weight")` as read_blocks checks the projections; or why not."""
+    try:
+        candidates = _tensor_blocks(read_tensors(path), "token_embd.weight", None)
+    except (OSError, ValueError, struct.error) as exc:
+        return f"{path.name} could not be read: {exc}"
+    if isinstance(candidates, str):
+        return candidates
+    return _matching(candidates, reference("token_embd.weight")) or "token_embd.weight is not the model's embedding"
 
 
 def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWeight] | str:
@@ -266,9 +321,19 @@ def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
     return BlockWeight(parts[0].kind, torch.cat([w.data for w in parts]), parts[0].in_features)
 
 
-def _matching(candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeight | None:
-    """The candidate whose weights are `weight`, bit for bit, or None."""
-    return next((candidate for candidate in candidates if matches(candidate, weight)), None)
+def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> BlockWeight | None:
+    """The candidate whose weights are `weight`, bit for bit, or None. `weight` may be a function
+    of a row range giving those rows (a big matrix is then compared a slice at a time, never made
+    whole in float32)."""
+    if not callable(weight):
+        return next((candidate for candidate in candidates if matches(candidate, weight)), None)
+    for candidate in candidates:
+        rows = candidate.shape[0]
+        if all(matches(BlockWeight(candidate.kind, candidate.data[start:start + CHECK_ROWS], candidate.in_features),
+                       weight(start, min(start + CHECK_ROWS, rows)))
+               for start in range(0, rows, CHECK_ROWS)):
+            return candidate
+    return None
 
 
 def _capability() -> str | None:

@@ -36,6 +36,11 @@ class TensorEntry:
 
 def read_tensors(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the .gguf at `path` by name; ValueError if it is not a GGUF file mdcli reads."""
+    return read_file(path)[0]
+
+
+def read_file(path: Path) -> tuple[dict[str, TensorEntry], str]:
+    """(every tensor by name, the file's `general.architecture`: "llama", "qwen2", ...; "" if unsaid)."""
     with open(path, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     reader = _Reader(mapped)
@@ -45,12 +50,14 @@ def read_tensors(path: Path) -> dict[str, TensorEntry]:
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version}; mdcli reads versions 2 and 3")
     tensor_count, field_count = reader.unpack("<Q"), reader.unpack("<Q")
-    alignment = DEFAULT_ALIGNMENT
+    alignment, architecture = DEFAULT_ALIGNMENT, ""
     for _ in range(field_count):
         key = reader.string()
         value_type = reader.unpack("<I")
         if key == "general.alignment" and value_type == 4:
             alignment = reader.unpack("<I")
+        elif key == "general.architecture" and value_type == _STRING:
+            architecture = reader.string()
         else:
             reader.skip_value(value_type)
     infos = []
@@ -72,7 +79,7 @@ def read_tensors(path: Path) -> dict[str, TensorEntry]:
             rows *= size
         data = np.frombuffer(mapped, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
         tensors[name] = TensorEntry(name, kind, shape, data.reshape(rows, row_bytes))
-    return tensors
+    return tensors, architecture
 
 
 class _Reader:

@@ -1,0 +1,160 @@
+"""Load a .gguf model whose projections and head stay in the file's blocks: no float32 copy of them.
+
+Rule: a float32 CPU load of a .gguf (the embedded model is one) whose every projection and head
+the block kernel reads (Q4_0, Q4_1, Q8_0, F16, BF16), on a Llama-family model mdcli's own forward
+runs without a sliding window, is built on the meta device and only its embedding, norms, biases
+and rotary tables are made real. The projections and head are multiplied by the file's blocks at
+every width (mdcli.backends.weights.gguf_blocks), so the weights cost what the file costs instead
+of four bytes a weight (measured: notebook/memory.md). Anything else (another architecture, a
+K-quant, a window, `MDCLI_GGUF_FLOAT32=1`) loads as before, with the reason kept for the plan.
+
+Exactness: every block matrix is checked bit for bit against the float32 weights transformers'
+own GGUF loader would have made of that tensor (gguf-py's dequantization, then the loader's own
+tensor processor, which undoes llama.cpp's rotary permutation of q and k), one tensor at a time,
+so the model multiplies by exactly the weights `from_pretrained` would give it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+from mdcli import settings as settings_module
+from mdcli.backends.forward_support import unsupported_reason
+from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights.gguf_file import read_file
+from mdcli.models.architectures import sliding_window_layout
+
+# The projections whose weights the blocks replace (their float32 weights stay on the meta device).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str) -> str | None:
+    """Why this load keeps float32 weights, from the options and config alone (None: it need not)."""
+    current = settings_module.current()
+    if current.gguf_float32:
+        return f"{settings_module.variable('gguf_float32')}=1"
+    if not current.gguf_blocks:
+        return f"{settings_module.variable('gguf_blocks')}=0"
+    if current.forward == "transformers":
+        return f"{settings_module.variable('forward')}=transformers"
+    if device.type != "cpu" or dtype != torch.float32 or cpu_weights != "float32":
+        return "only float32 CPU models multiply by the blocks"
+    if sliding_window_layout(config)[0] is not None:
+        return "a sliding window: its lone tokens run on transformers' forward"
+    if gguf_blocks.max_rows() == 0 or not gguf_blocks.blocks_work():
+        return "the block kernel does not run on this CPU"
+    return None
+
+
+def load_if_covered(path: Path | None, config, attn: str, device: torch.device, dtype: torch.dtype, cpu_weights: str,
+                    *, placed: bool = False) -> tuple[torch.nn.Module | None, str | None]:
+    """(the model on its .gguf's blocks, None) where this module covers the load, else (None, why
+    its float32 weights are loaded: None for a model that is no .gguf). placed: a device map places
+    the weights."""
+    if path is None:
+        return None, None
+    why = "a device map places the weights" if placed else refusal(config, device, dtype, cpu_weights)
+    return (None, why) if why is not None else load_on_blocks(path, config, attn)
+
+
+def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | None, str | None]:
+    """(the model with its projections and head on the meta device and its blocks adopted, None),
+    or (None, why not): then the caller loads the float32 weights as before."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    why = unsupported_reason(model)
+    if why is not None:
+        return None, f"mdcli's own forward does not run it ({why})"
+    try:
+        tensors, architecture = read_file(path)
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name} could not be read: {exc}"
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    names = _tensor_names(model, architecture)
+    if isinstance(names, str):
+        return None, names
+
+    def as_loaded(name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop of the float32 tensor transformers' loader makes of the file's tensor
+        `name`: gguf-py's dequantization, then the loader's processor (which may reorder q's and
+        k's rows, so those are processed whole, then cut)."""
+        entry = tensors[name]
+        whole = ".attn_q." in name or ".attn_k." in name
+        data = entry.data if whole else entry.data[start:stop]
+        values = dequantize(data, GGMLQuantizationType[entry.kind]).reshape(-1, *entry.shape[1:])
+        values = processor.process(weights=values, name=name).weights
+        return torch.from_numpy(np.array(values[start:stop] if whole else values, dtype=np.float32))
+
+    def reference(name: str):
+        return lambda start, stop: as_loaded(name, start, stop)
+
+    why = _make_real(model, tensors, names, as_loaded)
+    if why is not None:
+        return None, why
+    found = gguf_blocks.read_blocks(path, model, reference=reference)
+    if isinstance(found, str):
+        return None, found
+    tied_head = "output.weight" not in tensors  # the head reads the embedding's blocks
+    embedding = found[1] if tied_head else gguf_blocks.read_embedding(path, reference)
+    if isinstance(embedding, str):
+        return None, embedding
+    gguf_blocks.adopt(model, path, found, embedding)
+    model.eval()
+    model.requires_grad_(False)
+    return model, None
+
+
+def _tensor_names(model, architecture: str) -> dict[str, str] | str:
+    """gguf tensor name -> transformers' parameter name, by gguf-py's name table for the file's
+    architecture (the table transformers' loader reads, built once here, not once per module)."""
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        return f"gguf-py has no tensor names for architecture {architecture!r}"
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name, _ in model.named_parameters():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def _make_real(model, tensors: dict, names: dict[str, str], as_loaded) -> str | None:
+    """Give every parameter but the projections, the head and the embedding its float32 values
+    from the file, and rebuild the rotary tables on the CPU; or why not."""
+    wanted = {name for name, _ in model.named_parameters() if not _stays_on_blocks(name)}
+    for gguf_name, hf_name in names.items():
+        if hf_name in wanted and gguf_name in tensors:
+            if tensors[gguf_name].data is None:
+                return f"{gguf_name} is {tensors[gguf_name].kind}, a type mdcli does not read"
+            _assign(model, hf_name, as_loaded(gguf_name))
+            wanted.discard(hf_name)
+    if wanted:
+        return f"the .gguf holds no {sorted(wanted)[0]}"
+    rotary = model.model.rotary_emb
+    with torch.device("cpu"):  # its tables are computed, not read: compute them for real
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    meta_buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if meta_buffers:
+        return f"buffer {meta_buffers[0]} has no values outside the weights"
+    return None
+
+
+def _stays_on_blocks(name: str) -> bool:
+    """Parameters the blocks replace: the projections', the head's and the embedding's weights."""
+    parts = name.split(".")
+    return (parts[-1] == "weight" and len(parts) > 1 and parts[-2] in PROJECTIONS) or name in {
+        "lm_head.weight", "model.embed_tokens.weight"}
+
+
+def _assign(model, name: str, value: torch.Tensor) -> None:
+    owner, _, attribute = name.rpartition(".")
+    module = model.get_submodule(owner)
+    setattr(module, attribute, torch.nn.Parameter(value.to(torch.float32), requires_grad=False))
