@@ -55,8 +55,6 @@ class Settings(BaseSettings):
         "auto", description="mdcli's tiled AVX2 kernel for forwards of a few tokens (auto: AVX2-only CPUs, one thread).")
     gguf_blocks: bool = Field(
         True, description="Multiply forwards by the model's own .gguf blocks where they are its weights.")
-    gguf_float32: bool = Field(
-        False, description="Keep a .gguf's float32 weights beside its blocks (for transformers' forward and generate).")
     sparse_attention: Literal["auto", "off", "always", "prefix"] = Field(
         "auto", description="Attention over each query's visible cache slots only (always, prefix: force a plan).")
     cudnn_attention: bool = Field(
@@ -73,7 +71,7 @@ class Settings(BaseSettings):
                     **_other("CC"))
 
     @field_validator("device", "cpu_kernels", "forward", "packed_weights", "tiled_gemm", "gguf_blocks",
-                     "gguf_float32", "sparse_attention", "cudnn_attention", mode="before")
+                     "sparse_attention", "cudnn_attention", mode="before")
     @classmethod
     def _spelled_any_case(cls, value):
         """Choices and on/off values ignore case and surrounding spaces (` Torch ` is torch)."""

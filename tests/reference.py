@@ -4,10 +4,28 @@ plain model, greedy, with Hugging Face's own `generate`."""
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from mdcli.backends.weights import gguf_blocks
+
+_PLAIN: dict[str, torch.nn.Module] = {}
+
+
+def plain(model):
+    """The model `generate` runs on: `model` itself, or, where mdcli left its projections in the
+    .gguf's blocks (mdcli.models.on_blocks: no float32 weights to run), transformers' own float32
+    load of that same .gguf, loaded once: the model a user of transformers would have."""
+    if not gguf_blocks.on_blocks_only(model):
+        return model
+    path = gguf_blocks.source_of(model)
+    if str(path) not in _PLAIN:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        _PLAIN[str(path)] = loaded.eval().requires_grad_(False)
+    return _PLAIN[str(path)]
 
 
 def generate_alone(model, prompt_ids: list[int], new_tokens: int, *, device=None) -> list[int]:
+    model = plain(model)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids], device=device),
@@ -44,6 +62,7 @@ def generate_constrained(model, tokenizer, prompt_ids: list[int], constraint, ne
     """generate_alone under `constraint` (an mdcli Constraint; None: none). A branch whose answer
     is complete ends without EOS; generate, whose mask then allows only EOS, adds it next."""
     processors = LogitsProcessorList([ConstrainedAlone(constraint, tokenizer, len(prompt_ids))] if constraint else [])
+    model = plain(model)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids], device=device),
@@ -79,7 +98,7 @@ def branches_off_their_runs_alone(lm, document: str, questions: list[str], new_t
             continue
         with torch.inference_mode():
             sequence = torch.tensor([prompt + theirs[:first]], device=lm.device)
-            logits = lm.model(sequence).logits[0, -1].float()  # [V]
+            logits = plain(lm.model)(sequence).logits[0, -1].float()  # [V]
         gap = float(logits[theirs[first]] - logits[ours[first]])
         if gap > max_gap(logits):
             problems.append(f"branch {branch}: token {first} differs with a logit gap of {gap:.3f}")

@@ -45,11 +45,44 @@ class ModelForward:
     def describe(self) -> str:
         return self.plan.describe()
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes each weight format holds: the model's own parameters (float32 where it has them;
+        none for the projections a model on its .gguf's blocks leaves on the meta device), then
+        each copy the own forward multiplies by (a format that reads the model's own weights adds
+        nothing)."""
+        own = {id(p): p for p in self.model.parameters() if not p.is_meta}
+        held = {"the model's own parameters": sum(_bytes_of(p) for p in own.values())}
+        own_storages = {p.untyped_storage().data_ptr() for p in own.values()}
+        for weights in self.own.formats if self.own is not None else ():
+            tensors = {id(t): t for layer in weights.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+            tensors[id(weights.head)] = weights.head
+            extra = [t for t in tensors.values() if not _shares(t, own_storages)]
+            if extra:
+                held[weights.name] = sum(_bytes_of(t) for t in extra)
+        return held
+
 
 def forward_for(model, settings=None, *, sliding_window: int | None = None, own: bool = True) -> ModelForward:
     """The forward for a transformers model under `settings` (default: the environment's), its plan
     chosen here: for tests and benchmarks that hold a bare model. Loaded models carry theirs."""
     return ModelForward(model, select(model, settings), sliding_window=sliding_window, own=own)
+
+
+def _shares(weight, storages: set[int]) -> bool:
+    """Whether `weight` is (a view of) one of the model's own parameters' storages."""
+    return isinstance(weight, torch.Tensor) and not weight.is_meta and not weight.is_mkldnn \
+        and weight.untyped_storage().data_ptr() in storages
+
+
+def _bytes_of(weight) -> int:
+    """Bytes a weight holds, whatever its format: a tensor's elements (a meta tensor none), or a
+    format object's `nbytes` (blocks, int8), or the sum over its tensor fields (tiles)."""
+    if isinstance(weight, torch.Tensor):
+        return 0 if weight.is_meta else weight.numel() * weight.element_size()
+    if isinstance(getattr(weight, "nbytes", None), int):
+        return weight.nbytes
+    return sum(_bytes_of(value) for value in vars(weight).values() if isinstance(value, torch.Tensor)) \
+        if hasattr(weight, "__dict__") else 0
 
 
 def causal_mask(m: int, cached: int, dtype: torch.dtype) -> torch.Tensor:

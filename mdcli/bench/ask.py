@@ -46,6 +46,7 @@ from mdcli.backends.select import select
 from mdcli.backends.weights.int8 import described, quantize_model
 from mdcli.bench.harness import baseline_kernels as alternatives_context
 from mdcli.bench.steppers import ReferenceStepper, median_step_seconds
+from mdcli.bench.twin import float32_twin
 from mdcli.core.cache import new_cache
 from mdcli.core.decoding import BranchSpec, common_prefix_length
 from mdcli.events import Done, Finish
@@ -61,6 +62,7 @@ SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
 KERNEL_APPROACHES = ("forest-no-blocks",)  # the forest on other kernels of the same weights
 OTHER_MODEL_APPROACHES = ("forest-int8",)  # another model's tokens: not compared with the forest's
 ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES + KERNEL_APPROACHES + OTHER_MODEL_APPROACHES
+ON_BLOCKS_APPROACHES = ("forest", "forest+speculate")  # run on the model as loaded; the rest on its float32 twin
 HF_PROMPT_LOOKUP_TOKENS = 10
 
 QUESTIONS = [
@@ -137,8 +139,9 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
                "forest-no-blocks": forest_without_blocks, "forest-int8": forest_int8}
     measured = {}
     for name in reversed(approaches) if reverse else approaches:
-        with nullcontext() if name.startswith("forest") else alternatives_context(model, baseline_kernels):
-            measured[name] = runners[name](model, prompts, case)
+        runs_on = model if name in ON_BLOCKS_APPROACHES else float32_twin(model)  # generate needs float32 weights
+        with nullcontext() if name.startswith("forest") else alternatives_context(runs_on, baseline_kernels):
+            measured[name] = runners[name](runs_on, prompts, case)
     results = [measured[name] for name in approaches]
     reference = next((r for r in results if r.approach == "forest"), None)
     for result in results:
@@ -166,7 +169,7 @@ def forest(model: LoadedModel, prompts: list[list[int]], case: Case, *, speculat
     seconds = time.perf_counter() - started
     kv = _kv_bytes_per_token(model) * stats.peak_cache_tokens
     mean_cache_tokens = (stats.prefill_tokens + stats.peak_cache_tokens) / 2  # the cache grows linearly while decoding
-    step_bytes = weight_bytes(model.model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
+    step_bytes = step_weight_bytes(model) + round(_kv_bytes_per_token(model) * mean_cache_tokens)
     return Measurement("forest" if speculate == "off" else "forest+speculate", case, seconds, kv,
                        [tokens[i] for i in range(len(prompts))],
                        step_seconds=stats.decode_seconds / max(1, stats.steps), step_bytes=step_bytes,
@@ -179,7 +182,7 @@ def reference_step(model: LoadedModel, prompt: list[int], steps: int) -> float:
     """Median seconds of transformers' own single-sequence decode step over `prompt` and as many
     steps as the forest took (stock kernels, stock cache: mdcli.bench.step), measured right after
     the forest, so both see the same machine."""
-    return median_step_seconds({"reference": ReferenceStepper(model, prompt)}, steps)["reference"]
+    return median_step_seconds({"reference": ReferenceStepper(float32_twin(model), prompt)}, steps)["reference"]
 
 
 def forest_speculating(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
@@ -218,6 +221,14 @@ def int8_copy(model: LoadedModel) -> LoadedModel:
         _INT8_COPIES[model.model] = replace(model, model=weights, forward=forward, cpu_weights="int8",
                                             dtype_reason=reason)
     return _INT8_COPIES[model.model]
+
+
+def step_weight_bytes(model: LoadedModel) -> int:
+    """Bytes of weights a decode step reads: the blocks and the norms where the model runs on its
+    .gguf's blocks alone, else `weight_bytes`."""
+    if model.forward.plan.on_blocks:
+        return sum(model.forward.weight_bytes().values())
+    return weight_bytes(model.model)
 
 
 def weight_bytes(model) -> int:

@@ -23,6 +23,7 @@ import transformers
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
 from mdcli.bench.harness import baseline_kernels, kernels_line
+from mdcli.bench.twin import float32_twin
 from mdcli.core.cache import output_cache
 from mdcli.core.engine import Engine
 from mdcli.events import Finish
@@ -146,6 +147,7 @@ def _run_mdcli(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int, 
 def _run_generate(lm: LoadedModel, prompt: list[int], width: int, new_tokens: int) -> dict:
     """generate(num_beams=W) with EOS disabled (eos_token_id=None: no stopping, K = 2W, no
     processor), so it runs the same `new_tokens` steps as mdcli with no EOS ids."""
+    lm = float32_twin(lm)  # generate needs float32 weights
     config = copy.deepcopy(lm.model.generation_config)
     config.update(
         eos_token_id=None,

@@ -40,6 +40,7 @@ from mdcli.backends.reference import cache_argument
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
 from mdcli.bench.harness import baseline_kernels, kernels_line
 from mdcli.bench.margins_questions import compare_questions
+from mdcli.bench.twin import float32_twin
 from mdcli.core.decoding import common_prefix_length
 from mdcli.events import Finish
 from mdcli.models.load import load_model
@@ -138,7 +139,7 @@ def run_mdcli(lm, specs) -> SideResult:
 def run_sequential(lm, prompts: list[list[int]], margin_tokens: int, chunk: int = 1024) -> SideResult:
     """The paper's algorithm with plain transformers calls: one growing cache, rolled back to the
     end of each segment after its margin is generated."""
-    model, eos = lm.model, lm.eos_token_ids
+    model, eos = float32_twin(lm).model, lm.eos_token_ids
     cache, cached, prefilled = DynamicCache(), 0, 0
     margins: list[list[int]] = []
     prefill_seconds = generate_seconds = 0.0

@@ -42,7 +42,7 @@ from mdcli.backends.weights.packed import (
     transposed_linear,
 )
 from mdcli.bench import RANDOM_SHAPES
-from mdcli.bench.ask import Case, int8_copy, prompts_for, weight_bytes
+from mdcli.bench.ask import Case, int8_copy, prompts_for, step_weight_bytes
 from mdcli.bench.harness import random_model
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.steppers import (
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     int8 = int8_copy(lm) if args.cpu_weights == "int8" else None
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
-    print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {weight_bytes(lm.model) / 1e6:.0f} MB of "
+    print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {step_weight_bytes(lm) / 1e6:.0f} MB of "
           f"weights; prompt {len(prompts[0])} tokens")
     for width in widths:
         steppers = {"reference": ReferenceStepper(lm, prompts[0])}

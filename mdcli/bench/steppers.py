@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from mdcli.backends.forward import ModelForward
 from mdcli.backends.llama import FastForward
 from mdcli.backends.reference import cache_argument
+from mdcli.bench.twin import float32_twin
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
 from mdcli.core.forest import pad_rows
@@ -28,7 +29,7 @@ class ReferenceStepper:
     then one greedy token per forward, on torch's stock kernels (what `generate` does per token)."""
 
     def __init__(self, lm: LoadedModel, prompt: list[int]) -> None:
-        self.model, self.cache = lm.model, DynamicCache()
+        self.model, self.cache = float32_twin(lm).model, DynamicCache()
         with torch.inference_mode():
             ids = torch.tensor([prompt], device=lm.device)
             self.logits = self.model(input_ids=ids, **cache_argument(self.model, self.cache), use_cache=True,

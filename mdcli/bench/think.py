@@ -28,6 +28,7 @@ import transformers
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
 from mdcli.bench.harness import baseline_kernels, kernels_line
+from mdcli.bench.twin import float32_twin
 from mdcli.core.sampling import SamplingParams
 from mdcli.events import Finish, Fork, Note, Token
 from mdcli.models.load import load_model
@@ -128,7 +129,7 @@ def _path_prompt(lm) -> list[int]:
 
 def _warm_up(lm, prompt: list[int]) -> None:
     with torch.inference_mode():
-        lm.model.generate(torch.tensor([prompt[:32]]), max_new_tokens=2, do_sample=False)
+        float32_twin(lm).model.generate(torch.tensor([prompt[:32]]), max_new_tokens=2, do_sample=False)
 
 
 def _time_think(lm, args, *, merge: str, greedy: bool = False) -> tuple[Timing, MergeCost | None]:
@@ -181,7 +182,7 @@ def _time_generate_sequential(lm, prompt: list[int], args) -> Timing:
 def _generate_sampled(lm, prompt: list[int], args, **extra):
     """HF `generate` with the bench's sampling settings and exactly `args.new_tokens` new tokens."""
     with torch.inference_mode():
-        return lm.model.generate(
+        return float32_twin(lm).model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=True,

@@ -52,6 +52,7 @@ def info(
                                "dtype": str(lm.dtype).removeprefix("torch."), "dtype_reason": lm.dtype_reason,
                                "attn": lm.attn, "cpu_weights": lm.cpu_weights}
             report["plan"] = lm.forward.plan.as_dict()
+            report["weight_bytes"] = lm.forward.weight_bytes()
         typer.echo(json.dumps(report, indent=2) if json_output else _text(report))
 
 
@@ -70,8 +71,7 @@ def _text(report: dict) -> str:
         model, plan = report["model"], report["plan"]
         lines += [
             f"model: {model['name']} · {model['device']} · {model['dtype']} ({model['dtype_reason']}) · {model['attn']}",
-            "forward: " + ("mdcli's own (masked forwards and lone tokens), transformers' for causal prefills"
-                           if plan["own_forward"] else f"transformers' ({plan['own_forward_reason']})"),
+            "forward: " + _forward_line(plan),
             f"kernels: {plan['description']}",
             f"attention: {plan['attention']}" + (f" up to {plan['bmm_max_queries']} queries, sdpa beyond"
                                                   if plan["attention"] == "bmm" and plan["bmm_max_queries"] else ""),
@@ -79,13 +79,26 @@ def _text(report: dict) -> str:
         ]
         if plan["blocks_reason"]:
             lines.append(f".gguf blocks not used: {plan['blocks_reason']}")
+        if plan["float32_reason"]:
+            lines.append(f"float32 weights kept beside the blocks: {plan['float32_reason']}")
+        lines.append("weights held: " + ", ".join(f"{name} {size / 2**20:.0f} MiB"
+                                                  for name, size in report["weight_bytes"].items()))
     return "\n".join(lines)
+
+
+def _forward_line(plan: dict) -> str:
+    if not plan["own_forward"]:
+        return f"transformers' ({plan['own_forward_reason']})"
+    if plan["on_blocks"]:
+        return "mdcli's own, every forward (no float32 projections for transformers')"
+    return "mdcli's own (masked forwards and lone tokens), transformers' for causal prefills"
 
 
 def _copies(plan: dict) -> list[str]:
     copies = []
     if plan["blocks"]:
-        copies.append(f".gguf {plan['blocks']} blocks for 1-{plan['block_rows']} tokens")
+        copies.append(f".gguf {plan['blocks']} blocks for " + ("every forward" if plan["on_blocks"]
+                                                               else f"1-{plan['block_rows']} tokens"))
     if plan["tiled"]:
         copies.append(f"tiled for up to {plan['tiled_rows']} tokens")
     if plan["transposed"]:

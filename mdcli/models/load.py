@@ -128,6 +128,7 @@ class LoadOptions(BaseModel):
     progress: Progress | None = None  # one-line progress messages
     cpu_weights: str = "float32"
     prompt_cache: str = "off"  # auto | off | a folder: prefixes kept on disk (the command line's default: auto)
+    keep_float32: bool = False  # a .gguf keeps its float32 weights beside its blocks (mdcli.models.on_blocks)
 
 
 def load_model(model: str | LoadOptions | None = None, **options) -> LoadedModel:
@@ -151,6 +152,7 @@ def _load_model(
     progress: Progress | None = None,
     cpu_weights: str = "float32",
     prompt_cache: str = "off",
+    keep_float32: bool = False,
 ) -> LoadedModel:
     """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id).
     cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.backends.weights.int8).
@@ -169,7 +171,7 @@ def _load_model(
         placement = _placement(bits, torch_dtype, device_map, torch_device)
         try:  # the projections and head left in the .gguf's blocks where mdcli.models.on_blocks covers it
             hf_model, float32_reason = on_blocks.load_if_covered(source.blocks_from, config, attn, torch_device, torch_dtype,
-                                                                 cpu_weights, placed=bool(placement))
+                                                                 cpu_weights, placed=bool(placement), keep_float32=keep_float32)
         except _weight_errors() as exc:
             raise _load_error(source, exc) from exc
         if hf_model is None:

@@ -6,7 +6,7 @@ runs without a sliding window, is built on the meta device and only its embeddin
 and rotary tables are made real. The projections and head are multiplied by the file's blocks at
 every width (mdcli.backends.weights.gguf_blocks), so the weights cost what the file costs instead
 of four bytes a weight (measured: notebook/memory.md). Anything else (another architecture, a
-K-quant, a window, `MDCLI_GGUF_FLOAT32=1`) loads as before, with the reason kept for the plan.
+K-quant, a window, `LoadOptions(keep_float32=True)`) loads as before, with the reason kept for the plan.
 
 Exactness: every block matrix is checked bit for bit against the float32 weights transformers'
 own GGUF loader would have made of that tensor (gguf-py's dequantization, then the loader's own
@@ -34,11 +34,11 @@ from mdcli.models.architectures import sliding_window_layout
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str) -> str | None:
+def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str, keep_float32: bool = False) -> str | None:
     """Why this load keeps float32 weights, from the options and config alone (None: it need not)."""
     current = settings_module.current()
-    if current.gguf_float32:
-        return f"{settings_module.variable('gguf_float32')}=1"
+    if keep_float32:
+        return "asked to keep them (LoadOptions.keep_float32: transformers' generate needs them)"
     if not current.gguf_blocks:
         return f"{settings_module.variable('gguf_blocks')}=0"
     if current.forward == "transformers":
@@ -53,13 +53,13 @@ def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str) 
 
 
 def load_if_covered(path: Path | None, config, attn: str, device: torch.device, dtype: torch.dtype, cpu_weights: str,
-                    *, placed: bool = False) -> tuple[torch.nn.Module | None, str | None]:
+                    *, placed: bool = False, keep_float32: bool = False) -> tuple[torch.nn.Module | None, str | None]:
     """(the model on its .gguf's blocks, None) where this module covers the load, else (None, why
     its float32 weights are loaded: None for a model that is no .gguf). placed: a device map places
     the weights."""
     if path is None:
         return None, None
-    why = "a device map places the weights" if placed else refusal(config, device, dtype, cpu_weights)
+    why = "a device map places the weights" if placed else refusal(config, device, dtype, cpu_weights, keep_float32)
     return (None, why) if why is not None else load_on_blocks(path, config, attn)
 
 

@@ -133,6 +133,11 @@ def on_blocks_only(model) -> bool:
     return weight is not None and weight.is_meta and model in _BLOCKS
 
 
+def source_of(model) -> Path | None:
+    """The .gguf file the model's weights come from, if it was loaded from one."""
+    return Path(_SOURCES[model]) if model in _SOURCES else None
+
+
 def source_known(model) -> bool:
     """The model was loaded from a .gguf whose blocks its float32 weights may be."""
     return model in _SOURCES

@@ -1,0 +1,158 @@
+"""A .gguf loads on its blocks (mdcli.models.on_blocks): no float32 copy of its projections, head or
+embedding exists, every forward (a causal prefill included) multiplies by the file's blocks, and
+every branch still decodes transformers' tokens with transformers' logits, on the embedded model
+and on tiny Llama, Qwen2 and Qwen3 models written to complete .gguf files. What the loader does not
+cover loads its float32 weights as before, and the plan says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from mdcli.backends.forward import ModelForward, causal_mask
+from mdcli.backends.select import select
+from mdcli.models.load import LoadOptions, load_model
+from mdcli.models.on_blocks import load_on_blocks, refusal
+from tests.reference import generate_alone, plain
+from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_gguf_blocks import PERMUTED, llama_cpp_permuted, needs_kernel, quantized
+
+# llama.cpp's tensor names for each part of a layer, and the file's architecture for each family
+PARTS = (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+         ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+         ("ffn_down", "mlp.down_proj"))
+ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def complete_gguf(model, path: Path, arch: str, *, kind: str = "Q4_1", head_kind: str = "Q8_0",
+                  float_part: str | None = None) -> Path:
+    """Write every tensor of a tiny model to a real .gguf as llama.cpp names and lays them out:
+    projections in `kind` blocks (q and k rows permuted where llama.cpp permutes that family), the
+    tied embedding in `head_kind`, norms and biases float32. The model's own weights are rounded in
+    place to what the blocks hold, so it stays the reference. float_part: one projection written
+    as plain float32 instead (a type the kernel does not read)."""
+    config = model.config
+    writer = GGUFWriter(str(path), ARCHITECTURE[arch])
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            for name, attribute in PARTS:
+                module = layer.get_submodule(attribute)
+                if name == float_part:
+                    writer.add_tensor(f"blk.{index}.{name}.weight", module.weight.numpy().copy())
+                else:
+                    codes, weights = quantized(module.weight.numpy(), kind)
+                    module.weight.copy_(weights)
+                    if PERMUTED[arch] and name in heads:
+                        codes = llama_cpp_permuted(codes, heads[name])
+                    writer.add_tensor(f"blk.{index}.{name}.weight", codes, raw_dtype=GGMLQuantizationType[kind])
+                if module.bias is not None:
+                    bias = module.bias.numpy().copy()
+                    writer.add_tensor(f"blk.{index}.{name}.bias",
+                                      llama_cpp_permuted(bias, heads[name]) if PERMUTED[arch] and name in heads else bias)
+            writer.add_tensor(f"blk.{index}.attn_norm.weight", layer.input_layernorm.weight.numpy().copy())
+            writer.add_tensor(f"blk.{index}.ffn_norm.weight", layer.post_attention_layernorm.weight.numpy().copy())
+            for norm in ("q_norm", "k_norm"):
+                if hasattr(layer.self_attn, norm):
+                    writer.add_tensor(f"blk.{index}.attn_{norm}.weight",
+                                      getattr(layer.self_attn, norm).weight.numpy().copy())
+        codes, weights = quantized(model.lm_head.weight.numpy(), head_kind)
+        model.lm_head.weight.copy_(weights)
+        model.model.embed_tokens.weight.copy_(weights)  # one tensor in the file: the tied embedding too
+        writer.add_tensor("token_embd.weight", codes, raw_dtype=GGMLQuantizationType[head_kind])
+        writer.add_tensor("output_norm.weight", model.model.norm.weight.numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def on_blocks(arch: str, tmp_path: Path, **written):
+    """(the tiny float32 reference, the same model loaded on its .gguf's blocks, or why not)."""
+    reference = tiny_model(arch, "sdpa")
+    path = complete_gguf(reference, tmp_path / f"{arch}.gguf", arch, **written)
+    model, why = load_on_blocks(path, reference.config, "sdpa")
+    return reference, model, why
+
+
+def test_the_embedded_model_holds_no_float32_projections_head_or_embedding(embedded):
+    model = embedded.model
+    plan = embedded.forward.plan
+    assert plan.on_blocks and plan.float32_reason == ""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    assert "model.embed_tokens.weight" in meta
+    assert all(any(f".{part}.weight" in name for _, part in PARTS) or name == "model.embed_tokens.weight"
+               for name in meta)
+    assert len(meta) == 1 + 7 * model.config.num_hidden_layers
+    held = embedded.forward.weight_bytes()
+    float32_bytes = sum(p.numel() * 4 for p in model.parameters())  # the float32 copy that is not made
+    assert sum(held.values()) < float32_bytes / 4, held
+    assert set(held) == {"the model's own parameters", ".gguf blocks"}
+
+
+@needs_kernel
+def test_the_embedded_models_causal_prefill_on_its_blocks_gives_transformers_logits(embedded):
+    """A prefill of 300 tokens after 40 cached ones, on the own forward with the causal mask: every
+    row's logits are transformers' on its own float32 load of the same file."""
+    from mdcli.core.cache import new_cache
+
+    tokens = torch.tensor(random_prompts(340, [340], seed=11)[0][:340]) % embedded.model.config.vocab_size
+    positions = torch.arange(340)
+    cache = new_cache()
+    forward = embedded.forward
+    forward(tokens[:40], positions[:40], None, cache, None)
+    ours = forward(tokens[40:], positions[40:], None, cache, torch.arange(300))  # [300, V]
+    with torch.inference_mode():
+        theirs = plain(embedded.model)(tokens[None]).logits[0, 40:]
+    assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_the_causal_mask_lets_each_new_token_see_the_cache_and_the_new_tokens_before_it():
+    mask = causal_mask(3, 2, torch.float32)[0, 0]  # [3, 5]
+    seen = mask == 0
+    assert seen.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", list(ARCHITECTURE))
+def test_tiny_ggufs_load_on_their_blocks_and_decode_generates_tokens(arch, tmp_path):
+    """A complete .gguf of each family: the loader builds the model on the meta device, finds every
+    matrix bit for bit, and a forest over it (prefill and steps on the blocks alone) decodes each
+    branch to transformers' tokens on the float32 model the file was written from."""
+    reference, model, why = on_blocks(arch, tmp_path)
+    assert why is None, why
+    assert model.model.layers[0].mlp.up_proj.weight.is_meta and model.model.embed_tokens.weight.is_meta
+    assert select(model).on_blocks
+    engine = engine_for(model)
+    prompts = random_prompts(30, [4, 7, 2, 9, 5, 3, 6, 8, 2, 4, 7, 5], seed=3)
+    for prompt, tokens in zip(prompts, greedy_forest(engine, prompts, steps=6)):
+        assert tokens == generate_alone(reference, prompt, len(tokens))
+    long = random_prompts(30, [40], seed=4)  # a prefill wider than the narrow kernel's rows
+    assert greedy_forest(engine_for(model), long, steps=6)[0] == generate_alone(reference, long[0], 6)
+
+
+@needs_kernel
+def test_a_projection_the_kernel_cannot_read_keeps_the_float32_load_and_says_which(tmp_path):
+    _, model, why = on_blocks("llama", tmp_path, float_part="ffn_down")
+    assert model is None and "ffn_down" in why and "F32" in why
+
+
+def test_what_the_loader_does_not_cover_is_said_before_any_weight_is_read(embedded):
+    config = embedded.model.config
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert refusal(config, cpu, f32, "float32") is None
+    assert refusal(config, cpu, f32, "int8") == "only float32 CPU models multiply by the blocks"
+    assert refusal(config, cpu, torch.bfloat16, "float32") == "only float32 CPU models multiply by the blocks"
+    assert "keep" in refusal(config, cpu, f32, "float32", keep_float32=True)
+
+
+def test_keeping_the_float32_weights_is_an_option_and_the_plan_says_so():
+    kept = load_model(LoadOptions(quiet=True, keep_float32=True))
+    assert not kept.forward.plan.on_blocks and "keep" in kept.forward.plan.float32_reason
+    assert not kept.model.model.layers[0].mlp.up_proj.weight.is_meta
+    assert kept.forward.plan.blocks == "Q4_1/Q8_0"  # a few tokens still read the blocks
