@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
+from mdcli.backends.weights import gguf_blocks
 from mdcli.bench.ask import APPROACHES, Case, run_case
 from mdcli.bench.harness import random_model
 from mdcli.cli.app import app
@@ -73,6 +75,18 @@ def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():
     attention_row = attention_table([(4, 40)], repeats=1).splitlines()[-1].split("|")
     assert linear_row[1].strip() == "2" and float(linear_row[5]) < 1e-5
     assert attention_row[1].strip() == "4 x 40" and float(attention_row[5]) < 1e-5
+
+
+@pytest.mark.skipif(gguf_blocks.library() is None, reason="the block kernel does not build on this CPU")
+def test_wide_block_benchmark_reports_the_blocks_agreeing_with_the_float32_weights():
+    """`--blocks-wide`: one layer of the embedded model's blocks against its float32 weights, a row
+    per M with every kernel's time and the largest relative difference (float32 rounding at most)."""
+    from mdcli.bench.kernels import blocks_wide_table
+
+    header, _, row = blocks_wide_table([9], repeats=1, tile_rows=[256]).splitlines()
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == len(header.strip("|").split("|"))
+    assert cells[0] == "9" and float(cells[-1]) < 1e-5 and cells[-2].endswith("x")
 
 
 def test_bench_reports_what_a_decode_step_reads_and_its_share_of_a_given_peak(tmp_path):

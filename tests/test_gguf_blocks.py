@@ -128,6 +128,43 @@ def test_products_agree_with_float32_for_every_row_count(kind, rows):
     assert float((ours.double() - exact).abs().max()) <= 4 * torchs + 1e-6
 
 
+# wide products: 1,101 outputs of 608 inputs (19 blocks) are tiles of 551 and 550 weight rows
+WIDE_OUT, WIDE_IN = 1101, 608
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, "narrow", "wide", 37, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_of_any_width_are_float32_products_of_the_blocks_weights(kind, rows, with_bias):
+    """Up to max_rows() rows the block kernel multiplies, beyond it a tile of weight rows at a time
+    (`tiled_product`): on either side of the switch, for 2-D and 3-D inputs, with and without a
+    bias, the product is x @ W.T in float32 of the blocks' own weights, within float32 rounding of
+    the float64 product, as close as torch's own float32 product is."""
+    rows = {"narrow": gguf_blocks.max_rows(), "wide": gguf_blocks.max_rows() + 1}.get(rows, rows)
+    generator = np.random.default_rng(rows + 100 * with_bias)
+    codes, weights = quantized(generator.standard_normal((WIDE_OUT, WIDE_IN)), kind)
+    weight = BlockWeight(kind, torch.from_numpy(codes), WIDE_IN)
+    assert gguf_blocks.tile_rows(WIDE_OUT) == 551  # two tiles of at most TILE_ROWS, the last one short
+    x = torch.from_numpy(generator.standard_normal((1, rows, WIDE_IN)).astype(np.float32))  # [1, M, in]
+    bias = torch.from_numpy(generator.standard_normal(WIDE_OUT).astype(np.float32)) if with_bias else None
+    exact = x.double() @ weights.double().T + (0 if bias is None else bias.double())  # [1, M, out]
+    torchs = float((torch.nn.functional.linear(x, weights, bias).double() - exact).abs().max())
+    for shaped in (x, x[0]):  # [1, M, in] and [M, in]
+        ours = block_linear(shaped, weight, bias)
+        assert ours.shape == (*shaped.shape[:-1], WIDE_OUT)
+        assert float((ours.double() - exact.view(ours.shape)).abs().max()) <= 4 * torchs + 1e-6
+
+
+def test_a_wide_product_writes_out_one_tile_of_float32_weights_at_a_time():
+    """A wide product's float32 weights are a tile of at most TILE_ROWS rows, never the whole
+    matrix (the blocks replace the float32 copies), in as few tiles as can hold the rows, of one size."""
+    assert gguf_blocks.TILE_ROWS == 1024
+    assert [gguf_blocks.tile_rows(n) for n in (960, 3072, 49152, 1024, 1025, 100, 1)] == [
+        960, 1024, 1024, 1024, 513, 100, 1]
+    assert gguf_blocks.tile_rows(250, most=41) == 36  # 7 tiles: 6 of 36 and one of 34
+
+
 @needs_kernel
 def test_the_kernel_refuses_anything_but_float32_cpu_rows_of_its_width():
     codes, _ = quantized(np.ones((4, 64)), "Q4_1")

@@ -1,9 +1,13 @@
-"""Forwards of a few tokens multiply by the .gguf file's own blocks: the same float32 weights in a sixth of the bytes.
+"""Forwards multiply by the .gguf file's own blocks: the same float32 weights in a sixth of the bytes.
 
 Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bit for bit) and the
-block kernel builds here, forwards of up to 16 tokens multiply by the blocks on AVX-512, up to 8 on
-AVX2 (MAX_ROWS_BY_CAPABILITY); wider forwards (a prefill) keep the float32 kernels. The selector
-(mdcli.backends.select) applies it; `MDCLI_GGUF_BLOCKS=0` turns it off.
+block kernel builds here, `block_linear` multiplies by the blocks at any width: up to max_rows()
+tokens (16 on AVX-512, 8 on AVX2: MAX_ROWS_BY_CAPABILITY) the block kernel rebuilds each weight in
+registers; above that (a prefill) a tile of up to TILE_ROWS weight rows at a time is written out as
+float32 by the same code and multiplied by torch's float32 GEMM: level with `F.linear` on the float32
+weights, 0.86-1.03x of the packed oneDNN copy, on one Zen 3 thread (measured: notebook/gguf-blocks.md,
+"Wide forwards on the blocks"). The selector (mdcli.backends.select) decides which forwards take
+the blocks; `MDCLI_GGUF_BLOCKS=0` turns them off.
 
 The embedded model ships as a Q4_1 GGUF (its output head Q8_0), and so does any `.gguf` a user
 passes: transformers dequantizes every block to float32 at load (gguf-py's `dequantize`), so the
@@ -42,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import struct
+import threading
 import weakref
 from dataclasses import dataclass
 from functools import cache
@@ -61,19 +66,28 @@ _COMMON = ("-O3", "-mfma", "-mf16c")
 FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
-# mdcli.backends.llama multiplies forwards of up to this many tokens by the blocks, wider ones (a
-# prefill) by its float32 kernels: 16 with AVX-512, where whole steps of up to 16 branches beat
+# block_linear multiplies forwards of up to this many tokens by the block kernel, wider ones (a
+# prefill) tile by tile (TILE_ROWS): 16 with AVX-512, where whole steps of up to 16 branches beat
 # oneDNN's packed copy; 8 with AVX2, whose build passes over 4 rows at a time, not 8 (its 16
 # registers), and costs more per row from 8 rows on (measured: notebook/gguf-blocks.md, "The .gguf's
 # own blocks: the same float32 weights in a sixth of the bytes"; the AVX2 build on an AVX-512 core,
-# not on an AVX2-only CPU).
+# not on an AVX2-only CPU). On an AVX2-only Zen 3 core the kernel and the tiles tie at 16-32 rows on
+# one thread, and the tiles' GEMM takes every thread, so the switch stays here (notebook/gguf-blocks.md,
+# "Wide forwards on the blocks").
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
+# Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
+# rows written out as float32 into a scratch (this thread's, kept: TILE_ROWS x in_features float32),
+# then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
+# several threads, waits for them all, so tiles are few and large: 1,024 rows tie 512 on one thread
+# and beat 128 and 256 (measured: notebook/gguf-blocks.md, "Wide forwards on the blocks").
+TILE_ROWS = 1024
 # Beside each model, never on it (keyed weakly: they go when the model does): the .gguf file its
 # float32 weights were dequantized from, and its blocks read from that file (or why there are none).
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CHECK_ROWS = 4096  # a big matrix is checked this many rows at a time (its float32 never whole in memory)
+_SCRATCH = threading.local()  # each thread's float32 scratch for the tiles of wide products
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +108,8 @@ class BlockWeight:
 
 
 def max_rows() -> int:
-    """Forwards of up to this many tokens multiply by the blocks (MAX_ROWS_BY_CAPABILITY)."""
+    """Forwards of up to this many tokens multiply by the block kernel, wider ones tile by tile
+    (MAX_ROWS_BY_CAPABILITY; 0 where the kernel does not build)."""
     return MAX_ROWS_BY_CAPABILITY.get(_capability(), 0)
 
 
@@ -144,7 +159,10 @@ def source_known(model) -> bool:
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) for W in blocks. x: [..., in] float32 CPU -> [..., out]."""
+    """x @ W.T (+ bias) for W in blocks, any number of rows. x: [..., in] float32 CPU -> [..., out].
+
+    Up to max_rows() rows the block kernel multiplies; wider inputs (a prefill) are multiplied tile
+    by tile (`tiled_product`)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
@@ -152,11 +170,51 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     if inner != flat.shape[1]:
         raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
-    product = getattr(library(), f"{weight.kind.lower()}_gemm")
-    product(flat.data_ptr(), flat.shape[0], inner, weight.data.data_ptr(), out_features, out.data_ptr())
+    if flat.shape[0] > max(max_rows(), 1):
+        tiled_product(flat, weight, out)
+    else:
+        narrow_product(flat, weight, out)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
+
+
+def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
+    """out = flat @ W.T by the block kernel (flat [rows, in], out [rows, out], contiguous float32)."""
+    product = getattr(library(), f"{weight.kind.lower()}_gemm")
+    product(flat.data_ptr(), flat.shape[0], flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr())
+
+
+def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int = TILE_ROWS) -> None:
+    """out = flat @ W.T (flat [rows, in], out [rows, out], contiguous float32), a tile of W's rows at
+    a time: the tile's weights written out as float32 by the kernel's own code (`*_dequantize`,
+    gguf-py's weights bit for bit) into this thread's scratch, then multiplied by torch's float32
+    GEMM into the tile's columns of `out`."""
+    out_features, inner = weight.shape
+    tile = tile_rows(out_features, most)
+    scratch = _scratch(tile * inner)[: tile * inner].view(tile, inner)
+    expand = getattr(library(), f"{weight.kind.lower()}_dequantize")
+    row_bytes, start_of = weight.data.stride(0), weight.data.data_ptr()
+    with torch.no_grad():  # products with out= record no gradient
+        for start in range(0, out_features, tile):
+            rows = min(tile, out_features - start)
+            expand(start_of + start * row_bytes, rows, inner, scratch.data_ptr())
+            torch.mm(flat, scratch[:rows].t(), out=out[:, start:start + rows])
+
+
+def tile_rows(out_features: int, most: int = TILE_ROWS) -> int:
+    """Weight rows a tile of `tiled_product`: the weight's rows in as few tiles of at most `most` as
+    can hold them, all of one size but the last (3072 rows of at most 1024: 3 of 1024; 1025: 513 and 512)."""
+    tiles = -(-out_features // most)  # ceil
+    return -(-out_features // tiles)
+
+
+def _scratch(size: int) -> torch.Tensor:
+    """This thread's float32 scratch of at least `size` values, kept for the next product."""
+    held = getattr(_SCRATCH, "buffer", None)
+    if held is None or held.numel() < size:
+        held = _SCRATCH.buffer = torch.empty(size, dtype=torch.float32)
+    return held
 
 
 def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
