@@ -154,6 +154,7 @@ class Stats:
     accepted_tokens: int = 0  # ... and how many of them were the branch's own tokens
     forwards: int = 0  # model forwards in all, prefill pieces included
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache, not a forward
+    peak_rss_bytes: int = 0  # the process's resident peak so far, load included (mdcli.core.resident; 0: unknown)
 
     @property
     def tokens_per_second(self) -> float:

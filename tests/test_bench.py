@@ -42,6 +42,9 @@ def test_bench_command_writes_json_with_machine_facts_and_ratios(tmp_path):
     assert len(report["results"]) == 2 * len(APPROACHES)
     assert all(r["same_tokens_as_forest"] for r in report["results"])
     assert all(r["forest_speedup"] > 0 for r in report["results"])
+    assert report["process_peak_rss_bytes"] > 0  # one figure for the whole process, not per row
+    assert all("rss" not in key for r in report["results"] for key in r)
+    assert "Peak RSS of the whole bench process" in result.stdout
 
 
 def test_bench_can_give_the_alternatives_mdclis_kernels_and_records_which_ran(tmp_path):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mdcli.cli.app import app
@@ -152,6 +153,17 @@ def test_jsonl_is_start_tokens_finishes_answers_done_and_nothing_else(story):
         assert tokens == finish["token_ids"]
         assert finish["finish_reason"] in ("stop", "length")
     assert events[-1]["stats"]["generated_tokens"] == sum(len(f["token_ids"]) for f in finishes)
+
+
+def test_done_stats_give_the_process_resident_peak_in_bytes(story):
+    """peak_rss_bytes is this process's high-water mark, load included: at least a 256 MiB tensor
+    the process holds (written, so resident) during the run, and less than the machine's memory (a
+    KiB count taken for bytes fails the first, bytes taken for KiB the second)."""
+    held = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, every page written
+    result = mdcli("ask-many", str(story), "-q", "Who?", "-n", "2", "--jsonl")
+    assert result.exit_code == 0, result.stderr
+    peak = json.loads(result.stdout.splitlines()[-1])["stats"]["peak_rss_bytes"]
+    assert held.nbytes <= peak < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_plain_output_prints_each_answer_under_its_question(story):

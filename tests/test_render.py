@@ -219,11 +219,18 @@ def test_summary_line_reads_like_the_documented_example():
         peak_cache_tokens=1912,
         final_cache_tokens=1800,
         compactions=0,
+        peak_rss_bytes=612 * 2**20,
     )
     assert (
         summary_line(book, stats)
-        == "8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens"
+        == "8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens · peak RSS 612 MiB"
     )
+
+
+def test_summary_line_leaves_out_a_resident_peak_the_platform_did_not_give():
+    stats = Stats(prompt_tokens=9, prefill_tokens=9, generated_tokens=4, steps=2, seconds=1.0, prefill_seconds=0.2,
+                  decode_seconds=0.8, peak_cache_tokens=13, final_cache_tokens=13, compactions=0, peak_rss_bytes=0)
+    assert "RSS" not in summary_line(BranchBook(), stats)
 
 
 def test_the_header_names_the_cpu_kernels_and_why_on_cpu_only():

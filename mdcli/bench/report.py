@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from mdcli.backends.host import cpu_model, has_avx512
+from mdcli.core.resident import peak_rss_bytes
 from mdcli.errors import UsageError
 
 try:  # optional: only `mdcli bench --plot` draws
@@ -155,8 +156,25 @@ def plot(table: list[dict], path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def as_json(facts: dict, table: list[dict], command: str) -> dict:
-    return {"command": command, "machine": facts, "results": table}
+def process_memory() -> dict:
+    """The bench process's resident peak, read after every approach ran (mdcli.core.resident): one
+    figure for the whole process, the model's load included. It cannot be split between approaches
+    that ran in one process (the peak is a high-water mark), so no row has one of its own; for
+    per-process peaks, benchmarks/memory.py runs each command in a process of its own."""
+    return {"process_peak_rss_bytes": peak_rss_bytes()}
+
+
+def memory_note(memory: dict) -> str:
+    """The line under the table, e.g. ``Peak RSS of the whole bench process: 1,861 MiB (...)``."""
+    peak = memory.get("process_peak_rss_bytes") or 0
+    if not peak:
+        return "Peak RSS: not reported on this platform."
+    return (f"Peak RSS of the whole bench process: {peak / 2**20:,.0f} MiB (after every approach and repeat, the "
+            "model's load included; one process cannot split it between approaches, so no row has its own)")
+
+
+def as_json(facts: dict, table: list[dict], command: str, memory: dict | None = None) -> dict:
+    return {"command": command, "machine": facts, **(memory or {}), "results": table}
 
 
 def _key(m: Measurement) -> tuple:

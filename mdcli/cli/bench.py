@@ -95,7 +95,9 @@ def bench(
             combine_repeats,
             machine_facts,
             markdown_table,
+            memory_note,
             plot,
+            process_memory,
             rows,
         )
 
@@ -126,15 +128,16 @@ def bench(
         if warmup:
             measure(lm, Case(2, 64, 4), chosen)
         results = _sweep(lm, cases, chosen, repeats, quiet, measure, combine_repeats)
+        memory = process_memory()  # after every run: the whole process's peak
         table = rows(results, peak_bandwidth)
         command = "mdcli " + " ".join(sys.argv[1:])
-        _print_table(table, facts)
+        _print_table(table, facts, memory_note(memory))
         if json_path:
-            json_path.write_text(json.dumps(as_json(facts, table, command), indent=2) + "\n")
+            json_path.write_text(json.dumps(as_json(facts, table, command, memory), indent=2) + "\n")
         if plot_path:
             plot(table, str(plot_path))
         if markdown_path:
-            markdown_path.write_text(_markdown_report(facts, command, markdown_table(table)))
+            markdown_path.write_text(_markdown_report(facts, command, markdown_table(table) + "\n" + memory_note(memory) + "\n"))
 
 
 def _whole_process(branches: str, context: str, new_tokens: str, repeats: int, json_path, markdown_path) -> None:
@@ -164,7 +167,7 @@ def _sweep(lm, cases, chosen, repeats, quiet, run_case, combine_repeats):
     return results
 
 
-def _print_table(table: list[dict], facts: dict) -> None:
+def _print_table(table: list[dict], facts: dict, note: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -195,6 +198,7 @@ def _print_table(table: list[dict], facts: dict) -> None:
                            for r in steps)
         Console(width=wide).print(f"forest step against transformers' own single-sequence step (stock kernels, same context): "
                         f"{ratios}")
+    Console(width=wide).print(note)
 
 
 def _bandwidth_cell(row: dict) -> str:

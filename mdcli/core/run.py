@@ -11,7 +11,8 @@ A `Run` owns one engine (one shared KV cache) from the Start event to the Done e
 * the prompt cache around the run's first prefill (`Run.prefill`, with a `PrefixStore`): the
   prompts' shared prefix is laid down from the store as far as it holds it, and kept there after;
 * compaction: dropping the cache slots no live row reaches (`Run.maybe_compact`);
-* the counters behind the Done event's stats (`DecodeCounters`).
+* the counters behind the Done event's stats (`DecodeCounters`), and the process's resident peak
+  when the stats are taken (mdcli.core.resident).
 
 Strategies decide which branches exist; the step loop (mdcli/core/steps.py) decodes them over a Run.
 """
@@ -28,6 +29,7 @@ import torch
 from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
 from mdcli.core.forest import common_prefix_length, pad_rows
 from mdcli.core.prefix_store import PrefixStore
+from mdcli.core.resident import peak_rss_bytes
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
 from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
@@ -87,6 +89,7 @@ class DecodeCounters:
             accepted_tokens=self.accepted_tokens,
             forwards=engine.forwards,
             cached_tokens=self.cached_tokens,
+            peak_rss_bytes=peak_rss_bytes(),
         )
 
 

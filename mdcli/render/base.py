@@ -301,7 +301,8 @@ def sources_line(sources: tuple[Source, ...]) -> str:
 
 def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -> str:
     """One line of run statistics, e.g.
-    ``8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens``."""
+    ``8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens · peak RSS 612 MiB``
+    (the process's resident peak, load included; left out where the platform does not say)."""
     pruned = len(book.with_status("pruned"))
     branches = f"{len(book)} branch" + ("" if len(book) == 1 else "es")
     if pruned:
@@ -315,6 +316,8 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
     ]
     if stats.cached_tokens:
         parts.append(f"{stats.cached_tokens:,} prompt tokens from the prompt cache")
+    if stats.peak_rss_bytes:
+        parts.append(f"peak RSS {stats.peak_rss_bytes / 2**20:,.0f} MiB")
     if interrupted:
         parts.append("interrupted")
     return " · ".join(parts)
