@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.bench.ask import QUESTIONS  # noqa: E402
@@ -72,35 +72,38 @@ def measured_child(command: list[str], workdir: Path, env: dict[str, str] | None
     return {"peak_rss_bytes": maxrss_bytes(usage), "seconds": round(seconds, 2), "stdout": out.read_text()}
 
 
-def mdcli_command(report: Path) -> list[str]:
+def mdcli_command(report: Path, model: Path | None = None) -> list[str]:
     asks = [part for question in QUESTIONS for part in ("-q", question)]
-    return [sys.executable, "-m", "mdcli", "ask-many", str(report), *asks, "--max-new-tokens", str(NEW_TOKENS),
+    chosen = ["-m", str(model)] if model else []
+    return [sys.executable, "-m", "mdcli", "ask-many", str(report), *asks, *chosen, "--max-new-tokens", str(NEW_TOKENS),
             "--prompt-cache", "off", "--jsonl"]
 
 
-def run_mdcli(report: Path, workdir: Path) -> dict:
+def run_mdcli(report: Path, workdir: Path, model: Path | None = None) -> dict:
     """One `mdcli ask-many` process: its peak, and what its own `start` and `done` events say."""
     env = child_environment(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    result = measured_child(mdcli_command(report), workdir, env)
+    result = measured_child(mdcli_command(report, model), workdir, env)
     events = [json.loads(line) for line in result.pop("stdout").splitlines() if line.strip()]
     result["done_peak_rss_bytes"] = events[-1]["stats"]["peak_rss_bytes"]
     result["longest_prompt_tokens"] = max(len(b["prompt_token_ids"]) for b in events[0]["branches"])
+    result["peak_cache_tokens"] = events[-1]["stats"]["peak_cache_tokens"]
     return result
 
 
-def llama_command(binary: str, prompt_tokens: int, fitted: bool) -> list[str]:
-    command = [binary, "-m", str(embedded_gguf_path()), "-npp", str(prompt_tokens), "-ntg", str(NEW_TOKENS),
+def llama_command(binary: str, prompt_tokens: int, fitted: bool, model: Path | None = None) -> list[str]:
+    command = [binary, "-m", str(model or embedded_gguf_path()), "-npp", str(prompt_tokens), "-ntg", str(NEW_TOKENS),
                "-npl", str(len(QUESTIONS)), "-pps", "-kvu", "-t", str(LLAMA_THREADS), "-fa", "off"]
     return command + ["-c", str(prompt_tokens + len(QUESTIONS) * NEW_TOKENS)] if fitted else command
 
 
-def run_llama(binary: str, prompt_tokens: int, fitted: bool, workdir: Path) -> dict:
-    result = measured_child(llama_command(binary, prompt_tokens, fitted), workdir)
+def run_llama(binary: str, prompt_tokens: int, fitted: bool, workdir: Path, model: Path | None = None) -> dict:
+    result = measured_child(llama_command(binary, prompt_tokens, fitted, model), workdir)
     result.pop("stdout")
     return result
 
 
-def measure(binary: str | None, repeats: int, workdir: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+def measure(binary: str | None, repeats: int, workdir: Path,
+            model: Path | None = None) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
     """Every row `repeats` times, alternating the order; mdcli first, so the llama.cpp rows know
     the prompt length mdcli built."""
     report = workdir / "report.txt"
@@ -114,14 +117,14 @@ def measure(binary: str | None, repeats: int, workdir: Path) -> tuple[dict[str, 
             order = names  # the first round must start with mdcli
         for name in order:
             if name == "mdcli":
-                runs[name].append(run_mdcli(report, workdir))
+                runs[name].append(run_mdcli(report, workdir, model))
                 prompt_tokens = runs[name][-1]["longest_prompt_tokens"]
             else:
-                runs[name].append(run_llama(binary, prompt_tokens, name == "llama.cpp", workdir))
-    commands = {"mdcli": mdcli_command(Path("REPORT"))}
+                runs[name].append(run_llama(binary, prompt_tokens, name == "llama.cpp", workdir, model))
+    commands = {"mdcli": mdcli_command(Path("REPORT"), model)}
     if binary:
-        commands["llama.cpp"] = llama_command(binary, prompt_tokens, True)
-        commands["llama.cpp, model ctx"] = llama_command(binary, prompt_tokens, False)
+        commands["llama.cpp"] = llama_command(binary, prompt_tokens, True, model)
+        commands["llama.cpp, model ctx"] = llama_command(binary, prompt_tokens, False, model)
     return runs, commands
 
 
@@ -129,13 +132,15 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
-def markdown(runs: dict[str, list[dict]], commands: dict[str, list[str]], binary: str | None, repeats: int) -> str:
+def markdown(runs: dict[str, list[dict]], commands: dict[str, list[str]], binary: str | None, repeats: int,
+             model: Path | None = None) -> str:
     mib = 2**20
     mdcli = median_of(runs["mdcli"], "peak_rss_bytes")
     lines = [
         f"CPU: {cpu_line()}; {_dt.date.today().isoformat()}; {len(QUESTIONS)} questions over a "
         f"{REPORT_TOKENS:,}-token report (longest prompt {runs['mdcli'][0]['longest_prompt_tokens']:,} tokens), "
-        f"{NEW_TOKENS} new tokens each; the embedded model's .gguf ({embedded_gguf_path().name}); "
+        f"{NEW_TOKENS} new tokens each; " + (f"{model.name} ({model.stat().st_size / mib:,.0f} MiB)" if model else
+                                              f"the embedded model's .gguf ({embedded_gguf_path().name})") + "; "
         f"peak resident set of each whole process (os.wait4), median of {repeats}. Seconds are not a "
         f"speed comparison: llama.cpp runs {LLAMA_THREADS} threads on random prompt tokens, mdcli its defaults.",
         "",
@@ -155,17 +160,33 @@ def markdown(runs: dict[str, list[dict]], commands: dict[str, list[str]], binary
     return "\n".join(lines) + "\n"
 
 
+def bound_line(model: Path, peak: float, cache_tokens: int) -> str:
+    """Issue 39's bound for a model: twice the file plus the KV cache the job filled (float32)."""
+    config = AutoConfig.from_pretrained(model.parent, gguf_file=model.name)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = cache_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    bound = 2 * model.stat().st_size + kv
+    mib = 2**20
+    return (f"\nBound: 2 x {model.stat().st_size / mib:,.0f} MiB (the file) + {kv / mib:,.0f} MiB (KV cache, "
+            f"{cache_tokens:,} tokens, float32) = {bound / mib:,.0f} MiB; mdcli's peak {peak / mib:,.0f} MiB is "
+            f"{peak / bound:.2f} of it.\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH"),
                         help="path of llama.cpp's llama-batched-bench (default: $LLAMA_BATCHED_BENCH)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a .gguf to run instead of the embedded one (e.g. from benchmarks/random_gguf.py)")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args()
     binary = args.llama_batched_bench if args.llama_batched_bench and Path(args.llama_batched_bench).is_file() else None
     with tempfile.TemporaryDirectory() as folder:
-        runs, commands = measure(binary, args.repeats, Path(folder))
-    text = markdown(runs, commands, binary, args.repeats)
+        runs, commands = measure(binary, args.repeats, Path(folder), args.model)
+    text = markdown(runs, commands, binary, args.repeats, args.model)
+    if args.model:
+        text += bound_line(args.model, median_of(runs["mdcli"], "peak_rss_bytes"), runs["mdcli"][0]["peak_cache_tokens"])
     print(text, end="")
     if args.out:
         args.out.with_suffix(".md").write_text(f"Command: `python benchmarks/memory.py {' '.join(sys.argv[1:])}`\n\n{text}")

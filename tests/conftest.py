@@ -63,3 +63,13 @@ def tiny_dir(tmp_path_factory):
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def embedded_float32():
+    """The real default model loaded with its float32 weights kept beside its .gguf blocks
+    (LoadOptions.keep_float32): for the tests of the float32 kernels (packed, transposed, tiled,
+    the blocks for a few tokens beside them). The default load holds no float32 weights."""
+    from mdcli.models.load import LoadOptions, load_model
+
+    return load_model(LoadOptions(quiet=True, keep_float32=True))

@@ -22,6 +22,7 @@ from mdcli.events import Done, Finish, Fork, Progress, Prune, Start, Token
 from mdcli.render.base import BranchBook
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.beam import BeamParams, BeamPrompt, BeamSearch
+from tests.reference import plain
 from tests.test_engine_exactness import engine_for, random_prompts, tiny_model
 
 NEW_TOKENS = 10
@@ -52,6 +53,7 @@ def case_id(case) -> str:
 
 def hf_beam(model, prompt: list[int], params: BeamParams, eos: list[int]) -> list[tuple[list[int], float]]:
     """transformers' beam search: (generated ids, sequences_score) per returned sequence, best first."""
+    model = plain(model)
     model.generation_config.eos_token_id = list(eos) or None
     with torch.inference_mode():
         out = model.generate(
@@ -71,6 +73,7 @@ def hf_beam(model, prompt: list[int], params: BeamParams, eos: list[int]) -> lis
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int, eos: list[int]) -> list[int]:
+    model = plain(model)
     model.generation_config.eos_token_id = list(eos) or None
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -80,7 +83,7 @@ def hf_greedy(model, prompt: list[int], new_tokens: int, eos: list[int]) -> list
 
 def hf_fill_value(model, eos: list[int]) -> int:
     """What generate pads shorter returned sequences with (its `output_fill_value`)."""
-    pad = model.generation_config.pad_token_id
+    pad = plain(model).generation_config.pad_token_id
     return (pad or eos[0]) if eos else -1
 
 

@@ -123,10 +123,10 @@ def test_bench_reports_the_forest_step_against_transformers_own_single_sequence_
     assert "single-sequence step" in result.output and "1 branch" in result.output and "2 branches" in result.output
 
 
-def test_weight_bytes_count_a_tied_embedding_once(embedded):
+def test_weight_bytes_count_a_tied_embedding_once(embedded_float32):
     from mdcli.bench.ask import weight_bytes
 
-    model = embedded.model  # SmolLM2 ties its output head to the input table
+    model = embedded_float32.model  # SmolLM2 ties its output head to the input table
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     assert weight_bytes(model) == sum(unique.values())
@@ -265,8 +265,8 @@ def test_the_int8_forest_runs_beside_the_float32_one_and_is_not_held_to_its_toke
     assert int8_copy(lm) is int8_copy(lm)  # quantized once per model
 
 
-def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_tokens(embedded):
-    """forest-no-blocks: the embedded model's forest on the float32 kernels only (a plan chosen
+def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_tokens(embedded_float32):
+    """forest-no-blocks: the embedded_float32 model's forest on the float32 kernels only (a plan chosen
     with gguf_blocks off for that run, the environment untouched and the loaded model's plan kept),
     the same weights, so the same tokens are required."""
     import os
@@ -275,12 +275,12 @@ def test_the_forest_without_blocks_runs_beside_the_forest_and_must_give_its_toke
     from mdcli.backends.weights.gguf_blocks import blocks_work, library
 
     environment = dict(os.environ)
-    forward, plan = embedded.forward, embedded.forward.plan
-    results = {r.approach: r for r in run_case(embedded, Case(2, 40, 4), ("forest", "forest-no-blocks"))}
+    forward, plan = embedded_float32.forward, embedded_float32.forward.plan
+    results = {r.approach: r for r in run_case(embedded_float32, Case(2, 40, 4), ("forest", "forest-no-blocks"))}
     assert results["forest-no-blocks"].matches_forest is True
     assert dict(os.environ) == environment
     serving = "Q4_1/Q8_0" if library() is not None and blocks_work() else None
-    assert embedded.forward is forward and embedded.forward.plan is plan and plan.blocks == serving
-    assert (embedded.forward.own.blocks is not None) == (serving is not None)
-    assert select(embedded.model).blocks == serving  # read again after it
+    assert embedded_float32.forward is forward and embedded_float32.forward.plan is plan and plan.blocks == serving
+    assert (embedded_float32.forward.own.blocks is not None) == (serving is not None)
+    assert select(embedded_float32.model).blocks == serving  # read again after it
 

@@ -155,29 +155,29 @@ def test_fused_projections_are_views_of_one_buffer_made_once():
     assert again.qkv.data_ptr() == first.qkv.data_ptr()  # a second engine reuses the fused buffer
 
 
-def test_real_model_own_forward_matches_transformers_and_generate(embedded):
-    """The embedded SmolLM2 (Llama): three questions over a shared document, one finishing early."""
-    tokenizer = embedded.tokenizer
+def test_real_model_own_forward_matches_transformers_and_generate(embedded_float32):
+    """The embedded_float32 SmolLM2 (Llama): three questions over a shared document, one finishing early."""
+    tokenizer = embedded_float32.tokenizer
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
     prompts = [tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
-    worst, generated = lockstep_logits(embedded.model, prompts, steps=8, drop_at=3)
+    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, drop_at=3)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     for i in (0, 2):
-        expected = generate_alone(embedded.model, prompts[i], len(generated[i]))  # stops at EOS, if any
+        expected = generate_alone(embedded_float32.model, prompts[i], len(generated[i]))  # stops at EOS, if any
         assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
 
 
 @needs_openblas
-def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(embedded):
-    """The embedded SmolLM2, one branch: every step's products on OpenBLAS (what one thread on an
+def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(embedded_float32):
+    """The embedded_float32 SmolLM2, one branch: every step's products on OpenBLAS (what one thread on an
     AVX-512 host runs), logits within float32 rounding, greedy tokens those of generate."""
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
-    prompt = embedded.tokenizer(f"{document}\nQuestion: Who is Mara?\nAnswer:")["input_ids"]
-    worst, generated = lockstep_logits(embedded.model, [prompt], steps=8, variant=("bmm", None), transposed=True,
+    prompt = embedded_float32.tokenizer(f"{document}\nQuestion: Who is Mara?\nAnswer:")["input_ids"]
+    worst, generated = lockstep_logits(embedded_float32.model, [prompt], steps=8, variant=("bmm", None), transposed=True,
                                        lone_blas=True, blocks=False)  # the float32 copies, not the .gguf's blocks
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
-    expected = generate_alone(embedded.model, prompt, len(generated[0]))
+    expected = generate_alone(embedded_float32.model, prompt, len(generated[0]))
     assert len(expected) >= 4 and generated[0][: len(expected)] == expected
 
 

@@ -195,24 +195,24 @@ def test_a_file_that_is_not_gguf_is_refused_by_the_reader(tmp_path):
 
 
 @needs_kernel
-def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embedded):
-    """The embedded SmolLM2 loads with its .gguf remembered; every projection and the head are its
+def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embedded_float32):
+    """The embedded_float32 SmolLM2 loads with its .gguf remembered; every projection and the head are its
     Q4_1 / Q8_0 blocks bit for bit (checked at load, and here for the head), the header says so, and
     three branches on the blocks give transformers' logits and generate's tokens."""
-    assert embedded.forward.plan.blocks == "Q4_1/Q8_0" and embedded.forward.plan.blocks_reason is None
-    assert embedded.forward.own.blocks is not None  # the forward the loaded model carries reads them
-    forward = own_forward(embedded.model)
+    assert embedded_float32.forward.plan.blocks == "Q4_1/Q8_0" and embedded_float32.forward.plan.blocks_reason is None
+    assert embedded_float32.forward.own.blocks is not None  # the forward the loaded model carries reads them
+    forward = own_forward(embedded_float32.model)
     assert forward.blocks is not None and forward.blocks_reason is None
-    assert torch.equal(dequantize(forward.block_head), embedded.model.lm_head.weight)
-    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded, verbose=True)
-    assert "blocks" not in header(embedded)  # the short header names model, device and dtype only
+    assert torch.equal(dequantize(forward.block_head), embedded_float32.model.lm_head.weight)
+    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded_float32, verbose=True)
+    assert "blocks" not in header(embedded_float32)  # the short header names model, device and dtype only
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
-    prompts = [embedded.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
-    worst, generated = lockstep_logits(embedded.model, prompts, steps=8, drop_at=3, blocks=True)
+    prompts = [embedded_float32.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
+    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, drop_at=3, blocks=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     for i in (0, 2):
-        expected = generate_alone(embedded.model, prompts[i], len(generated[i]))
+        expected = generate_alone(embedded_float32.model, prompts[i], len(generated[i]))
         assert len(expected) >= 4 and generated[i][: len(expected)] == expected, f"branch {i}"
 
 
@@ -303,19 +303,19 @@ def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_pat
 
 
 @needs_kernel
-def test_the_opt_out_and_other_settings_keep_the_float32_kernels(embedded):
+def test_the_opt_out_and_other_settings_keep_the_float32_kernels(embedded_float32):
     """MDCLI_GGUF_BLOCKS=0, or transformers' own forward (MDCLI_FORWARD=transformers): no blocks read,
     and the header does not claim them."""
-    off = select(embedded.model, settings_with(gguf_blocks=False))
+    off = select(embedded_float32.model, settings_with(gguf_blocks=False))
     assert off.blocks is None and off.blocks_reason is None
-    assert FastForward(embedded.model, off).blocks is None
-    without = replace(embedded, forward=ModelForward(embedded.model, off, sliding_window=embedded.sliding_window))
+    assert FastForward(embedded_float32.model, off).blocks is None
+    without = replace(embedded_float32, forward=ModelForward(embedded_float32.model, off, sliding_window=embedded_float32.sliding_window))
     assert without.forward.own.blocks is None
     assert "blocks" not in header(without, verbose=True) and "kernels" in header(without, verbose=True)
-    reference = select(embedded.model, settings_with(forward="transformers"))
+    reference = select(embedded_float32.model, settings_with(forward="transformers"))
     assert reference.blocks is None and not reference.own_forward
     assert "blocks" not in reference.describe()
-    assert select(embedded.model).blocks == "Q4_1/Q8_0"  # the model's own plan is untouched by either
+    assert select(embedded_float32.model).blocks == "Q4_1/Q8_0"  # the model's own plan is untouched by either
 
 
 def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monkeypatch, tmp_path):

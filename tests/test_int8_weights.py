@@ -170,7 +170,7 @@ def test_ask_many_runs_on_int8_weights_from_the_command_line_and_says_so(tiny_di
     assert "int8 weights" in result.stderr and "kernels torch int8" in result.stderr  # the header says what ran
 
 
-def test_an_int8_step_reads_under_a_third_of_the_float32_steps_weight_bytes(embedded, embedded_int8):
+def test_an_int8_step_reads_under_a_third_of_the_float32_steps_weight_bytes(embedded_float32, embedded_int8):
     from mdcli.bench.ask import weight_bytes
 
-    assert weight_bytes(embedded_int8.model) < weight_bytes(embedded.model) / 3
+    assert weight_bytes(embedded_int8.model) < weight_bytes(embedded_float32.model) / 3

@@ -68,10 +68,10 @@ def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate
     assert forward.prefix_forwards >= 8, "the prefill's masked forwards and the steps take the prefix plan"
 
 
-def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded):
+def test_the_real_model_takes_the_prefix_plan_by_the_rule_and_matches_generate(embedded_float32):
     prompts = [p for p in chain_forest() for _ in range(3)]  # three questions per depth: 21 branches
     prompts = [p + [7 + i % 3] for i, p in enumerate(prompts)]
-    forward = by_rule_equals_dense_and_generate(embedded.model, prompts, 3)
+    forward = by_rule_equals_dense_and_generate(embedded_float32.model, prompts, 3)
     assert forward.prefix_forwards >= 1
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mdcli.core.sampling import Sampler, SamplingParams, branch_seed, filtered_logits, outside_nucleus
@@ -21,6 +21,12 @@ def nucleus_by_full_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 @settings(max_examples=200, deadline=None)
 def test_the_fast_nucleus_equals_the_full_sort(seed, top_p, spread, vocab):
     scores = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * spread
+    # a token whose mass before it is top_p to float32 rounding is in or out by the order the
+    # probabilities were summed in (a softmax over another order rounds differently; seen on an
+    # AVX2 host at top_p 0.999): such ties are no property of the rule, so they are not drawn
+    probs = scores.double().softmax(-1).sort(descending=True).values
+    mass_before = probs.cumsum(-1) - probs  # [V]: what each token's predecessors hold
+    assume(bool((mass_before - top_p).abs().min() > 1e-5))
     assert torch.equal(outside_nucleus(scores, top_p, candidates=64), nucleus_by_full_sort(scores, top_p))
 
 

@@ -147,10 +147,10 @@ def by_rule_equals_dense_and_generate(model, prompts, steps: int):
     return own_forward(ruled)
 
 
-def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded):
+def test_the_real_model_on_a_wide_forest_matches_the_dense_path_and_generate(embedded_float32):
     """By the rule (auto): the prefill of twelve unrelated roots gathers, the decode steps too
     where each branch sees little of the cache."""
-    forward = by_rule_equals_dense_and_generate(embedded.model, wide_forest(), 4)
+    forward = by_rule_equals_dense_and_generate(embedded_float32.model, wide_forest(), 4)
     assert forward.sparse_forwards >= 1
 
 

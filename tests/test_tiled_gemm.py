@@ -75,19 +75,19 @@ def test_tiled_forwards_give_transformers_logits_and_generate_tokens(arch, packe
 
 
 @needs_kernel
-def test_real_model_branches_on_the_tiled_copy_give_generate_tokens(embedded):
-    """The embedded SmolLM2, four questions over one document: every step's products on the tiled
+def test_real_model_branches_on_the_tiled_copy_give_generate_tokens(embedded_float32):
+    """The embedded_float32 SmolLM2, four questions over one document: every step's products on the tiled
     copy, logits within float32 rounding of transformers' forward, each branch's tokens generate's
     (up to its end of text: the lockstep decodes on past it)."""
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ["Who is Mara?", "What did Mara climb?", "When did she climb?", "How many steps?"]
-    prompts = [embedded.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
-    worst, generated = lockstep_logits(embedded.model, prompts, steps=8, variant=("bmm", None), transposed=False,
+    prompts = [embedded_float32.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
+    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, variant=("bmm", None), transposed=False,
                                        tiled=True, blocks=False)  # the tiled copy, not the .gguf's blocks
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     compared = 0
     for prompt, tokens in zip(prompts, generated):
-        expected = generate_alone(embedded.model, prompt, len(tokens))  # stops at the end of the answer
+        expected = generate_alone(embedded_float32.model, prompt, len(tokens))  # stops at the end of the answer
         assert tokens[: len(expected)] == expected
         compared += len(expected)
     assert compared >= 12

@@ -34,13 +34,31 @@ class ModelForward:
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
+        self.vocab_size = model.lm_head.out_features
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         if mask is None and len(tokens) > 1 and self.plan.on_blocks:  # no float32 weights for transformers' forward
-            mask = causal_mask(len(tokens), cache.get_seq_length(), self.dtype)
+            return self._causal_pieces(tokens, positions, cache, keep)
         own = self.own is not None and (mask is not None or (len(tokens) == 1 and not self.windowed))
         with torch.inference_mode(), cuda_attention(self.device, self.plan.cudnn_attention):
             return (self.own if own else self.reference)(tokens, positions, mask, cache, keep)
+
+    def _causal_pieces(self, tokens, positions, cache, keep) -> torch.Tensor | None:
+        """A causal continuation on the own forward, CAUSAL_PIECE tokens at a time, each with its
+        causal mask: the same products as one forward (each token sees the cache and the tokens
+        before it either way), with a quarter of a 1,024-token forward's activations resident
+        (measured: notebook/memory.md). keep: [C] row indices of the whole continuation."""
+        rows = None if keep is None else torch.empty(len(keep), self.vocab_size, dtype=self.dtype)
+        for start in range(0, len(tokens), CAUSAL_PIECE):
+            stop = min(start + CAUSAL_PIECE, len(tokens))
+            wanted = None if keep is None else ((keep >= start) & (keep < stop)).nonzero()[:, 0]  # [c] into keep
+            mask = causal_mask(stop - start, cache.get_seq_length(), self.dtype)
+            with torch.inference_mode():
+                logits = self.own(tokens[start:stop], positions[start:stop], mask, cache,
+                                  keep[wanted] - start if wanted is not None and len(wanted) else None)
+            if logits is not None:
+                rows[wanted] = logits
+        return rows
 
     def describe(self) -> str:
         return self.plan.describe()
@@ -66,6 +84,12 @@ def forward_for(model, settings=None, *, sliding_window: int | None = None, own:
     """The forward for a transformers model under `settings` (default: the environment's), its plan
     chosen here: for tests and benchmarks that hold a bare model. Loaded models carry theirs."""
     return ModelForward(model, select(model, settings), sliding_window=sliding_window, own=own)
+
+
+# A causal continuation on a model without float32 weights runs on the own forward this many tokens
+# at a time (mdcli.backends.forward.ModelForward._causal_pieces): 256 holds the products' speed
+# and a quarter of a 1,024-token forward's activations (measured: notebook/memory.md).
+CAUSAL_PIECE = 256
 
 
 def _shares(weight, storages: set[int]) -> bool:

@@ -34,7 +34,7 @@ from mdcli.backends.attention.gemm import (
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights.packed import pack, packed_linear
 from mdcli.bench.margins import machine
-from mdcli.models.load import load_model
+from mdcli.models.load import LoadOptions, load_model
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, VOCAB = 30, 49152
@@ -118,8 +118,9 @@ def abba_seconds(variants: dict[str, Callable[[], object]], repeats: int) -> dic
 
 def layer_weights() -> tuple[list[torch.Tensor], list, bool]:
     """The embedded model's first layer (qkv, o, gate_up, down) as float32 (fused as
-    mdcli.backends.llama fuses them) and as its .gguf's blocks, and whether its plan packs copies."""
-    lm = load_model(quiet=True)
+    mdcli.backends.llama fuses them) and as its .gguf's blocks, and whether its plan packs copies
+    (the model loaded with its float32 weights kept: the default load holds none)."""
+    lm = load_model(LoadOptions(quiet=True, keep_float32=True))
     blocks = gguf_blocks.model_blocks(lm.model)
     if isinstance(blocks, str):
         raise SystemExit(f"no .gguf blocks: {blocks}")

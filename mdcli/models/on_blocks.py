@@ -89,6 +89,7 @@ def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | Non
         data = entry.data if whole else entry.data[start:stop]
         values = dequantize(data, GGMLQuantizationType[entry.kind]).reshape(-1, *entry.shape[1:])
         values = processor.process(weights=values, name=name).weights
+        entry.release()  # read: its pages need not stay resident in this mapping
         return torch.from_numpy(np.array(values[start:stop] if whole else values, dtype=np.float32))
 
     def reference(name: str):

@@ -325,6 +325,7 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
             if isinstance(candidates, str):
                 return candidates
             chosen = _matching(candidates, expected(tensor_name, module.weight))
+            tensors[tensor_name].release()  # copied out and checked: not resident twice
             if chosen is None:
                 return f"blk.{index}.{name}.weight is not the model's float32 weight"
             parts.append(chosen)
@@ -338,6 +339,7 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
     if isinstance(head, str):
         return head
     chosen_head = _matching(head, expected(head_name, model.lm_head.weight))
+    tensors[head_name].release()
     if chosen_head is None:
         return "the output head's blocks are not the model's float32 weights"
     return copies, chosen_head

@@ -32,6 +32,19 @@ class TensorEntry:
     kind: str  # a name of TYPES ("Q4_1", "F16", ...), or ggml's number for a type mdcli does not read ("type 12")
     shape: tuple[int, ...]  # torch's order: [rows, ..., inner]
     data: np.ndarray | None  # [rows, bytes per row] uint8, a view of the mapped file; None for another type
+    mapped: mmap.mmap | None = None  # the mapping `data` views
+    offset: int = 0  # where `data` starts in the file
+
+    def release(self) -> None:
+        """Let the kernel drop this tensor's pages from the process (they stay in the file and
+        are read again if touched): a tensor copied out of the mapping is not resident twice.
+        Whole pages only: a page it shares with a neighbour is dropped too and simply read again."""
+        if self.mapped is None or self.data is None:
+            return
+        start = self.offset - self.offset % mmap.PAGESIZE
+        end = min(self.offset + self.data.nbytes, len(self.mapped))
+        if hasattr(self.mapped, "madvise") and end > start:
+            self.mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def read_tensors(path: Path) -> dict[str, TensorEntry]:
@@ -78,7 +91,7 @@ def read_file(path: Path) -> tuple[dict[str, TensorEntry], str]:
         for size in dims[1:]:
             rows *= size
         data = np.frombuffer(mapped, dtype=np.uint8, count=rows * row_bytes, offset=start + offset)
-        tensors[name] = TensorEntry(name, kind, shape, data.reshape(rows, row_bytes))
+        tensors[name] = TensorEntry(name, kind, shape, data.reshape(rows, row_bytes), mapped, start + offset)
     return tensors, architecture
 
 
