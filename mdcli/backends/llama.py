@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
 from mdcli.backends.attention.prefix import PrefixPlan
@@ -254,7 +255,7 @@ class FastForward:
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
-            hidden = hidden + linear(layer.act(gate) * up, layer.down, layer.down_bias)
+            hidden = hidden + linear(_gated(layer.act, gate, up), layer.down, layer.down_bias)
         if keep is None:
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
@@ -316,6 +317,17 @@ def _grouped_attention(query, keys, values, rows, scale: float, groups: int, wei
         scores = torch.baddbmm(rows, stacked, keys_t, alpha=scale)
     out = (weighted_sum or torch.bmm)(torch.softmax(scores, dim=-1), values[0])  # [G, H/G * M, D]
     return out.view(groups, per_group, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+_SILU = (torch.nn.SiLU, SiLUActivation)  # modules whose forward is F.silu
+
+
+def _gated(act, gate, up) -> torch.Tensor:
+    """act(gate) * up; for SiLU in gate's own memory (gate is a fresh product's view, read by no
+    one else): the same numbers without two [M, I] temporaries (notebook/memory.md)."""
+    if type(act) in _SILU:
+        return F.silu(gate, inplace=True).mul_(up)
+    return act(gate) * up
 
 
 def _with_weights(layers, copies) -> list[_Layer]:

@@ -16,6 +16,8 @@ so the model multiplies by exactly the weights `from_pretrained` would give it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import numpy as np
@@ -106,9 +108,19 @@ def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | Non
     if isinstance(embedding, str):
         return None, embedding
     gguf_blocks.adopt(model, path, found, embedding)
+    _give_back_the_heap()
     model.eval()
     model.requires_grad_(False)
     return model, None
+
+
+def _give_back_the_heap() -> None:
+    """Return the heap the checks' float32 references were freed into to the system (glibc's
+    malloc_trim; nothing elsewhere): 65 MiB of a 1B model's peak (measured: notebook/memory.md)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _tensor_names(model, architecture: str) -> dict[str, str] | str:
