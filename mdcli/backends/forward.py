@@ -34,7 +34,6 @@ class ModelForward:
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
-        self.vocab_size = model.lm_head.out_features
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         if mask is None and len(tokens) > 1 and self.plan.on_blocks:  # no float32 weights for transformers' forward
@@ -48,7 +47,8 @@ class ModelForward:
         causal mask: the same products as one forward (each token sees the cache and the tokens
         before it either way), with a quarter of a 1,024-token forward's activations resident
         (measured: notebook/memory.md). keep: [C] row indices of the whole continuation."""
-        rows = None if keep is None else torch.empty(len(keep), self.vocab_size, dtype=self.dtype)
+        vocab = self.model.lm_head.out_features  # a model on its blocks is a Llama-family one: it has a head
+        rows = None if keep is None else torch.empty(len(keep), vocab, dtype=self.dtype)
         for start in range(0, len(tokens), CAUSAL_PIECE):
             stop = min(start + CAUSAL_PIECE, len(tokens))
             wanted = None if keep is None else ((keep >= start) & (keep < stop)).nonzero()[:, 0]  # [c] into keep
