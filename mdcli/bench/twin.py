@@ -5,7 +5,7 @@ its single-sequence step, and the forest on other kernels of the same weights.
 A model loaded on its blocks (mdcli.models.on_blocks) holds no float32 projections; its twin is
 the same model loaded with them kept (`LoadOptions.keep_float32`), once per model. Both multiply
 by the same float32 weights, so their tokens are compared as before. A benchmark holding a twin
-holds both models: its process-wide peak memory is not the default run's (mdcli.bench.memory
+holds both models: its process-wide peak memory is not the default run's (benchmarks/memory.py
 measures that in a process of its own).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import weakref
 
+from mdcli.backends.weights.gguf_blocks import source_of
 from mdcli.models.embedded import EMBEDDED_NAME
 from mdcli.models.load import LoadedModel, LoadOptions, load_model
-from mdcli.backends.weights.gguf_blocks import source_of
 
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
