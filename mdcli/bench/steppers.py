@@ -59,6 +59,8 @@ class EngineStepper:
     (the tree a speculative step feeds, mdcli.speculative.planner); the step then continues from the last."""
 
     def __init__(self, lm: LoadedModel, prompts: list[list[int]], forward: str = "mdcli", guesses: int = 0) -> None:
+        if not forward.startswith("mdcli"):  # transformers' forward needs float32 weights
+            lm = float32_twin(lm)
         model_forward = ModelForward(lm.model, lm.forward.plan, sliding_window=lm.sliding_window,
                                      own=forward.startswith("mdcli"))
         if forward.count(":") == 2:  # a variant, for comparing the choices the plan makes
