@@ -116,8 +116,10 @@ def test_the_kernel_writes_gguf_pys_weights_bit_for_bit(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17])
 def test_products_agree_with_float32_for_every_row_count(kind, rows):
-    """Every pass size (8 rows at a time on AVX-512, 4 on AVX2, and the rest): within float32
-    rounding of the float64 product, as close as torch's own float32 product is."""
+    """Every pass size (8 rows at a time on AVX-512, 4 on AVX2, the wide panels of 3 weight rows
+    beyond that, and the remainders: 37 outputs are 12 panels and one left over): within float32
+    rounding of the float64 product, the bound that holds for any order of summation, and as close
+    as torch's own float32 product is."""
     generator = np.random.default_rng(rows)
     codes, weights = quantized(generator.standard_normal((37, 576)), kind)
     x = torch.from_numpy(generator.standard_normal((rows, 576)).astype(np.float32))
@@ -125,7 +127,17 @@ def test_products_agree_with_float32_for_every_row_count(kind, rows):
     ours = block_linear(x, BlockWeight(kind, torch.from_numpy(codes), 576), bias)
     exact = x.double() @ weights.double().T + bias.double()
     torchs = float((torch.nn.functional.linear(x, weights, bias).double() - exact).abs().max())
+    assert bool(((ours.double() - exact).abs() <= rounding_bound(x, weights, bias)).all())
     assert float((ours.double() - exact).abs().max()) <= 4 * torchs + 1e-6
+
+
+def rounding_bound(x, weights, bias=None) -> torch.Tensor:
+    """How far any float32 sum of k products (and a bias) may lie from the exact one, elementwise:
+    (k + 1) * 2^-24 * (sum |x w| + |bias|). A code read from the wrong nibble or a scale from the
+    wrong byte moves a product by about |x w| itself, far past it."""
+    k = x.shape[-1]
+    magnitude = x.double().abs() @ weights.double().abs().T + (0 if bias is None else bias.double().abs())
+    return (k + 1) * 2.0**-24 * magnitude
 
 
 # wide products: 1,101 outputs of 608 inputs (19 blocks) are tiles of 551 and 550 weight rows
@@ -153,6 +165,7 @@ def test_products_of_any_width_are_float32_products_of_the_blocks_weights(kind, 
     for shaped in (x, x[0]):  # [1, M, in] and [M, in]
         ours = block_linear(shaped, weight, bias)
         assert ours.shape == (*shaped.shape[:-1], WIDE_OUT)
+        assert bool(((ours.double() - exact.view(ours.shape)).abs() <= rounding_bound(shaped, weights, bias)).all())
         assert float((ours.double() - exact.view(ours.shape)).abs().max()) <= 4 * torchs + 1e-6
 
 

@@ -9,10 +9,10 @@
  * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. `*_dequantize` writes those weights out with the same code:
  * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
- * Each output of a row of x sums its inputs in float32 on multiply-add chains, two per output
- * row, one vector lane per input position modulo the vector width, then across the lanes: another
- * summation order than other BLAS kernels, so results agree with them to float32 rounding, not bit
- * for bit.
+ * Each output of a row of x sums its inputs in float32 on multiply-add chains (two per output
+ * row in the passes of up to ROWS rows, one in the wider panels), one vector lane per input
+ * position modulo the vector width, then across the lanes: another summation order than other
+ * BLAS kernels, so results agree with them to float32 rounding, not bit for bit.
  *
  * Built twice from this file (mdcli.backends.weights.gguf_blocks): with AVX-512 (16 lanes) and with AVX2 (8).
  */
@@ -197,19 +197,107 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
     default: pass(kind, 4, xr, k, row, blocks, yr, n); break;
 #endif
 
+/* Wider products: PANEL weight rows at a time are written out as float32 into the caller's scratch
+ * (PANEL x k floats) by the code the passes use, then every row of x is multiplied by them, up to
+ * WIDE_ROWS rows of x at a time, with one accumulator per (row, weight row): each block is turned
+ * back into weights once for all rows of x, not once per pass of ROWS rows, and the micro-kernel's
+ * PANEL x WIDE_ROWS independent multiply-add chains keep both FMA pipes busy. Each output is summed
+ * lane by lane over the inputs in order, then across the lanes. */
+#define PANEL 3
+#if defined(__AVX512F__)
+#define WIDE_ROWS 8 /* 24 accumulators, 3 weight vectors and an input of the 32 registers */
+#else
+#define WIDE_ROWS 4 /* 12 accumulators, 3 weight vectors and an input: the 16 registers */
+#endif
+
+/* Rows [0, R) of x (row stride ldx) times O weight rows written out in `panel` (O rows of k) -> y. */
+static inline __attribute__((always_inline)) void panel_pass(int R, int O, const float *x, int64_t ldx,
+                                                             const float *panel, int64_t k, float *y, int64_t ldy) {
+    vec acc[WIDE_ROWS][PANEL];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int o = 0; o < O; o++)
+            acc[r][o] = vzero();
+    for (int64_t c = 0; c < k; c += LANES) {
+        vec w[PANEL];
+#pragma GCC unroll 3
+        for (int o = 0; o < O; o++)
+            w[o] = vload(panel + o * k + c);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const vec in = vload(x + r * ldx + c);
+#pragma GCC unroll 3
+            for (int o = 0; o < O; o++)
+                acc[r][o] = vfma(in, w[o], acc[r][o]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int o = 0; o < O; o++)
+            y[r * ldy + o] = vsum(acc[r][o]);
+}
+
+#if WIDE_ROWS == 8
+#define PANEL_PASSES(O) \
+    case 1: panel_pass(1, O, xr, k, panel, k, yr, n); break; \
+    case 2: panel_pass(2, O, xr, k, panel, k, yr, n); break; \
+    case 3: panel_pass(3, O, xr, k, panel, k, yr, n); break; \
+    case 4: panel_pass(4, O, xr, k, panel, k, yr, n); break; \
+    case 5: panel_pass(5, O, xr, k, panel, k, yr, n); break; \
+    case 6: panel_pass(6, O, xr, k, panel, k, yr, n); break; \
+    case 7: panel_pass(7, O, xr, k, panel, k, yr, n); break; \
+    default: panel_pass(8, O, xr, k, panel, k, yr, n); break;
+#else
+#define PANEL_PASSES(O) \
+    case 1: panel_pass(1, O, xr, k, panel, k, yr, n); break; \
+    case 2: panel_pass(2, O, xr, k, panel, k, yr, n); break; \
+    case 3: panel_pass(3, O, xr, k, panel, k, yr, n); break; \
+    default: panel_pass(4, O, xr, k, panel, k, yr, n); break;
+#endif
+
+/* Every row of x [m, k] times O weight rows written out in `panel` -> y[:, 0:O] (row stride n). */
+static inline __attribute__((always_inline)) void panel_rows_of(int O, const float *x, int64_t m, int64_t k,
+                                                                const float *panel, float *y, int64_t n) {
+    for (int64_t r0 = 0; r0 < m; r0 += WIDE_ROWS) {
+        const float *xr = x + r0 * k;
+        float *yr = y + r0 * n;
+        switch (m - r0) { PANEL_PASSES(O) }
+    }
+}
+
+/* Floats of scratch a product of inner size k needs (the caller's, one per thread). */
+int64_t scratch_floats(int64_t k) { return PANEL * k; }
+
 /* y[m][n] = sum_c x[m][c] * W[n][c]; x: [m, k] and y: [m, n] contiguous float32, W: n rows of k / 32
- * blocks. Each weight row is read from memory once; passes after the first over more rows of x
- * find it in the core's caches. */
+ * blocks; scratch: scratch_floats(k) floats. Up to ROWS rows: each weight row is read from memory
+ * once and turned into weights in registers per pass (passes after the first over more rows of x
+ * find it in the core's caches). More rows: PANEL weight rows at a time written out once into the
+ * scratch, then multiplied by every row of x. */
 #define PRODUCT(name, kind)                                                                        \
-    void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {      \
-        const int64_t blocks = k / BLOCK;                                                          \
-        for (int64_t j = 0; j < n; j++) {                                                          \
-            const uint8_t *row = w + j * blocks * bytes_of(kind);                                  \
-            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {                                             \
-                const float *xr = x + r0 * k;                                                      \
-                float *yr = y + r0 * n + j;                                                        \
-                switch (m - r0) { PASSES(kind) }                                                   \
+    void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
+              float *scratch) {                                                                    \
+        const int64_t blocks = k / BLOCK, row_bytes = blocks * bytes_of(kind);                    \
+        if (m > ROWS) {                                                                            \
+            int64_t j = 0;                                                                         \
+            for (; j + PANEL <= n; j += PANEL) {                                                   \
+                for (int64_t b = 0; b < PANEL * blocks; b++)                                       \
+                    block_out(kind, w + j * row_bytes + b * bytes_of(kind), scratch + b * BLOCK);  \
+                panel_rows_of(PANEL, x, m, k, scratch, y + j, n);                                  \
             }                                                                                      \
+            for (; j < n; j++) {                                                                   \
+                for (int64_t b = 0; b < blocks; b++)                                               \
+                    block_out(kind, w + j * row_bytes + b * bytes_of(kind), scratch + b * BLOCK);  \
+                panel_rows_of(1, x, m, k, scratch, y + j, n);                                      \
+            }                                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            const uint8_t *row = w + j * row_bytes;                                                \
+            const float *xr = x;                                                                   \
+            float *yr = y + j;                                                                     \
+            switch (m) { PASSES(kind) }                                                            \
         }                                                                                          \
     }
 

@@ -2,8 +2,8 @@
 
 Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bit for bit) and the
 block kernel builds here, `block_linear` multiplies by the blocks at any width: up to max_rows()
-tokens (16 on AVX-512, 8 on AVX2: MAX_ROWS_BY_CAPABILITY) the block kernel rebuilds each weight in
-registers; above that (a prefill) a tile of up to TILE_ROWS weight rows at a time is written out as
+tokens (16: MAX_ROWS_BY_CAPABILITY) the block kernel rebuilds each weight once, in registers or, past
+a pass's rows, into a panel of three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to TILE_ROWS weight rows at a time is written out as
 float32 by the same code and multiplied by torch's float32 GEMM: level with `F.linear` on the float32
 weights, 0.86-1.03x of the packed oneDNN copy, on one Zen 3 thread (measured: notebook/gguf-blocks.md,
 "Wide forwards on the blocks"). The selector (mdcli.backends.select) decides which forwards take
@@ -67,14 +67,15 @@ FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # block_linear multiplies forwards of up to this many tokens by the block kernel, wider ones (a
-# prefill) tile by tile (TILE_ROWS): 16 with AVX-512, where whole steps of up to 16 branches beat
-# oneDNN's packed copy; 8 with AVX2, whose build passes over 4 rows at a time, not 8 (its 16
-# registers), and costs more per row from 8 rows on (measured: notebook/gguf-blocks.md, "The .gguf's
-# own blocks: the same float32 weights in a sixth of the bytes"; the AVX2 build on an AVX-512 core,
-# not on an AVX2-only CPU). On an AVX2-only Zen 3 core the kernel and the tiles tie at 16-32 rows on
-# one thread, and the tiles' GEMM takes every thread, so the switch stays here (notebook/gguf-blocks.md,
-# "Wide forwards on the blocks").
-MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 8}
+# prefill) tile by tile (TILE_ROWS). The kernel passes over ROWS rows of x at a time with each block
+# rebuilt in registers (8 on AVX-512, 4 on AVX2: its 16 registers); beyond that it writes 3 weight
+# rows out as float32 once and multiplies every row by them (gguf_blocks.c, "Wider products"), so a
+# block is rebuilt once per forward, not once per pass. 16 on both: on one AVX2-only Zen 3 thread the
+# whole step's products at 16 rows take 0.55x the tiles' time, at 8 rows 0.48x (measured:
+# notebook/gguf-blocks.md, "One rebuild for every row"); on AVX-512, whole steps of up to 16 branches
+# beat oneDNN's packed copy (notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32
+# weights in a sixth of the bytes").
+MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16}
 # Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
 # rows written out as float32 into a scratch (this thread's, kept: TILE_ROWS x in_features float32),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
@@ -181,8 +182,11 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
 
 def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
     """out = flat @ W.T by the block kernel (flat [rows, in], out [rows, out], contiguous float32)."""
-    product = getattr(library(), f"{weight.kind.lower()}_gemm")
-    product(flat.data_ptr(), flat.shape[0], flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr())
+    lib = library()
+    scratch = _scratch(lib.scratch_floats(flat.shape[1]))  # the wide passes' float32 panel of weight rows
+    product = getattr(lib, f"{weight.kind.lower()}_gemm")
+    product(flat.data_ptr(), flat.shape[0], flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr(),
+            scratch.data_ptr())
 
 
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int = TILE_ROWS) -> None:
@@ -242,9 +246,10 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
     for kind in BLOCK_BYTES:
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
-        product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer], None
+        product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, pointer], None
         expand.argtypes, expand.restype = [pointer, size, size, pointer], None
         compare.argtypes, compare.restype = [pointer, size, size, pointer], ctypes.c_int
     return lib

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""The .gguf block kernel on its own, on whatever x86-64 CPU runs this: every build it can run checked, then timed.
+
+    python benchmarks/blocks_kernel.py [--out FILE]
+
+Needs only torch and a C compiler (no mdcli install, no .gguf): it builds
+mdcli/backends/native/gguf_blocks.c with the AVX2 flags and, where the CPU has AVX-512, with the
+AVX-512 flags, as mdcli.backends.weights.gguf_blocks does, so a host that lacks mdcli's other
+dependencies (the GPU machine's CPU, for one) still checks the AVX-512 build.
+
+- the check: random blocks of every kind (random codes, float16 scales of many magnitudes);
+  `*_dequantize` must give the formula's float32 weights bit for bit (d * q + m, d * q, d * (q - 8),
+  the 16-bit numbers widened), and `*_gemm` for 1 to 19 rows (every pass size, the wide panels and
+  their remainders, 37 outputs: 12 panels of 3 and one left over) must be within float32 rounding of
+  the float64 product (k * 2^-24 * sum |x w|, a bound that holds for any order of summation);
+- the timing: the embedded model's step shapes (30 layers of 960 x 576, 576 x 576, 3,072 x 576,
+  576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 8 and 16
+  rows, each build, in alternating order, one thread: ms, ratio to one row, GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "mdcli" / "backends" / "native" / "gguf_blocks.c"
+FLAGS = {"AVX2": ["-O3", "-mfma", "-mf16c", "-mavx2"], "AVX512": ["-O3", "-mfma", "-mf16c", "-mavx512f"]}
+BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def build(flags: list[str], folder: Path) -> ctypes.CDLL:
+    target = folder / f"blocks-{len(flags)}-{flags[-1].lstrip('-')}.so"
+    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(SOURCE)], check=True)
+    lib = ctypes.CDLL(str(target))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
+    for kind in BYTES:
+        gemm, expand = getattr(lib, f"{kind.lower()}_gemm"), getattr(lib, f"{kind.lower()}_dequantize")
+        gemm.argtypes, gemm.restype = [pointer, size, size, pointer, size, pointer, pointer], None
+        expand.argtypes, expand.restype = [pointer, size, size, pointer], None
+    return lib
+
+
+def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
+    """[n, k / 32 * bytes] uint8: random codes, float16 scales (and minimums) of many magnitudes; F16
+    and BF16 blocks hold random normal numbers."""
+    blocks = rng.integers(0, 256, size=(n, k // 32, BYTES[kind]), dtype=np.uint8)
+    if kind in ("Q4_1", "Q8_0", "Q4_0"):
+        scales = (rng.standard_normal((n, k // 32, 2)) * np.exp(rng.uniform(-8, 2, (n, 1, 1)))).astype(np.float16)
+        head = 4 if kind == "Q4_1" else 2
+        blocks[:, :, :head] = scales.view(np.uint8).reshape(n, k // 32, 4)[:, :, :head]
+    elif kind == "F16":
+        blocks[:] = (rng.standard_normal((n, k // 32, 32)).astype(np.float16)).view(np.uint8).reshape(blocks.shape)
+    else:  # BF16: the high halves of float32 numbers
+        high = (rng.standard_normal((n, k // 32, 32)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        blocks[:] = high.view(np.uint8).reshape(blocks.shape)
+    return blocks.reshape(n, -1)
+
+
+def formula(kind: str, blocks: np.ndarray, k: int) -> np.ndarray:
+    """The float32 weights [n, k] the blocks hold, by gguf-py's formulas."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 32, BYTES[kind])
+    if kind == "F16":
+        return b.reshape(n, -1).view(np.float16).astype(np.float32)
+    if kind == "BF16":
+        return (b.reshape(n, -1).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [n, blocks, 1]
+    if kind == "Q8_0":
+        return (d * b[:, :, 2:].view(np.int8).astype(np.float32)).reshape(n, k)
+    codes = b[:, :, 4:] if kind == "Q4_1" else b[:, :, 2:]
+    q = np.concatenate([codes & 15, codes >> 4], axis=-1).astype(np.float32)  # low nibbles are weights 0-15
+    if kind == "Q4_0":
+        return (d * (q - 8)).reshape(n, k)
+    m = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    return (d * q + m).reshape(n, k)
+
+
+def gemm(lib, kind: str, x: torch.Tensor, blocks: np.ndarray, n: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n)
+    scratch = torch.empty(lib.scratch_floats(x.shape[1]))
+    getattr(lib, f"{kind.lower()}_gemm")(x.data_ptr(), x.shape[0], x.shape[1], blocks.ctypes.data, n,
+                                         out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[rows, n] float64: how far any float32 sum of k products, in any order, may lie from the
+    exact one: k * 2^-24 * sum |x w| (each product and partial sum rounded once). A wrong code or
+    scale moves a product by about |x w| itself, far past it."""
+    k = x.shape[1]
+    return k * 2.0**-24 * (x.double().abs() @ weights.double().abs().T) + 1e-30
+
+
+def check(lib, name: str) -> list[str]:
+    rng = np.random.default_rng(0)
+    failures = []
+    n, k = 37, 576
+    for kind in BYTES:
+        blocks = random_blocks(kind, n, k, rng)
+        weights = torch.from_numpy(formula(kind, blocks, k))
+        written = torch.empty(n, k)
+        getattr(lib, f"{kind.lower()}_dequantize")(blocks.ctypes.data, n, k, written.data_ptr())
+        if not torch.equal(written, weights):
+            failures.append(f"{name} {kind}: dequantized weights differ from the formula's")
+        for rows in range(1, 20):
+            x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+            ours = gemm(lib, kind, x, blocks, n).double()
+            exact = x.double() @ weights.double().T
+            bound = rounding_bound(x, weights)
+            if bool(((ours - exact).abs() > bound).any()):
+                worst = float(((ours - exact).abs() / bound).max())
+                failures.append(f"{name} {kind} {rows} rows: {worst:.2f}x the float32 rounding bound")
+    return failures
+
+
+def timing(libs: dict, repeats: int = 7) -> str:
+    rng = np.random.default_rng(1)
+    shapes = [("Q4_1", n, k) for _ in range(30) for n, k in LAYER] + [("Q8_0", *HEAD)]
+    weights = [(kind, n, k, random_blocks(kind, n, k, rng)) for kind, n, k in shapes]
+    count = sum(n * k for _, n, k, _ in weights)
+    rows = (1, 2, 4, 8, 16)
+    inputs = {m: torch.randn(m, 1536) for m in rows}
+
+    def step(lib, m):
+        for kind, n, k, blocks in weights:
+            gemm(lib, kind, inputs[m][:, :k].contiguous(), blocks, n)
+
+    cases = [(name, m) for name in libs for m in rows]
+    times = {case: [] for case in cases}
+    for repeat in range(repeats):
+        for case in cases if repeat % 2 == 0 else cases[::-1]:
+            started = time.perf_counter()
+            step(libs[case[0]], case[1])
+            times[case].append(time.perf_counter() - started)
+    lines = ["| build | rows | ms | x 1 row | GFLOP/s |", "|---|---:|---:|---:|---:|"]
+    for (name, m), values in times.items():
+        s, one = statistics.median(values), statistics.median(times[(name, 1)])
+        lines.append(f"| {name} | {m} | {1000 * s:.1f} | {s / one:.2f} | {2 * count * m / s / 1e9:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-timing", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    flags = cpu_flags()
+    runnable = [name for name, needs in (("AVX2", {"avx2", "fma", "f16c"}), ("AVX512", {"avx512f", "fma", "f16c"}))
+                if needs <= flags]
+    with tempfile.TemporaryDirectory() as folder:
+        libs = {name: build(FLAGS[name], Path(folder)) for name in runnable}
+        failures = [f for name, lib in libs.items() for f in check(lib, name)]
+        lines = [f"# The block kernel on {cpu_name()} (AVX-512: {'yes' if 'avx512f' in flags else 'no'})", "",
+                 f"`python benchmarks/blocks_kernel.py`, torch {torch.__version__}, one thread", "",
+                 f"check ({', '.join(libs)}): " + ("every kind and row count exact" if not failures else "FAILED"),
+                 *failures]
+        if not args.no_timing:
+            lines += ["", timing(libs)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
