@@ -54,12 +54,15 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def build(flags: list[str], folder: Path) -> ctypes.CDLL:
-    target = folder / f"blocks-{len(flags)}-{flags[-1].lstrip('-')}.so"
-    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(SOURCE)], check=True)
+def build(flags: list[str], folder: Path, source: Path = SOURCE) -> ctypes.CDLL:
+    target = folder / f"{source.stem}-{flags[-1].lstrip('-')}.so"
+    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
     lib = ctypes.CDLL(str(target))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
+    if hasattr(lib, "scratch_floats"):
+        lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
+    else:  # a version from before the wide panels: no scratch (the extra argument is ignored)
+        lib.scratch_floats = lambda k: 1
     for kind in BYTES:
         gemm, expand = getattr(lib, f"{kind.lower()}_gemm"), getattr(lib, f"{kind.lower()}_dequantize")
         gemm.argtypes, gemm.restype = [pointer, size, size, pointer, size, pointer, pointer], None
@@ -170,6 +173,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another version of gguf_blocks.c (e.g. `git show REV:mdcli/backends/native/gguf_blocks.c`), "
+                             "built the same ways and timed in the same rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     flags = cpu_flags()
@@ -178,9 +184,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         libs = {name: build(FLAGS[name], Path(folder)) for name in runnable}
         failures = [f for name, lib in libs.items() for f in check(lib, name)]
+        if args.baseline:
+            libs |= {f"{name}, baseline": build(FLAGS[name], Path(folder), args.baseline) for name in runnable}
         lines = [f"# The block kernel on {cpu_name()} (AVX-512: {'yes' if 'avx512f' in flags else 'no'})", "",
-                 f"`python benchmarks/blocks_kernel.py`, torch {torch.__version__}, one thread", "",
-                 f"check ({', '.join(libs)}): " + ("every kind and row count exact" if not failures else "FAILED"),
+                 f"`python benchmarks/blocks_kernel.py{' --baseline ' + args.baseline.name if args.baseline else ''}`, "
+                 f"torch {torch.__version__}, one thread", "",
+                 f"check ({', '.join(runnable)}): " + ("every kind and row count exact" if not failures else "FAILED"),
                  *failures]
         if not args.no_timing:
             lines += ["", timing(libs)]
