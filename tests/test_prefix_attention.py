@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mdcli.backends import llama as fastforward
-from mdcli.backends.attention.prefix import PrefixPlan, visible_prefix
+from mdcli.backends.attention.prefix import PrefixPlan, bucket_prefixes, merge, partial, visible_prefix
 from mdcli.backends.attention.sparse import GATHER_COST_AVX512, SparsePlan, plan_for
 from mdcli.bench.attention import margins_step, separate_prompts, shared_document
 from mdcli.core.decoding import prefill_prompts
@@ -42,6 +42,13 @@ def chain_forest() -> list[list[int]]:
     return [document[:depth] + torch.randint(2, VOCAB, (tail,), generator=g).tolist() for depth, tail in DEPTHS]
 
 
+def ask_many_forest() -> list[list[int]]:
+    """ask-many: eight questions of 3-9 tokens after one 150-token document."""
+    g = torch.Generator().manual_seed(12)
+    document = torch.randint(2, VOCAB, (150,), generator=g).tolist()
+    return [document + torch.randint(2, VOCAB, (3 + i % 7,), generator=g).tolist() for i in range(8)]
+
+
 def additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
 
@@ -58,7 +65,8 @@ def test_the_prefill_lays_a_document_read_to_different_depths_in_one_run_of_slot
         assert int(row.sum()) == depth + tail, "and its own tail, nothing else"
 
 
-@pytest.mark.parametrize("forest", [chain_forest, wide_forest], ids=["one-document", "unrelated-roots"])
+@pytest.mark.parametrize("forest", [chain_forest, wide_forest, ask_many_forest],
+                         ids=["one-document", "unrelated-roots", "ask-many"])
 @pytest.mark.parametrize("attention", ["bmm", "sdpa"])
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_branches_off_one_document_give_the_dense_logits_each_alone_and_generate_tokens(arch, attention, forest):

@@ -117,10 +117,10 @@ def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> P
     common = allowed  # [M, N]: seen under every mask
     for other in kinds if len(kinds) > 1 else []:
         common = common & (other[0, 0] == 0)
-    buckets = bucket_prefixes(common)
+    buckets = bucket_prefixes(common, gather_cost=gather_cost)
     if buckets is None or (budget is not None and work_floor(*buckets) > budget):
         return None
-    plan = plan_prefixes(mask, common, allowed, *buckets)
+    plan = plan_prefixes(mask, common, allowed, *buckets, gather_cost)
     return plan if budget is None or plan.work(gather_cost) <= budget else None
 
 
