@@ -48,6 +48,12 @@ MAX_BUCKETS = 32  # more distinct prefixes than this: per-bucket operations woul
 READ_ROWS = 2.0
 BUCKET_COST = 200.0
 PREFIX_FRACTION = 0.8
+# One bucket of every query whose rest runs on from its prefix (ask-many's step) does the dense
+# products, less the mask over the prefix and a fresh score tensor per layer: the same work by the
+# count above, but it pays from this many queries (whole steps' attention, 30 layers, Zen 3: 8
+# branches 1.03-1.05x dense, 16 0.88-0.98x, 32 0.56-0.80x; notebook/attention.md, "Cascade
+# attention over a shared document (Zen 3, 2026-11-27)").
+JOINED_MIN_QUERIES = 16
 LOG2_E = 1.4426950408889634
 
 
@@ -82,6 +88,13 @@ class PrefixPlan:
         if core == "bmm":
             return grouped_attention(self, query, keys, values, kind, scale)
         return sdpa_attention(self, onednn, query, keys, values, kind, scale)
+
+    def one_product(self, min_queries: int) -> bool:
+        """One bucket of at least `min_queries` queries whose rest runs on from its prefix: prefix and
+        rest are one product (`joined`)."""
+        bucket = self.buckets[0]
+        return (self.whole and bucket.rows.shape[0] >= min_queries and bucket.span is not None
+                and bucket.span[0] == bucket.prefix)
 
     def work(self, gather_cost: float) -> float:
         """The plan's work in query-slot products (see READ_ROWS); gather_cost: a gathered slot's."""
