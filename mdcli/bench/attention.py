@@ -174,9 +174,10 @@ def _planned_step(query, caches, mask, mode: str):
 
     def run():
         plan = sa.plan_for(mask, gather_cost, mode)
+        rows = mask[0, 0].repeat(HEADS // KV_HEADS, 1) if plan is None else None  # per step, as the forward
         for keys, values in caches:
             if plan is None:
-                _grouped_attention(query, keys, values, mask[0, 0].repeat(HEADS // KV_HEADS, 1), DIM ** -0.5, KV_HEADS)
+                _grouped_attention(query, keys, values, rows, DIM ** -0.5, KV_HEADS)
             else:
                 plan.attend("bmm", False, "full_attention", query, keys, values, DIM ** -0.5)
     return run
@@ -197,7 +198,7 @@ def abba(cases: dict, rounds: int) -> dict:
 
 
 def step_main(args) -> int:
-    print(f"# {machine()}; torch threads {args.threads}; {LAYERS} layers, H={HEADS} G={KV_HEADS} D={DIM}, "
+    print(f"# {machine()}; {LAYERS} layers, H={HEADS} G={KV_HEADS} D={DIM}, "
           f"bmm core, {args.rounds} rounds ABBA (process CPU time)\n")
     print(f"ask-many step: {args.branches} branches over a {args.document:,}-token document, "
           f"{args.question}-token questions, {args.written} tokens written each\n")
