@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdcli.backends.attention import prefix
 from mdcli.backends.attention.prefix import PrefixPlan, bucket_prefixes, merge, partial
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.llama import _grouped_attention
@@ -122,7 +123,19 @@ def test_the_log_sum_exp_merge_of_two_parts_is_the_softmax_over_both():
     rows = torch.zeros(5, 12).masked_fill_(torch.rand(5, 12, generator=g) < 0.5, LOWEST)
     whole_mask = torch.cat([torch.zeros(5, 18), rows], dim=1)
     expected = torch.softmax(stacked @ keys.transpose(1, 2) + whole_mask, dim=-1) @ values
-    log2e = 1.4426950408889634  # the parts take scores in base 2
-    first = partial(stacked * log2e, keys[:, :18], values[:, :18], None)
-    second = partial(stacked * log2e, keys[:, 18:], values[:, 18:], rows)
+    first = partial(stacked, keys[:, :18], values[:, :18], None)
+    second = partial(stacked, keys[:, 18:], values[:, 18:], rows)
     assert close(merge(first, second), expected)
+
+
+def test_the_parts_off_the_fused_kernel_are_the_same(monkeypatch):
+    """Where torch's fused CPU kernel does not apply (another device, another dtype), two batched
+    products and a softmax compute the same part."""
+    g = torch.Generator().manual_seed(4)
+    stacked, keys, values = (torch.randn(2, 5, DIM, generator=g), torch.randn(2, 30, DIM, generator=g),
+                             torch.randn(2, 30, DIM, generator=g))
+    rows = torch.zeros(5, 30).masked_fill_(torch.rand(5, 30, generator=g) < 0.5, LOWEST)
+    fused = partial(stacked, keys, values, rows)
+    monkeypatch.setattr(prefix, "FLASH", None)
+    plain = partial(stacked, keys, values, rows, {})
+    assert close(fused[0], plain[0]) and close(fused[1], plain[1])

@@ -13,17 +13,19 @@ per key/value group, a bucket's queries of every query head of the group are sta
 run on, else gathered) in one more, masked; each part's softmax keeps its rows' log-sum-exp, and
 the parts are merged (`merge`, as FlashInfer's cascade attention and Hydragen do). Where the rest
 runs on from the prefix (one bucket of every query over a shared document), prefix and rest are one
-product and one softmax, the mask added to the rest's columns only (`joined`).
+product and one softmax, the mask zero over the prefix (`joined`). On CPU in float32 each part
+runs on torch's fused flash kernel, which returns the log-sum-exp with the output (`partial`).
 
 Exact as the dense path: a key left out has weight exp(dtype-min - max) = 0 there, so only the
-order of float sums changes (tests/test_prefix_attention.py compares both on random tensors and
-through the engine). The prefix is visible to every query of the bucket under every mask the
+order of float sums changes (tests/test_cascade_attention.py compares both on random tensors,
+tests/test_prefix_attention.py through the engine). The prefix is visible to every query of the bucket under every mask the
 forward has (a sliding window included: p is taken on all of them at once, so a window that cuts
 into the document shortens the prefix for every layer type), so its part needs no mask; the rest's
 masks are gathered from the engine's, one per layer type, -inf held at the dtype's lowest (a row
 that sees nothing gives no NaN).
 
-The rule (`PrefixPlan.work` against `dense_work`, in query-slot products) and what it was fitted to:
+The rule (`PrefixPlan.work` against `dense_work`, in query-slot products; JOINED_MIN_QUERIES) and
+what it was fitted to:
 notebook/attention.md, "Cascade attention over a shared document (Zen 3, 2026-11-27)" and
 "Prefixes read in place, the document laid down first".
 """
@@ -54,7 +56,6 @@ PREFIX_FRACTION = 0.8
 # branches 1.03-1.05x dense, 16 0.88-0.98x, 32 0.56-0.80x; notebook/attention.md, "Cascade
 # attention over a shared document (Zen 3, 2026-11-27)").
 JOINED_MIN_QUERIES = 16
-LOG2_E = 1.4426950408889634
 
 
 @dataclass
@@ -218,7 +219,7 @@ def _bucket_attention(bucket: Bucket, stacked, keys, values, kind, per_group: in
             rows = bucket.stacked[kind] = bucket.mask(kind).repeat(per_group, 1)  # [H/G * Q, R]
     if span is not None and span[0] == p:  # the rest runs on from the prefix: one part
         return joined(stacked, keys[:, :span[1]], values[:, :span[1]], rows, p, scratch)
-    parts, stacked = [], stacked * LOG2_E  # the parts' scores in base 2 (`partial`)
+    parts = []
     if p:  # over [0, p): a view of the cache, no copy, no mask
         parts.append(partial(stacked, keys[:, :p], values[:, :p], None, scratch))
     if rows is not None:
@@ -232,7 +233,16 @@ def _bucket_attention(bucket: Bucket, stacked, keys, values, kind, per_group: in
 
 def joined(stacked, keys, values, rows, masked_from: int, scratch: dict | None = None):
     """[G, S, D]: softmax(stacked keys^T + mask) values where the mask `rows` covers only the keys
-    from `masked_from` on (the rest running on from the prefix): one part, no merge."""
+    from `masked_from` on (the rest running on from the prefix): one part, no merge. On CPU in
+    float32 the fused flash kernel (`partial`), its mask zeros over the prefix (made once per
+    forward and mask kind: scratch)."""
+    if _fused(stacked):
+        whole = None if scratch is None else scratch.get(id(rows))
+        if whole is None:
+            whole = torch.cat([rows.new_zeros(rows.shape[0], masked_from), rows], dim=1)  # [S, K]
+            if scratch is not None:
+                scratch[id(rows)] = whole
+        return partial(stacked, keys, values, whole)[0]
     scores = _scores(stacked, keys, scratch)
     scores[..., masked_from:].add_(rows)
     return torch.bmm(torch.softmax(scores, dim=-1, out=scores), values)
@@ -250,31 +260,42 @@ def _scores(stacked, keys, scratch: dict | None):
 
 
 def partial(stacked, keys, values, rows, scratch: dict | None = None):
-    """One part of a cascade: softmax(stacked keys^T + mask) values and each row's log-sum-exp, in
-    base 2, of its scores, for stacked [G, S, D] (scaled by `scale * log2(e)`: `grouped_attention`),
-    keys, values [G, K, D] (views of the cache welcome), rows [S, K] additive (dtype-min where
-    masked) or None. Returns ([G, S, D], [G, S, 1]). scratch: score buffers kept for the layers.
+    """One part of a cascade: softmax(stacked keys^T + rows) values and each row's log-sum-exp of
+    its scores, for stacked [G, S, D] (scaled), keys, values [G, K, D] (views of the cache welcome),
+    rows [S, K] additive (dtype-min where masked) or None. Returns ([G, S, D], [G, S, 1]).
 
-    Base 2 because exp2 runs at about twice torch's exp here, and the queries carry log2(e) at no
-    cost (notebook/attention.md, "Cascade attention over a shared document")."""
+    On CPU in float32, torch's fused flash kernel, which returns the log-sum-exp itself
+    (`_scaled_dot_product_flash_attention_for_cpu`: the products block by block, the exponentials
+    in between, no score tensor): the parts' own small operations cost more than the kernel saves
+    otherwise (notebook/attention.md, "Cascade attention over a shared document"). Elsewhere two
+    batched products and a softmax; scratch: their score buffers, kept for the forward's layers."""
+    if _fused(stacked):
+        mask = None if rows is None else rows[None, None]
+        out, lse = FLASH(stacked[None], keys[None], values[None], 0.0, False, attn_mask=mask, scale=1.0)
+        return out[0], lse[0, :, :, None]
     scores = _scores(stacked, keys, scratch)
     if rows is not None:
         scores.add_(rows)
-    top = scores.amax(dim=-1, keepdim=True)
-    torch.exp2(scores.sub_(top), out=scores)
-    total = scores.sum(dim=-1, keepdim=True)
-    return torch.bmm(scores, values).div_(total), top.add_(total.log2_())
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.bmm(torch.softmax(scores, dim=-1, out=scores), values), lse
+
+
+FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fused(stacked) -> bool:
+    """Whether torch's fused CPU flash kernel takes these queries: float32 on the CPU."""
+    return FLASH is not None and stacked.device.type == "cpu" and stacked.dtype == torch.float32
 
 
 def merge(first, second):
-    """Two parts' (output, log-sum-exp in base 2) over disjoint slots -> the output over both: the
-    log-sum-exp merge of cascade attention (FlashInfer, Hydragen), l = log2(2^l1 + 2^l2), out =
-    o1 2^(l1 - l) + o2 2^(l2 - l). A part whose row saw only masked slots has l near the dtype's
-    lowest (the masks are clamped there, never -inf), so it weighs nothing. Overwrites the first
-    output."""
+    """Two parts' (output, log-sum-exp) over disjoint slots -> the output over both: the log-sum-exp
+    merge of cascade attention (FlashInfer, Hydragen), l = logaddexp(l1, l2), out = o1 exp(l1 - l)
+    + o2 exp(l2 - l). A part whose row saw only masked slots has l near the dtype's lowest (the
+    masks are clamped there, never -inf), so it weighs nothing. Overwrites the first output."""
     (out, lse), (out2, lse2) = first, second
-    both = torch.logaddexp2(lse, lse2)
-    return out.mul_(lse.sub_(both).exp2_()).addcmul_(out2, lse2.sub_(both).exp2_())
+    both = torch.logaddexp(lse, lse2)
+    return out.mul_(lse.sub_(both).exp_()).addcmul_(out2, lse2.sub_(both).exp_())
 
 
 def sdpa_attention(plan: PrefixPlan, onednn: bool, query, keys, values, kind, scale: float):
