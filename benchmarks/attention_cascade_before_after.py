@@ -3,7 +3,7 @@ concatenated) and after (cascade attention), and dense, on whole steps' attentio
 keys and values, rounds in alternating order, process CPU time):
 
     git show d91bc27:mdcli/backends/attention/prefix.py > /tmp/old_prefix.py
-    taskset -c 1 python benchmarks/attention_cascade_before_after.py 16 /tmp/old_prefix.py
+    PYTHONPATH=. taskset -c 1 python benchmarks/attention_cascade_before_after.py 16 /tmp/old_prefix.py
 """
 import importlib.util
 import sys
