@@ -1,6 +1,7 @@
 """Benchmark: one layer's attention on the three plans mdcli's forward chooses between.
 
     python -m mdcli.bench.attention            # one thread, the embedded model's head shapes
+    python -m mdcli.bench.attention --step     # whole steps' attention: 30 layers, cold caches, ABBA
 
 For the masks of real forests (built here as the engine lays them out: a document in one run of
 slots, branches hanging off it, their generated tokens interleaved step by step), one decode step's
@@ -13,11 +14,19 @@ attention (9 query heads over 3 key/value heads, head size 64, the bmm core) is 
 next to the work the rule counts for each (query-slot products, a gathered slot counted as this
 host kind's gather cost, a bucket as BUCKET_COST), and the plan the rule picks. All three compute the
 same values (the largest difference is shown). This is what the rule's constants are fitted to.
+
+`--step` times a whole decode step's attention instead: every layer of the embedded model (30) with
+its own keys and values (so they come from memory, as in a real step, where the weights stream
+between two layers), as mdcli's forward runs it (the plan made once, the bmm core, no reading
+ahead), rounds in alternating order (ABBA), for one query and for the ask-many step of 8 branches,
+dense and on the plan the rule picks or the prefix plan forced.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +39,8 @@ from mdcli.backends.attention.prefix import (
     plan_prefixes,
 )
 from mdcli.backends.attention.prefix import grouped_attention as prefix_attention
+from mdcli.backends.attention.sparse import GATHER_COST_AVX512
+from mdcli.backends.host import has_avx512
 from mdcli.backends.llama import _grouped_attention
 from mdcli.bench.kernels import median_seconds
 from mdcli.bench.margins import machine
@@ -94,7 +105,7 @@ def scenes() -> list[Scene]:
 
 
 def measure(scene: Scene, repeats: int) -> dict:
-    gather_cost = sa.host_gather_cost(torch.device("cpu"), torch.float32)
+    gather_cost = GATHER_COST_AVX512 if has_avx512() else sa.GATHER_COST
 
     torch.manual_seed(0)
     allowed = scene.allowed
@@ -130,13 +141,90 @@ def measure(scene: Scene, repeats: int) -> dict:
     }
 
 
+LAYERS = 30
+
+
+def step_cases(branches: int, document: int, question: int, written: int) -> dict:
+    """Callables, one step's attention each over LAYERS layers of their own cold keys and values."""
+    cases = {}
+    for m, name in ((1, "1 query"), (branches, f"{branches} branches")):
+        allowed = shared_document(m, document, question, written).allowed
+        n = allowed.shape[1]
+        mask = torch.zeros(m, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        query = torch.randn(1, HEADS, m, DIM)
+        caches = [(torch.randn(1, KV_HEADS, n + 512, DIM)[:, :, :n], torch.randn(1, KV_HEADS, n + 512, DIM)[:, :, :n])
+                  for _ in range(LAYERS)]  # views of a longer buffer, as the engine's cache is
+        cases[f"{name}, dense"] = _dense_step(query, caches, mask)
+        if m > 1:
+            cases[f"{name}, the rule's plan"] = _planned_step(query, caches, mask, "auto")
+            cases[f"{name}, prefix plan"] = _planned_step(query, caches, mask, "prefix")
+    return cases
+
+
+def _dense_step(query, caches, mask):
+    def run():
+        rows = None if query.shape[2] == 1 else mask[0, 0].repeat(HEADS // KV_HEADS, 1)
+        for keys, values in caches:
+            _grouped_attention(query, keys, values, rows, DIM ** -0.5, KV_HEADS)
+    return run
+
+
+def _planned_step(query, caches, mask, mode: str):
+    gather_cost = GATHER_COST_AVX512 if has_avx512() else sa.GATHER_COST
+
+    def run():
+        plan = sa.plan_for(mask, gather_cost, mode)
+        rows = mask[0, 0].repeat(HEADS // KV_HEADS, 1) if plan is None else None  # per step, as the forward
+        for keys, values in caches:
+            if plan is None:
+                _grouped_attention(query, keys, values, rows, DIM ** -0.5, KV_HEADS)
+            else:
+                plan.attend("bmm", False, "full_attention", query, keys, values, DIM ** -0.5)
+    return run
+
+
+def abba(cases: dict, rounds: int) -> dict:
+    """Median and fastest milliseconds of each case, rounds in alternating order (process CPU time)."""
+    times = {name: [] for name in cases}
+    with torch.inference_mode():
+        for run in cases.values():
+            run()
+        for r in range(rounds):
+            for name, run in (cases.items() if r % 2 == 0 else reversed(cases.items())):
+                started = time.process_time()
+                run()
+                times[name].append(time.process_time() - started)
+    return {name: (1000 * statistics.median(t), 1000 * min(t)) for name, t in times.items()}
+
+
+def step_main(args) -> int:
+    print(f"# {machine()}; {LAYERS} layers, H={HEADS} G={KV_HEADS} D={DIM}, "
+          f"bmm core, {args.rounds} rounds ABBA (process CPU time)\n")
+    print(f"ask-many step: {args.branches} branches over a {args.document:,}-token document, "
+          f"{args.question}-token questions, {args.written} tokens written each\n")
+    print("| case | median ms | fastest ms |")
+    print("|---|---:|---:|")
+    for name, (median, fastest) in abba(step_cases(args.branches, args.document, args.question, args.written),
+                                        args.rounds).items():
+        print(f"| {name} | {median:.1f} | {fastest:.1f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mdcli.bench.attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--step", action="store_true", help="whole steps' attention, 30 layers (ABBA)")
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--branches", type=int, default=8)
+    parser.add_argument("--document", type=int, default=1800)
+    parser.add_argument("--question", type=int, default=25)
+    parser.add_argument("--written", type=int, default=1)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.step:
+        return step_main(args)
     print(f"# {machine()}; torch threads {args.threads}; one layer, H={HEADS} G={KV_HEADS} D={DIM}, bmm core, "
           f"median of {args.repeats}\n")
     print("| forest | queries | slots | buckets | dense ms | gathered ms | prefix ms | work gathered / dense "

@@ -16,8 +16,9 @@ Padding keys carry the same dtype-min; padding query rows repeat a real row and 
 
 `plan_for` is the rule: this gathered plan where its padded
 work (groups x queries x keys, plus the gather) is at most SPARSE_FRACTION of the dense M x N, the
-prefix plan of mdcli.backends.attention.prefix where its work is at most PREFIX_FRACTION of the dense work,
-the cheaper when both qualify, else dense. `MDCLI_SPARSE_ATTENTION=0` turns both off, `=always`
+prefix plan of mdcli.backends.attention.prefix where its work is at most PREFIX_FRACTION of the dense work
+or where it is one product over a shared document for JOINED_MIN_QUERIES queries or more, the cheaper
+when both qualify, else dense. `MDCLI_SPARSE_ATTENTION=0` turns both off, `=always`
 takes the gathered plan for every forward of 2+ queries, `=prefix` the prefix plan. (measured:
 notebook/attention.md, "Attention over each chain's visible slots only" and "Prefixes read in
 place, the document laid down first")
@@ -31,6 +32,7 @@ import torch
 
 from mdcli.backends.attention import gemm
 from mdcli.backends.attention.prefix import (
+    JOINED_MIN_QUERIES,
     PREFIX_FRACTION,
     PrefixPlan,
     bucket_prefixes,
@@ -113,15 +115,19 @@ def plan_for(mask, gather_cost: float = GATHER_COST, mode: str = "auto") -> Spar
 
 
 def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> PrefixPlan | None:
-    """The prefix plan if its work is within `budget` (None: any)."""
+    """The prefix plan if its work is within `budget` (None: any), or if it is one product over a
+    shared document of at least JOINED_MIN_QUERIES queries (`PrefixPlan.one_product`)."""
     common = allowed  # [M, N]: seen under every mask
     for other in kinds if len(kinds) > 1 else []:
         common = common & (other[0, 0] == 0)
-    buckets = bucket_prefixes(common)
-    if buckets is None or (budget is not None and work_floor(*buckets) > budget):
+    buckets = bucket_prefixes(common, gather_cost=gather_cost)
+    many = allowed.shape[0] >= JOINED_MIN_QUERIES  # a single bucket may pay whatever its work
+    if buckets is None or (budget is not None and not many and work_floor(*buckets) > budget):
         return None
-    plan = plan_prefixes(mask, common, allowed, *buckets)
-    return plan if budget is None or plan.work(gather_cost) <= budget else None
+    plan = plan_prefixes(mask, common, allowed, *buckets, gather_cost)
+    if budget is None or plan.work(gather_cost) <= budget or plan.one_product(JOINED_MIN_QUERIES):
+        return plan
+    return None
 
 
 def _gathered(mask, allowed, gather_cost: float = GATHER_COST, *, forced: bool = False,
