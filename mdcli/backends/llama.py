@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import SiLUActivation
 
+from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
 from mdcli.backends.attention.prefix import PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
@@ -133,6 +134,8 @@ class FastForward:
         self.attention = attention or plan.attention
         # bmm materializes every score: a long prefill over a tree attends with sdpa
         self.bmm_max_queries = plan.bmm_max_queries if attention is None else None
+        # dense forwards of 2 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
+        self.fused_attention = plan.fused_attention and attention is None
         self.gather_cost = plan.gather_cost
         self.sparse_mode = plan.sparse_attention
         self.read_ahead = plan.read_ahead if read_ahead is None else read_ahead
@@ -140,6 +143,7 @@ class FastForward:
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
+        self.fused_forwards = 0  # forwards whose dense attention ran on mdcli's kernel (mdcli.backends.attention.fused)
         self.head = _weight(model.lm_head)  # [V, hidden]
         self.tiled = plan.tiled if tiled is None else tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
@@ -233,6 +237,9 @@ class FastForward:
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa"
+        if plan is None and attention == "bmm" and self.fused_attention and 2 <= m <= fused.FUSED_MAX_QUERIES:
+            attention = "fused"
+            self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         for index, layer in enumerate(layers):
@@ -273,7 +280,7 @@ class FastForward:
         (mdcli.backends.attention.gemm.read_ahead; 0: none): where the plan reads ahead, for a forward
         of several tokens on the bmm core, the whole cache for dense attention, the longest prefix a
         bucket reads in place for the prefix plan; none for gathered slots (the gather reads them)."""
-        if not self.read_ahead or m == 1 or attention != "bmm":
+        if not self.read_ahead or m == 1 or attention != "bmm":  # the fused kernel streams the cache itself
             return 0
         if plan is None:
             return next(iter(mask.values())).shape[-1] if isinstance(mask, dict) else mask.shape[-1]
@@ -283,10 +290,15 @@ class FastForward:
 
     def _step_masks(self, mask, attention: str):
         """Per step, not per layer: for "bmm" each mask's rows repeated for the query heads that
-        share a key/value head ([H/G * M, N + M], row r * M + m = query m's row)."""
+        share a key/value head ([H/G * M, N + M], row r * M + m = query m's row); for "fused" the
+        same rows transposed and padded as its kernel reads them (fused.step_mask)."""
+        per_group = self.heads // self.kv_heads
+        if attention == "fused":
+            if isinstance(mask, dict):
+                return {kind: fused.step_mask(m, per_group) for kind, m in mask.items()}
+            return fused.step_mask(mask, per_group)
         if attention != "bmm" or mask is None:
             return mask
-        per_group = self.heads // self.kv_heads
         if isinstance(mask, dict):
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
@@ -294,6 +306,8 @@ class FastForward:
     def _attend(self, layer: _Layer, query, keys, values, mask, attention: str, weighted_sum=None):
         """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
         m = query.shape[2]
+        if attention == "fused":
+            return fused.fused_attention(query, keys, values, mask, self.scaling, self.kv_heads)
         if attention == "bmm":
             return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads, weighted_sum)
         return sdpa_attention(query, keys, values, mask, self.scaling, self.onednn).reshape(1, m, -1)  # [1, M, H * D]

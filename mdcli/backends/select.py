@@ -12,14 +12,16 @@ measured on):
   kernels elsewhere (`linear_kernels`; measured: notebook/cpu-kernels.md, "Kernels: which matrix
   multiply mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
-  oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`;
+  oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on those
+  hosts a dense forward of 2 to 64 queries attends on mdcli's own kernel where it builds and serves
+  the head size (`fused_attention`; measured: notebook/attention.md, "One kernel for a few queries'
+  attention");
 * a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
   serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
   serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
   it fits in half the free memory (measured: notebook/cpu-kernels.md, "A faster decode step", "A
   lone token on OpenBLAS", "Small products on Zen 3: mdcli's own kernel");
-* the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16 on AVX-512, 8 on
-  AVX2) where its float32 weights are exactly them and the block kernel works here (then no
+* the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16) where its float32 weights are exactly them and the block kernel works here (then no
   transposed copy is made; measured: notebook/gguf-blocks.md);
 * two-token products are padded to four rows on AMD cores with AVX-512 (measured:
   notebook/cpu-kernels.md, "Two-token forwards"); the cached keys and values are read ahead of a
@@ -35,6 +37,7 @@ from typing import Callable
 import torch
 
 from mdcli import settings as settings_module
+from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import onednn_linear_works
 from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512
 from mdcli.backends.forward_support import unsupported_reason
@@ -72,6 +75,7 @@ class Host:
     openblas: Callable[[], bool] = openblas_works
     tiled_kernel: Callable[[], bool] = tiled_gemm.tiled_works
     block_kernel: Callable[[], bool] = gguf_blocks.blocks_work
+    attention_kernel: Callable[[int], bool] = fused.fused_serves  # head size -> the fused kernel serves it
     free_memory: Callable[[torch.device], int | None] = available_memory_bytes
 
     @classmethod
@@ -110,6 +114,7 @@ class Plan:
     linears: KernelChoice
     attention: str  # own forward's core: "bmm" (batched products per group) or "sdpa"
     bmm_max_queries: int | None  # wider forwards attend with sdpa
+    fused_attention: bool  # dense forwards of 2 to fused.FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
     packed: bool  # a oneDNN-packed copy serves forwards the narrower copies do not
     pair_padding: bool  # two-row products on a packed copy run as four rows (AMD with AVX-512)
     transposed: bool  # a transposed copy serves a lone token
@@ -161,6 +166,10 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
     notes = [_blocks_note(blocks, on_blocks)] if blocks else []
+    fused_attention = (own_reason is None and auto_x86 and host.measured_isa and (onednn or avx2)
+                       and host.attention_kernel(_head_dim(model)))
+    if fused_attention:
+        notes.append(f"2-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
     if transposed and lone_blas_host:
         notes.append("one thread: a lone token on OpenBLAS")
     if tiled:
@@ -173,6 +182,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         linears=linears,
         attention="bmm" if onednn or avx2 else "sdpa",
         bmm_max_queries=BMM_MAX_QUERIES if avx2 else BMM_MAX_QUERIES_AVX512 if onednn else None,
+        fused_attention=fused_attention,
         packed=packed,
         pair_padding=onednn and host.vendor == "AMD",
         transposed=transposed,
@@ -192,6 +202,11 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         cudnn_attention=settings.cudnn_attention,
         notes=tuple(notes),
     )
+
+
+def _head_dim(model) -> int:
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _blocks_note(blocks: str, on_blocks: bool) -> str:

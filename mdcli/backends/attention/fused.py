@@ -1,0 +1,140 @@
+"""Dense attention of a few queries on mdcli's own C kernel: scores, softmax and values in one call per layer.
+
+Rule: on x86-64 with AVX2 or AVX-512, float32 on the CPU, a dense forward of up to
+FUSED_MAX_QUERIES queries on the bmm core attends with `fused_attention` (mdcli/backends/native/
+attention.c) where the kernel builds here and `fused_works()` (the plan decides, mdcli.backends.select).
+torch's bmm core runs two batched products, an add, a softmax and their temporaries per layer; the
+kernel reads each key and each value once for all the group's query rows, keeps the scores in the
+core's second cache, and runs the softmax down the keys across rows (measured: notebook/attention.md,
+"One kernel for a few queries' attention").
+
+Exact to float32 rounding: the same scores, softmax and weighted sum in another order of float sums,
+exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_fused_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from mdcli.backends.host import cpu_capability
+from mdcli.backends.native import build as native
+
+SOURCE = Path(__file__).parent.parent / "native" / "attention.c"
+_COMMON = ("-O3", "-mfma", "-mf16c")
+FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
+# Dense forwards of up to this many queries attend on the kernel: the widest forest step the
+# selector's other rules measured on the bmm core (BMM_MAX_QUERIES on AVX2); past it sdpa's tiles.
+FUSED_MAX_QUERIES = 64
+
+
+@dataclass(frozen=True)
+class StepMask:
+    """A step's mask as the kernel reads it, made once per step and mask kind: [N, R] additive,
+    R the stacked rows (H/G heads x M queries, as transformers pairs them) padded to the kernel's
+    vector width with rows that see everything (their outputs are dropped)."""
+
+    transposed: torch.Tensor  # [N, R_padded]
+    rows: int  # R before padding
+
+
+def fused_serves(head_dim: int) -> bool:
+    """The kernel runs here and sums values of this head size (a multiple of its value chunk)."""
+    return fused_works() and head_dim % library().attention_dim_multiple() == 0
+
+
+def padded_rows(rows: int) -> int:
+    lanes = library().attention_lanes()
+    return -(-rows // lanes) * lanes
+
+
+def step_mask(mask: torch.Tensor | None, per_group: int) -> StepMask | None:
+    """mask [1, 1, M, N] additive (None: a lone query seeing everything) -> the kernel's [N, R]."""
+    if mask is None:
+        return None
+    rows = mask[0, 0].repeat(per_group, 1)  # [H/G * M, N], row r * M + m = query m's row
+    padded = torch.zeros(rows.shape[1], padded_rows(rows.shape[0]), dtype=torch.float32)
+    padded[:, : rows.shape[0]] = rows.t()
+    return StepMask(padded, rows.shape[0])
+
+
+def fused_attention(query, keys, values, mask: StepMask | None, scale: float, groups: int) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v per key/value group, query head h reading group h // (H / G).
+
+    query: [1, H, M, D]; keys, values: [1, G, N, D] float32 with rows of D contiguous (views of
+    the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
+    the whole cache. Returns [1, M, H * D]."""
+    _, heads, m, dim = query.shape
+    per_group = heads // groups
+    rows = per_group * m
+    padded = padded_rows(rows)
+    stacked = query[0].reshape(groups, rows, dim)  # [G, R, D]
+    transposed = torch.zeros(groups, dim, padded, dtype=torch.float32)  # [G, D, R_padded]
+    transposed[:, :, :rows] = stacked.transpose(1, 2)
+    n = keys.shape[2]
+    if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
+        keys, values = keys.contiguous(), values.contiguous()
+    out = torch.empty(groups, padded, dim, dtype=torch.float32)  # [G, R_padded, D]
+    scratch = _scratch(library().attention_scratch_floats(n, padded, dim))
+    library().grouped_attention(
+        transposed.data_ptr(), groups, padded, dim, keys.data_ptr(), values.data_ptr(), n, keys.stride(1),
+        None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale), out.data_ptr(),
+        scratch.data_ptr())
+    out = out[:, :rows].view(groups, per_group, m, dim)
+    return out.permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+_SCRATCH: dict[str, torch.Tensor] = {}
+
+
+def _scratch(size: int) -> torch.Tensor:
+    """The scores' float32 scratch, kept for the next layer (a forward runs on one thread)."""
+    held = _SCRATCH.get("scores")
+    if held is None or held.numel() < size:
+        held = _SCRATCH["scores"] = torch.empty(size, dtype=torch.float32)
+    return held
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
+    capability = cpu_capability() if platform.machine().lower() in {"x86_64", "amd64"} else None
+    flags = FLAGS.get(capability)
+    lib = native.load(SOURCE, flags) if flags else None
+    if lib is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size, size, size], size
+    lib.attention_lanes.argtypes, lib.attention_lanes.restype = [], size
+    lib.attention_dim_multiple.argtypes, lib.attention_dim_multiple.restype = [], size
+    lib.grouped_attention.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer,
+                                      ctypes.c_float, pointer, pointer]
+    lib.grouped_attention.restype = None
+    return lib
+
+
+@cache
+def fused_works() -> bool:
+    """The kernel builds here and computes torch's attention, masked and not, within float32 rounding."""
+    if library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for heads, groups, m, n, dim in ((9, 3, 5, 37, 64), (4, 4, 1, 20, 32), (6, 2, 2, 300, 128)):
+        query = torch.randn(1, heads, m, dim, generator=generator)
+        keys, values = (torch.randn(1, groups, n, dim, generator=generator) for _ in range(2))
+        allowed = torch.rand(m, n, generator=generator) < 0.7
+        allowed[:, -1] = True
+        mask = torch.zeros(m, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        for given in (mask, None):
+            ours = fused_attention(query, keys, values, step_mask(given, heads // groups), 0.125, groups)
+            theirs = torch.nn.functional.scaled_dot_product_attention(
+                query, keys.repeat_interleave(heads // groups, 1), values.repeat_interleave(heads // groups, 1),
+                attn_mask=given, scale=0.125).transpose(1, 2).reshape(1, m, heads * dim)
+            if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
+                return False
+    return True

@@ -1,0 +1,260 @@
+/* Grouped-query attention of a few queries over a long cache, in one pass per step over the keys and
+ * one over the values: softmax(q k^T * scale + mask) v for every query head of a key/value group.
+ *
+ * For each group g the R query rows of its heads (H/G heads x M queries, stacked as transformers
+ * pairs them) come transposed, qt [D][R], so one key's element k[p][d], broadcast, multiplies a
+ * vector of R queries' elements: four keys and up to 3 (AVX2) or 4 (AVX-512) vectors of rows at a
+ * time, 12 or 16 independent multiply-add chains. The scores are kept key-major, s [N][R], so the
+ * softmax runs down the keys with vectors across the rows (maximum, exp, sum: no horizontal sums),
+ * and the values are summed per row, 128 keys at a time (a tile of v in the core's first cache).
+ *
+ * Float32 throughout; sums run in another order than torch's bmm and softmax, and exp is a
+ * polynomial (Cephes' expf, within 2 ulp), so outputs agree with torch's to float32 rounding.
+ *
+ * Built twice from this file (mdcli.backends.attention.fused): with AVX-512 (16 lanes) and with AVX2 (8).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define ROW_VECTORS 4 /* 4 keys x 4 vectors of rows: 16 accumulators, 4 query vectors of the 32 registers */
+typedef __m512 vec;
+typedef __m512i ivec;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vfnma _mm512_fnmadd_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vtoint _mm512_cvtps_epi32
+#define vpow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23))
+#define vbelow_zero(x, lo, e) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), e, vzero())
+#else
+#define LANES 8
+#define ROW_VECTORS 3 /* 4 keys x 3 vectors of rows: 12 accumulators, 3 query vectors and a key: the 16 registers */
+typedef __m256 vec;
+typedef __m256i ivec;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vfnma _mm256_fnmadd_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vtoint _mm256_cvtps_epi32
+#define vpow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23))
+#define vbelow_zero(x, lo, e) _mm256_blendv_ps(e, vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ))
+#endif
+
+#define KEYS 4           /* keys per score tile */
+#define VALUE_TILE 32    /* keys per tile of values summed: with their scores, well inside the first cache (32 beat 16 and 64) */
+#define VALUE_DIMS 4     /* value elements x ROW_VECTORS vectors of rows: 12 (AVX2) or 16 accumulators */
+
+/* exp(x) for x <= 0 (a score minus its row's maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+ * exp(r) by a degree-6 polynomial, times 2^n; below -87 (past float32's normal range) exactly 0. */
+static inline vec vexp(vec x) {
+    const vec lowest = vset1(-87.0f);
+    const vec clamped = vmax(x, lowest);
+    const vec n = vround(vmul(clamped, vset1(1.44269504088896341f)));
+    vec r = vfnma(n, vset1(0.693359375f), clamped);
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vfma(vmul(p, r), r, vadd(r, vset1(1.0f)));
+    const vec e = vmul(p, vpow2(vtoint(n)));
+    return vbelow_zero(x, lowest, e);
+}
+
+/* s[p][r0 .. r0 + V * LANES) = scale * sum_d k[p][d] qt[d][...] (+ mask_t[p][...]) for keys [0, n);
+ * the rows' running maxima in mx. */
+static inline __attribute__((always_inline)) void score_rows(int V, const float *qt, int64_t r_stride, int64_t d_size,
+                                                             const float *k, int64_t n, const float *mask_t,
+                                                             float scale, float *s, float *mx) {
+    const vec sc = vset1(scale);
+    vec top[ROW_VECTORS];
+#pragma GCC unroll 4
+    for (int i = 0; i < V; i++)
+        top[i] = vload(mx + i * LANES);
+    int64_t p = 0;
+    for (; p + KEYS <= n; p += KEYS) {
+        vec acc[KEYS][ROW_VECTORS];
+#pragma GCC unroll 4
+        for (int j = 0; j < KEYS; j++)
+#pragma GCC unroll 4
+            for (int i = 0; i < V; i++)
+                acc[j][i] = vzero();
+        const float *kp = k + p * d_size;
+        for (int64_t d = 0; d < d_size; d++) {
+            vec q[ROW_VECTORS];
+#pragma GCC unroll 4
+            for (int i = 0; i < V; i++)
+                q[i] = vload(qt + d * r_stride + i * LANES);
+#pragma GCC unroll 4
+            for (int j = 0; j < KEYS; j++) {
+                const vec key = vset1(kp[j * d_size + d]);
+#pragma GCC unroll 4
+                for (int i = 0; i < V; i++)
+                    acc[j][i] = vfma(key, q[i], acc[j][i]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < KEYS; j++)
+#pragma GCC unroll 4
+            for (int i = 0; i < V; i++) {
+                vec value = vmul(acc[j][i], sc);
+                if (mask_t)
+                    value = vadd(value, vload(mask_t + (p + j) * r_stride + i * LANES));
+                vstore(s + (p + j) * r_stride + i * LANES, value);
+                top[i] = vmax(top[i], value);
+            }
+    }
+    for (; p < n; p++) {
+        vec acc[ROW_VECTORS];
+#pragma GCC unroll 4
+        for (int i = 0; i < V; i++)
+            acc[i] = vzero();
+        for (int64_t d = 0; d < d_size; d++) {
+            const vec key = vset1(k[p * d_size + d]);
+#pragma GCC unroll 4
+            for (int i = 0; i < V; i++)
+                acc[i] = vfma(key, vload(qt + d * r_stride + i * LANES), acc[i]);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < V; i++) {
+            vec value = vmul(acc[i], sc);
+            if (mask_t)
+                value = vadd(value, vload(mask_t + p * r_stride + i * LANES));
+            vstore(s + p * r_stride + i * LANES, value);
+            top[i] = vmax(top[i], value);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < V; i++)
+        vstore(mx + i * LANES, top[i]);
+}
+
+/* ot[d0 + j][r] += sum_p v[p][d0 + j] s[p][r] for j < VALUE_DIMS and V vectors of rows, keys [p0, p1):
+ * the values summed as the scores were made, a key's element broadcast against a vector of rows. */
+static inline __attribute__((always_inline)) void sum_values(int V, const float *s, int64_t R, const float *v,
+                                                             int64_t D, int64_t p0, int64_t p1, float *ot) {
+    vec acc[VALUE_DIMS][ROW_VECTORS];
+#pragma GCC unroll 4
+    for (int j = 0; j < VALUE_DIMS; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < V; i++)
+            acc[j][i] = vload(ot + j * R + i * LANES);
+    for (int64_t p = p0; p < p1; p++) {
+        vec weights[ROW_VECTORS];
+#pragma GCC unroll 4
+        for (int i = 0; i < V; i++)
+            weights[i] = vload(s + p * R + i * LANES);
+#pragma GCC unroll 4
+        for (int j = 0; j < VALUE_DIMS; j++) {
+            const vec value = vset1(v[p * D + j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < V; i++)
+                acc[j][i] = vfma(value, weights[i], acc[j][i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < VALUE_DIMS; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < V; i++)
+            vstore(ot + j * R + i * LANES, acc[j][i]);
+}
+
+/* One group: qt [D][R] (R a multiple of LANES), k and v [N][D], mask_t [N][R] additive or NULL ->
+ * out [R][D]. scratch: attention_scratch_floats(N, R, D) floats. */
+static void group_attention(const float *qt, int64_t R, int64_t D, const float *k, const float *v, int64_t n,
+                            const float *mask_t, float scale, float *out, float *scratch) {
+    float *s = scratch, *mx = scratch + n * R, *sum = mx + R;
+    for (int64_t r = 0; r < R; r++)
+        mx[r] = -__builtin_inff();
+    for (int64_t r0 = 0; r0 < R; r0 += ROW_VECTORS * LANES) {
+        const int64_t left = (R - r0) / LANES;
+        const float *mask_r = mask_t ? mask_t + r0 : NULL;
+        switch (left < ROW_VECTORS ? left : ROW_VECTORS) {
+        case 1: score_rows(1, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+        case 2: score_rows(2, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+#if ROW_VECTORS >= 3
+        case 3: score_rows(3, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+#endif
+#if ROW_VECTORS >= 4
+        case 4: score_rows(4, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+#endif
+        }
+    }
+    /* the softmax's numerators, in place, and their sums: vectors across rows, down the keys */
+    for (int64_t r0 = 0; r0 < R; r0 += LANES) {
+        const vec top = vload(mx + r0);
+        vec total = vzero();
+        for (int64_t p = 0; p < n; p++) {
+            const vec e = vexp(vsub(vload(s + p * R + r0), top));
+            vstore(s + p * R + r0, e);
+            total = vadd(total, e);
+        }
+        vstore(sum + r0, total);
+    }
+    /* ot[d][r] = sum_p v[p][d] s[p][r], a tile of keys at a time, then out[r][d] = ot[d][r] / sum[r] */
+    float *ot = sum + R;
+    memset(ot, 0, (size_t)(R * D) * sizeof(float));
+    for (int64_t p0 = 0; p0 < n; p0 += VALUE_TILE) {
+        const int64_t p1 = p0 + VALUE_TILE < n ? p0 + VALUE_TILE : n;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_VECTORS * LANES) {
+            const int64_t left = (R - r0) / LANES;
+            for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
+                float *o = ot + d0 * R + r0;
+                switch (left < ROW_VECTORS ? left : ROW_VECTORS) {
+                case 1: sum_values(1, s + r0, R, v + d0, D, p0, p1, o); break;
+                case 2: sum_values(2, s + r0, R, v + d0, D, p0, p1, o); break;
+#if ROW_VECTORS >= 3
+                case 3: sum_values(3, s + r0, R, v + d0, D, p0, p1, o); break;
+#endif
+#if ROW_VECTORS >= 4
+                case 4: sum_values(4, s + r0, R, v + d0, D, p0, p1, o); break;
+#endif
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const float inverse = 1.0f / sum[r];
+        for (int64_t d = 0; d < D; d++)
+            out[r * D + d] = ot[d * R + r] * inverse;
+    }
+}
+
+/* Floats of scratch `grouped_attention` needs for n keys and R stacked rows. */
+int64_t attention_scratch_floats(int64_t n, int64_t R, int64_t D) { return n * R + 2 * R + D * R; }
+
+/* Lanes of a vector here: R must be a multiple of it. */
+int64_t attention_lanes(void) { return LANES; }
+
+/* D must be a multiple of this. */
+int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
+
+/* Every group: qt [G][D][R], k and v rows p of group g at k + g * group_stride + p * D, mask_t
+ * [N][R] additive (the same for every group) or NULL -> out [G][R][D]. */
+void grouped_attention(const float *qt, int64_t G, int64_t R, int64_t D, const float *k, const float *v, int64_t n,
+                       int64_t group_stride, const float *mask_t, float scale, float *out, float *scratch) {
+    for (int64_t g = 0; g < G; g++)
+        group_attention(qt + g * D * R, R, D, k + g * group_stride, v + g * group_stride, n, mask_t, scale,
+                        out + g * R * D, scratch);
+}

@@ -1,0 +1,136 @@
+"""mdcli's attention kernel (mdcli.backends.attention.fused): torch's attention to float32 rounding,
+for every shape a forest step gives it, and the forest's tokens through the engine on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdcli.backends.attention import fused
+from mdcli.backends.select import Host, select
+from tests.reference import generate_alone
+from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
+from tests.test_fastforward import kind, lockstep_logits, settings_with
+from tests.test_sparse_attention import SUPPORTED, model_for
+
+needs_kernel = pytest.mark.skipif(fused.library() is None, reason="mdcli's attention kernel needs x86-64 with AVX2 and a C compiler")
+LOWEST = torch.finfo(torch.float32).min
+
+
+def torch_attention(query, keys, values, mask, scale):
+    """sdpa with each key/value head repeated for its query heads, as transformers pairs them: [1, M, H * D]."""
+    heads, groups = query.shape[1], keys.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(heads // groups, 1), values.repeat_interleave(heads // groups, 1),
+        attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(1, query.shape[2], -1)
+
+
+def cache_views(groups: int, n: int, dim: int, generator, spare: int = 37):
+    """Keys and values [1, G, N, D] as the cache hands them over: views of a longer buffer."""
+    return [torch.randn(1, groups, n + spare, dim, generator=generator)[:, :, :n] for _ in range(2)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, groups", [(9, 3), (4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("queries", [2, 3, 8, 17, 64])
+@pytest.mark.parametrize("slots", [1, 5, 130, 1027])
+@pytest.mark.parametrize("dim", [64, 128, 16])
+def test_the_kernel_gives_torchs_attention_for_every_step_shape(heads, groups, queries, slots, dim):
+    """Query heads stacked per group (padded to the vector width), keys four at a time and the
+    rest, values 32 keys a tile: every remainder, within float32 rounding of sdpa, each query seeing a
+    random part of the cache (always its last slot)."""
+    generator = torch.Generator().manual_seed(queries * slots + dim)
+    query = torch.randn(1, heads, queries, dim, generator=generator)
+    keys, values = cache_views(groups, slots, dim, generator)
+    allowed = torch.rand(queries, slots, generator=generator) < 0.6
+    allowed[:, -1] = True
+    mask = torch.zeros(queries, slots).masked_fill_(~allowed, LOWEST)[None, None]
+    ours = fused.fused_attention(query, keys, values, fused.step_mask(mask, heads // groups), dim**-0.5, groups)
+    assert ours.shape == (1, queries, heads * dim)
+    torch.testing.assert_close(ours, torch_attention(query, keys, values, mask, dim**-0.5), rtol=1e-4, atol=2e-6)
+
+
+@needs_kernel
+def test_without_a_mask_every_query_sees_the_whole_cache():
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 9, 4, 64, generator=generator)
+    keys, values = cache_views(3, 1825, 64, generator)
+    ours = fused.fused_attention(query, keys, values, None, 0.125, 3)
+    torch.testing.assert_close(ours, torch_attention(query, keys, values, None, 0.125), rtol=1e-4, atol=2e-6)
+
+
+@needs_kernel
+def test_a_query_that_sees_one_slot_gets_that_slots_value_and_large_scores_do_not_overflow():
+    """exp runs on the score minus its row's maximum: scores in the thousands give torch's answer,
+    and a row whose mask leaves one slot gets exactly that slot's value."""
+    generator = torch.Generator().manual_seed(2)
+    query = 300 * torch.randn(1, 2, 3, 32, generator=generator)
+    keys, values = cache_views(1, 50, 32, generator)
+    allowed = torch.rand(3, 50, generator=generator) < 0.5
+    allowed[0] = False
+    allowed[0, 17] = True  # query 0 sees slot 17 only
+    mask = torch.zeros(3, 50).masked_fill_(~allowed, LOWEST)[None, None]
+    ours = fused.fused_attention(query, keys, values, fused.step_mask(mask, 2), 1.0, 1)
+    torch.testing.assert_close(ours, torch_attention(query, keys, values, mask, 1.0), rtol=1e-4, atol=1e-5)
+    assert torch.equal(ours[0, 0, :32], values[0, 0, 17])
+
+
+@needs_kernel
+def test_where_the_kernel_builds_it_passes_the_check_the_plan_relies_on():
+    assert fused.fused_works()
+
+
+def test_the_kernel_serves_head_sizes_its_value_chunks_divide():
+    if fused.library() is None:
+        assert not fused.fused_serves(64)
+        return
+    assert fused.fused_serves(64) and fused.fused_serves(128)
+    assert not fused.fused_serves(66)
+
+
+def test_the_plan_takes_the_kernel_on_the_bmm_hosts_where_it_serves_the_head_size():
+    """AVX2-only and AVX-512 x86-64 hosts with the kernel: dense forwards of a few queries on it; with
+    torch's stock kernels forced, off x86, or where the kernel does not serve the head size: not."""
+    model = tiny_model("llama", "sdpa")
+
+    def plan(host: Host, **settings):
+        return select(model, settings_with(**settings), host)
+
+    def with_kernel(host: Host, works: bool) -> Host:
+        return Host(host.machine, host.capability, host.vendor, host.threads, onednn=host.onednn,
+                    openblas=host.openblas, tiled_kernel=host.tiled_kernel, block_kernel=host.block_kernel,
+                    attention_kernel=lambda dim: works, free_memory=host.free_memory)
+
+    for capability in ("AVX2", "AVX512"):
+        host = kind(capability, "AMD", 1)
+        chosen = plan(with_kernel(host, True))
+        assert chosen.fused_attention and "attention on mdcli's kernel" in chosen.describe()
+        assert not plan(with_kernel(host, False)).fused_attention
+        assert not plan(with_kernel(host, True), cpu_kernels="torch").fused_attention
+    assert not plan(with_kernel(kind("DEFAULT", "", 1, machine="aarch64"), True)).fused_attention
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_a_forest_on_the_kernel_decodes_transformers_tokens_and_logits(arch):
+    """The plan's own choices with dense attention (the kernel for every step of a few branches,
+    sliding windows and mixed layer types included): transformers' logits within 1e-4 and its
+    greedy tokens, step by step, through a branch finishing and the cache compacting."""
+    model = model_for(arch)
+    prompts = random_prompts(45, [6, 2, 11, 4, 8], seed=5)
+    worst, _ = lockstep_logits(model, prompts, steps=12, drop_at=5, variant=(None, None),
+                               settings=settings_with(sparse_attention="off"))
+    assert worst < 1e-4, f"max logit difference {worst:.2e}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_every_branch_on_the_kernel_gets_the_tokens_generate_gives_it_alone(arch):
+    model = model_for(arch)
+    engine = engine_for(model, settings=settings_with(sparse_attention="off"))
+    prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=3)
+    generated = greedy_forest(engine, prompts, steps=12, drop_at=3)
+    assert engine.model_forward.own.fused_forwards >= 12  # every step of the forest ran on the kernel
+    for i, prompt in enumerate(prompts):
+        assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"
