@@ -80,6 +80,19 @@ def test_compaction_keeps_paths_and_depths_of_kept_rows(plan, data):
         assert torch.equal(row, expected)
 
 
+@given(plans, st.lists(st.integers(0, 10_000), min_size=1, max_size=9))
+@settings(max_examples=100, deadline=None)
+def test_a_decode_step_lays_out_one_token_per_chain_as_the_general_layout_does(plan, picks):
+    forest = Forest()
+    rows = grow(forest, plan)
+    n = len(forest)
+    tips = torch.stack([pad_rows(rows[p % len(rows)][None], n)[0] for p in picks])
+    quick = layout_chains(tips, [1] * len(picks), n)  # the decode step's few ops
+    general = layout_chains(tips, [1] * len(picks), n, start_depths=tips.sum(-1))  # the general path
+    for field in ("positions", "parents", "allowed", "ends"):
+        assert torch.equal(getattr(quick, field), getattr(general, field)), field
+
+
 def test_a_chain_hanging_off_a_node_starts_one_deeper_than_it():
     forest = Forest()
     trunk = layout_chains(torch.zeros(1, 0, dtype=torch.bool), [5], 0)

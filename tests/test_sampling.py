@@ -6,7 +6,15 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mdcli.core.sampling import Sampler, SamplingParams, branch_seed, filtered_logits, outside_nucleus
+from mdcli.core.sampling import (
+    Sampler,
+    SamplingParams,
+    branch_seed,
+    draw,
+    filtered_logits,
+    greedy_tokens,
+    outside_nucleus,
+)
 
 
 def nucleus_by_full_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -50,6 +58,24 @@ def test_min_p_drops_tokens_far_below_the_best():
 
 def test_greedy_is_the_argmax():
     assert Sampler(SamplingParams(), key=0)(torch.tensor([0.1, 3.0, 2.0])) == 1
+
+
+@given(st.integers(0, 10_000), st.integers(1, 9), st.sampled_from([3, 50, 5000]))
+@settings(max_examples=100, deadline=None)
+def test_the_batched_greedy_choice_is_torchs_argmax_ties_to_the_first(seed, rows, vocab):
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).round()  # many ties
+    logits[0] = float("-inf")  # a row masked everywhere still names a token, the first
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+
+
+@given(st.integers(0, 10_000), st.floats(0.1, 8.0), st.sampled_from([5, 300, 5000]))
+@settings(max_examples=100, deadline=None)
+def test_a_draw_is_torchs_multinomial_draw_from_the_same_generator(seed, spread, vocab):
+    probs = (torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * spread).softmax(-1)
+    probs[seed % vocab] = 0.0  # a filtered-out token is never drawn
+    ours, torchs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    draws = [draw(probs, ours) for _ in range(4)]  # the generators stay in step draw after draw
+    assert draws == [int(torch.multinomial(probs, 1, generator=torchs)) for _ in range(4)]
 
 
 def test_a_branch_stream_depends_only_on_seed_and_branch_key():

@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from mdcli.core import cache as kv
-from mdcli.core.forest import Forest, layout_chains, layout_trees, pad_rows
+from mdcli.core.forest import Forest, layout_chains, layout_trees, pad_rows, stack_rows
 
 
 class ModelForward(Protocol):
@@ -195,7 +195,7 @@ class Engine:
                 take = toks[:budget]
                 batch.append((i, row, take, toks[len(take):]))
                 budget -= len(take)
-            stacked = torch.stack([pad_rows(r[None], len(self.forest))[0] for _, r, _, _ in batch])
+            stacked = stack_rows([r for _, r, _, _ in batch], len(self.forest))
             outs = self.forward(stacked, [take for _, _, take, _ in batch])
             for (i, _, _, rest), out in zip(batch, outs):
                 if rest:

@@ -41,11 +41,13 @@ def layout_chains(
     row). `start_depths` ([C] long) overrides that for deliberate, labelled approximations such
     as the Multiverse merge, where one token attends to several branches at max depth + 1.
     """
-    device = rows.device
-    lengths_t = torch.tensor(lengths, device=device)  # [C]
-    if int(lengths_t.min()) < 1:
+    if min(lengths) < 1:
         raise ValueError("every chain needs at least one token")
     past = pad_rows(rows, n_cache)  # [C, N]
+    if start_depths is None and max(lengths) == 1:
+        return _one_token_each(past, n_cache)
+    device = rows.device
+    lengths_t = torch.tensor(lengths, device=device)  # [C]
     n_new = int(lengths_t.sum())
     chain_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)  # [M]
     starts = torch.cumsum(lengths_t, 0) - lengths_t  # [C]
@@ -60,6 +62,17 @@ def layout_chains(
     slots = torch.arange(n_new, device=device) + n_cache  # [M]
     parents = torch.where(offset == 0, _last_true(past)[chain_of], slots - 1)  # [M]
     return ChainLayout(positions=positions, parents=parents, allowed=allowed, ends=starts + lengths_t - 1)
+
+
+def _one_token_each(past: torch.Tensor, n_cache: int) -> ChainLayout:
+    """`layout_chains` for a decode step, C chains of one token each, in a handful of ops: each
+    token sits one below its row's tip and attends to its row and itself (the general layout cost
+    0.25 ms a step in small tensor ops whatever the branch count: notebook/step-loop.md, "Less
+    per-branch glue")."""
+    c = past.shape[0]
+    own = torch.eye(c, dtype=torch.bool, device=past.device)  # [C, C]
+    ends = torch.arange(c, device=past.device)  # [C]
+    return ChainLayout(positions=past.sum(-1), parents=_last_true(past), allowed=torch.cat([past, own], 1), ends=ends)
 
 
 def layout_trees(rows: torch.Tensor, parents: list[list[int]], n_cache: int) -> ChainLayout:
@@ -104,8 +117,8 @@ def _last_true(rows: torch.Tensor) -> torch.Tensor:
     """[C, N] bool -> [C] index of the last True per row (a row's tip), -1 where none."""
     if rows.shape[1] == 0:
         return torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
-    last = rows.shape[1] - 1 - rows.flip(1).to(torch.int8).argmax(1)
-    return torch.where(rows.any(1), last, torch.full_like(last, -1))
+    slots = torch.arange(rows.shape[1], device=rows.device)  # [N]
+    return torch.where(rows, slots, -1).amax(1)  # a max, not an argmax: torch's CPU argmax is slow
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -128,8 +141,12 @@ def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, missing), value=False)
 
 
-def stack_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Rows of different lengths -> one [C, length] bool tensor."""
+def stack_rows(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Rows of different lengths -> one [C, length] bool tensor (one stack and one pad when they
+    are all as long, as a decode step's rows are: no op per row)."""
+    width = rows[0].shape[0]
+    if all(r.shape[0] == width for r in rows):
+        return pad_rows(torch.stack(list(rows)), length)
     return torch.stack([pad_rows(r.unsqueeze(0), length)[0] for r in rows])
 
 

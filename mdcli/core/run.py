@@ -27,7 +27,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
-from mdcli.core.forest import common_prefix_length, pad_rows
+from mdcli.core.forest import common_prefix_length, stack_rows
 from mdcli.core.prefix_store import PrefixStore
 from mdcli.core.resident import peak_rss_bytes
 from mdcli.errors import ContextTooLongError
@@ -279,7 +279,7 @@ class Run:
         n = len(self.engine)
         if not rows or n == 0:
             return None
-        stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [L, N]
+        stacked = stack_rows(rows, n)  # [L, N]
         dead = n - int(stacked.any(0).sum())
         if dead == 0 or dead < self.compact_ratio * n:
             return None

@@ -88,7 +88,7 @@ import torch
 
 from mdcli.core.constraint import ConstraintState, TokenConstraint, mask_rows
 from mdcli.core.detok import StreamingDetokenizer
-from mdcli.core.forest import pad_rows
+from mdcli.core.forest import stack_rows
 from mdcli.core.run import Run
 from mdcli.core.sampling import Sampler, SamplingParams, choose_tokens
 from mdcli.core.tip import Tip
@@ -246,7 +246,8 @@ class StepLoop:
             if any(t.constraint is not None for t in sub):
                 mask_rows(logits, [t.constraint for t in sub])
             chosen = choose_tokens(logits, [t.sampler for t in sub])
-            picked = torch.log_softmax(logits, -1)[torch.arange(len(sub)), torch.tensor(chosen)].tolist()
+            index = torch.tensor(chosen, device=logits.device)[:, None]  # [k, 1]
+            picked = torch.log_softmax(logits, -1).gather(-1, index)[:, 0].tolist()
             for i, token, logprob in zip(todo, chosen, picked):
                 tokens[i], logprobs[i] = token, logprob
         for t in tips:
@@ -399,7 +400,7 @@ class StepLoop:
         chains = [chain for _, chain in fed]
         if self.explicit_depths:
             n = len(self.engine)
-            stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
+            stacked = stack_rows(rows, n)  # [k, N]
             depths = torch.tensor([t.depth if t.depth is not None else int(r.sum()) for (t, _), r in zip(fed, stacked)])
             results = self.engine.forward(stacked, chains, start_depths=depths)
             for (tip, chain), result in zip(fed, results):
@@ -407,7 +408,7 @@ class StepLoop:
                     tip.depth += len(chain)
         elif all(len(c) == 1 for c in chains):  # a decode step: one token per tip
             n = len(self.engine)
-            stacked = torch.stack([pad_rows(r[None], n)[0] for r in rows])  # [k, N]
+            stacked = stack_rows(rows, n)  # [k, N]
             results = self.engine.forward(stacked, chains)
             self.counters.steps += 1
             for (tip, _), result in zip(fed, results):

@@ -27,8 +27,9 @@ from typing import Protocol
 import torch
 
 from mdcli.core.engine import Engine
-from mdcli.core.forest import pad_rows
+from mdcli.core.forest import stack_rows
 from mdcli.core.run import DecodeCounters
+from mdcli.core.sampling import greedy_tokens
 from mdcli.core.tip import Tip
 from mdcli.events import Event, Token
 from mdcli.speculative.drafting import DraftTree
@@ -128,7 +129,7 @@ def _verify(loop: Loop, to_feed, trees: list[DraftTree]) -> Iterator[Event]:
     start = len(engine)
     parents = [_fed_parents(len(chain), tree) for (_, chain), tree in zip(to_feed, trees)]
     tokens = [chain + tree.tokens for (_, chain), tree in zip(to_feed, trees)]
-    rows = torch.stack([pad_rows(t.row[None], start)[0] for t, _ in to_feed])  # [C, N]
+    rows = stack_rows([t.row for t, _ in to_feed], start)  # [C, N]
     results = engine.forward_trees(rows, parents, tokens)
     greedy = _greedy_choices(loop, to_feed, trees, results)
     loop.counters.steps += 1
@@ -202,7 +203,7 @@ def _greedy_choices(loop: Loop, to_feed, trees: list[DraftTree], results) -> lis
     row_tips = [to_feed[i][0] for i, n in zip(greedy, sizes) for _ in range(n)]
     logits = torch.cat([results[i].logits for i in greedy])  # [n, V], a copy: suppressed in place
     logits = loop.suppress_eos(logits, row_tips, in_place=True)
-    argmax = logits.argmax(-1).tolist()
+    argmax = greedy_tokens(logits)
     visits: list[int] = []  # rows of `logits` the walks visit
     starts = [0]
     for i, n in zip(greedy, sizes):
