@@ -183,10 +183,10 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
 def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
     """out = flat @ W.T by the block kernel (flat [rows, in], out [rows, out], contiguous float32)."""
     lib = library()
-    scratch = _scratch(lib.scratch_floats(flat.shape[1]))  # the wide passes' float32 panel of weight rows
+    rows = flat.shape[0]  # a lone row never reaches the wide panels, so needs no scratch
+    scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr() if rows > 1 else None
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
-    product(flat.data_ptr(), flat.shape[0], flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr(),
-            scratch.data_ptr())
+    product(flat.data_ptr(), rows, flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr(), scratch)
 
 
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int = TILE_ROWS) -> None:
