@@ -55,7 +55,8 @@ def own_variant(engine, **overrides) -> FastForward:
 
 
 def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None, settings=None):
+                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None, settings=None,
+                    fused=None):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
     tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
     so each test exercises the copies it names; the .gguf's blocks (mdcli.backends.weights.gguf_blocks) as chosen
@@ -65,7 +66,7 @@ def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None
     assert hf.model_forward.own is None and own.model_forward.own is not None
     attention, packed = variant
     own_variant(own, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
-                pair_padded=pair_padded, tiled=tiled, blocks=blocks)
+                pair_padded=pair_padded, tiled=tiled, blocks=blocks, fused=fused)
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]

@@ -121,7 +121,7 @@ class FastForward:
     def __init__(self, model, plan: Plan, *, attention: str | None = None, packed: bool | None = None,
                  transposed: bool | None = None, lone_blas: bool | None = None,
                  pair_padded: bool | None = None, read_ahead: bool | None = None,
-                 tiled: bool | None = None, blocks: bool | None = None) -> None:
+                 tiled: bool | None = None, blocks: bool | None = None, fused: bool | None = None) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -135,7 +135,7 @@ class FastForward:
         # bmm materializes every score: a long prefill over a tree attends with sdpa
         self.bmm_max_queries = plan.bmm_max_queries if attention is None else None
         # dense forwards of 2 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
-        self.fused_attention = plan.fused_attention and attention is None
+        self.fused_attention = (plan.fused_attention and attention is None) if fused is None else fused
         self.gather_cost = plan.gather_cost
         self.sparse_mode = plan.sparse_attention
         self.read_ahead = plan.read_ahead if read_ahead is None else read_ahead

@@ -12,10 +12,10 @@ measured on):
   kernels elsewhere (`linear_kernels`; measured: notebook/cpu-kernels.md, "Kernels: which matrix
   multiply mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
-  oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on those
-  hosts a dense forward of 2 to 64 queries attends on mdcli's own kernel where it builds and serves
-  the head size (`fused_attention`; measured: notebook/attention.md, "One kernel for a few queries'
-  attention");
+  oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on
+  AVX2-only hosts a dense forward of 2 to 64 queries attends on mdcli's own kernel where it builds
+  and serves the head size (`fused_attention`; measured: notebook/attention.md, "One kernel for a
+  few queries' attention");
 * a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
   serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
   serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
@@ -166,8 +166,9 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
     notes = [_blocks_note(blocks, on_blocks)] if blocks else []
-    fused_attention = (own_reason is None and auto_x86 and host.measured_isa and (onednn or avx2)
-                       and host.attention_kernel(_head_dim(model)))
+    # measured faster than the bmm core on an AVX2-only Zen 3 core, slower on an AVX-512 Xeon (whose
+    # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
+    fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
     if fused_attention:
         notes.append(f"2-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
     if transposed and lone_blas_host:

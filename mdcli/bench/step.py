@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from mdcli.backends import llama as fastforward
 from mdcli.backends import reference
+from mdcli.backends.attention import fused, prefix
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights import tiled as tiled_gemm
@@ -137,6 +138,8 @@ class StepProfile:
             (fastforward, "tiled_linear", timed_tiled_linear),
             (fastforward, "block_linear", timed_block_linear),
             (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
+            (fused, "fused_attention", self._timed(fused.fused_attention, "attention")),
+            (prefix.PrefixPlan, "attend", self._timed(prefix.PrefixPlan.attend, "attention")),
         ]
         handles = []
         for name, module in self.lm.model.named_modules():

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""The .gguf block kernel on its own, on whatever x86-64 CPU runs this: every build it can run checked, then timed.
+"""mdcli's C kernels on their own, on whatever x86-64 CPU runs this: every build it can run checked, then timed.
 
-    python benchmarks/blocks_kernel.py [--out FILE]
+    python benchmarks/native_kernels.py [--out FILE] [--baseline OLD_gguf_blocks.c] [--no-timing]
 
 Needs only torch and a C compiler (no mdcli install, no .gguf): it builds
-mdcli/backends/native/gguf_blocks.c with the AVX2 flags and, where the CPU has AVX-512, with the
-AVX-512 flags, as mdcli.backends.weights.gguf_blocks does, so a host that lacks mdcli's other
-dependencies (the GPU machine's CPU, for one) still checks the AVX-512 build.
+mdcli/backends/native/gguf_blocks.c and attention.c with the AVX2 flags and, where the CPU has
+AVX-512, with the AVX-512 flags, as mdcli.backends.weights.gguf_blocks and
+mdcli.backends.attention.fused do, so a host that lacks mdcli's other dependencies (the GPU
+machine's CPU, for one) still checks the AVX-512 builds.
+
+The block kernel:
 
 - the check: random blocks of every kind (random codes, float16 scales of many magnitudes);
   `*_dequantize` must give the formula's float32 weights bit for bit (d * q + m, d * q, d * (q - 8),
@@ -16,6 +19,16 @@ dependencies (the GPU machine's CPU, for one) still checks the AVX-512 build.
 - the timing: the embedded model's step shapes (30 layers of 960 x 576, 576 x 576, 3,072 x 576,
   576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 8 and 16
   rows, each build, in alternating order, one thread: ms, ratio to one row, GFLOP/s.
+
+The attention kernel:
+
+- the check: `grouped_attention` against torch's sdpa (each key/value head repeated for its query
+  heads) for GQA 9/3, 4/4 and 8/2, 2 to 64 queries, 1 to 1,027 slots, head sizes 16, 64 and 128,
+  masked (a random part of the cache, always the last slot) and not, within float32 rounding;
+- the timing: the embedded model's attention in a step over 1,825 cached slots (30 layers, 9 query
+  heads over 3 key/value heads, head size 64, each layer's keys and values cold), for 1 and 8
+  queries, on the kernel and as mdcli's bmm core runs it (two batched products and a softmax),
+  in alternating order, one thread.
 """
 
 from __future__ import annotations
@@ -33,7 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "mdcli" / "backends" / "native" / "gguf_blocks.c"
+NATIVE = Path(__file__).resolve().parent.parent / "mdcli" / "backends" / "native"
+SOURCE = NATIVE / "gguf_blocks.c"
+ATTENTION = NATIVE / "attention.c"
 FLAGS = {"AVX2": ["-O3", "-mfma", "-mf16c", "-mavx2"], "AVX512": ["-O3", "-mfma", "-mf16c", "-mavx512f"]}
 BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -169,6 +184,109 @@ def timing(libs: dict, repeats: int = 7) -> str:
     return "\n".join(lines)
 
 
+def build_attention(flags: list[str], folder: Path) -> ctypes.CDLL:
+    target = folder / f"attention-{flags[-1].lstrip('-')}.so"
+    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(ATTENTION)], check=True)
+    lib = ctypes.CDLL(str(target))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size, size, size], size
+    lib.attention_lanes.restype = size
+    lib.grouped_attention.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer,
+                                      ctypes.c_float, pointer, pointer]
+    lib.grouped_attention.restype = None
+    return lib
+
+
+def kernel_attention(lib, query, keys, values, mask, scale: float) -> torch.Tensor:
+    """query [1, H, M, D], keys/values [1, G, N, D] (rows of D contiguous), mask [1, 1, M, N] or None -> [1, M, H * D]."""
+    _, heads, m, dim = query.shape
+    groups, n = keys.shape[1], keys.shape[2]
+    rows = heads // groups * m
+    lanes = lib.attention_lanes()
+    padded = -(-rows // lanes) * lanes
+    transposed = torch.zeros(groups, dim, padded)
+    transposed[:, :, :rows] = query[0].reshape(groups, rows, dim).transpose(1, 2)
+    mask_t = None
+    if mask is not None:
+        mask_t = torch.zeros(n, padded)
+        mask_t[:, :rows] = mask[0, 0].repeat(heads // groups, 1).t()
+    out = torch.empty(groups, padded, dim)
+    scratch = torch.empty(lib.attention_scratch_floats(n, padded, dim))
+    lib.grouped_attention(transposed.data_ptr(), groups, padded, dim, keys.data_ptr(), values.data_ptr(), n,
+                          keys.stride(1), None if mask_t is None else mask_t.data_ptr(), ctypes.c_float(scale),
+                          out.data_ptr(), scratch.data_ptr())
+    return out[:, :rows].reshape(groups, heads // groups, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+def torch_attention(query, keys, values, mask, scale: float) -> torch.Tensor:
+    heads, groups = query.shape[1], keys.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(heads // groups, 1), values.repeat_interleave(heads // groups, 1),
+        attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(1, query.shape[2], -1)
+
+
+def bmm_attention(query, keys, values, rows, scale: float) -> torch.Tensor:
+    """mdcli's bmm core (mdcli.backends.llama._grouped_attention): rows [H/G * M, N] or None."""
+    _, heads, m, dim = query.shape
+    groups = keys.shape[1]
+    stacked = query[0].reshape(groups, heads // groups * m, dim)
+    keys_t = keys[0].transpose(1, 2)
+    scores = torch.bmm(stacked, keys_t).mul_(scale) if rows is None else torch.baddbmm(rows, stacked, keys_t, alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values[0])
+    return out.view(groups, heads // groups, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+
+
+def check_attention(lib, name: str) -> list[str]:
+    generator = torch.Generator().manual_seed(0)
+    failures = []
+    for heads, groups in ((9, 3), (4, 4), (8, 2)):
+        for m in (2, 3, 8, 17, 64):
+            for n in (1, 5, 130, 1027):
+                for dim in (16, 64, 128):
+                    query = torch.randn(1, heads, m, dim, generator=generator)
+                    keys, values = (torch.randn(1, groups, n + 7, dim, generator=generator)[:, :, :n] for _ in range(2))
+                    allowed = torch.rand(m, n, generator=generator) < 0.6
+                    allowed[:, -1] = True
+                    mask = torch.zeros(m, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+                    for given in (mask, None):
+                        ours = kernel_attention(lib, query, keys, values, given, dim**-0.5)
+                        theirs = torch_attention(query, keys, values, given, dim**-0.5)
+                        if not torch.allclose(ours, theirs, rtol=1e-4, atol=2e-6):
+                            failures.append(f"{name} attention {heads}/{groups} heads, {m} queries, {n} slots, "
+                                            f"head size {dim}, {'masked' if given is not None else 'unmasked'}: "
+                                            f"{float((ours - theirs).abs().max()):.3g} off")
+    return failures
+
+
+def attention_timing(libs: dict, repeats: int = 7) -> str:
+    layers, groups, heads, dim, slots = 30, 3, 9, 64, 1825
+    generator = torch.Generator().manual_seed(3)
+    cache = [[torch.randn(1, groups, slots + 512, dim, generator=generator)[:, :, :slots] for _ in range(2)]
+             for _ in range(layers)]  # each layer's keys and values, 84 MB in all: cold when read
+    cases = {}
+    for m in (1, 8):
+        query = torch.randn(1, heads, m, dim, generator=generator)
+        allowed = torch.rand(m, slots, generator=generator) < 0.95
+        allowed[:, :1700] = True
+        mask = None if m == 1 else torch.zeros(m, slots).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        rows = None if mask is None else mask[0, 0].repeat(heads // groups, 1)
+        for name, lib in libs.items():
+            cases[(f"{name} kernel", m)] = lambda lib=lib, q=query, mk=mask: [
+                kernel_attention(lib, q, k, v, mk, 0.125) for k, v in cache]
+        cases[("torch bmm core", m)] = lambda q=query, r=rows: [bmm_attention(q, k, v, r, 0.125) for k, v in cache]
+    times = {case: [] for case in cases}
+    for repeat in range(repeats):
+        for case in list(cases) if repeat % 2 == 0 else list(cases)[::-1]:
+            started = time.perf_counter()
+            cases[case]()
+            times[case].append(time.perf_counter() - started)
+    lines = ["| attention, 30 layers over 1,825 slots | queries | ms |", "|---|---:|---:|"]
+    for (name, m), values in times.items():
+        lines.append(f"| {name} | {m} | {1000 * statistics.median(values):.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -184,15 +302,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         libs = {name: build(FLAGS[name], Path(folder)) for name in runnable}
         failures = [f for name, lib in libs.items() for f in check(lib, name)]
+        attention = {name: build_attention(FLAGS[name], Path(folder)) for name in runnable}
+        failures += [f for name, lib in attention.items() for f in check_attention(lib, name)]
         if args.baseline:
             libs |= {f"{name}, baseline": build(FLAGS[name], Path(folder), args.baseline) for name in runnable}
-        lines = [f"# The block kernel on {cpu_name()} (AVX-512: {'yes' if 'avx512f' in flags else 'no'})", "",
-                 f"`python benchmarks/blocks_kernel.py{' --baseline ' + args.baseline.name if args.baseline else ''}`, "
+        lines = [f"# mdcli's C kernels on {cpu_name()} (AVX-512: {'yes' if 'avx512f' in flags else 'no'})", "",
+                 f"`python benchmarks/native_kernels.py{' --baseline ' + args.baseline.name if args.baseline else ''}`, "
                  f"torch {torch.__version__}, one thread", "",
-                 f"check ({', '.join(runnable)}): " + ("every kind and row count exact" if not failures else "FAILED"),
+                 f"check ({', '.join(runnable)}): " + ("every block kind and row count, and every attention shape, "
+                                                         "within float32 rounding" if not failures else "FAILED"),
                  *failures]
         if not args.no_timing:
-            lines += ["", timing(libs)]
+            lines += ["", timing(libs), "", attention_timing(attention)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
