@@ -15,19 +15,15 @@ exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_f
 from __future__ import annotations
 
 import ctypes
-import platform
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from mdcli.backends.host import cpu_capability
 from mdcli.backends.native import build as native
 
 SOURCE = Path(__file__).parent.parent / "native" / "attention.c"
-_COMMON = ("-O3", "-mfma", "-mf16c")
-FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 # Dense forwards of up to this many queries attend on the kernel: the widest forest step the
 # selector's other rules measured on the bmm core (BMM_MAX_QUERIES on AVX2); past it sdpa's tiles.
 FUSED_MAX_QUERIES = 64
@@ -103,9 +99,7 @@ def _scratch(size: int) -> torch.Tensor:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
-    capability = cpu_capability() if platform.machine().lower() in {"x86_64", "amd64"} else None
-    flags = FLAGS.get(capability)
-    lib = native.load(SOURCE, flags) if flags else None
+    lib = native.load_x86(SOURCE)
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64

@@ -12,14 +12,31 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from mdcli import settings
+from mdcli.backends.host import cpu_capability
 
 COMPILE_SECONDS = 120
+# The x86-64 kernels (the .gguf block kernel, the attention kernel) are built for the vector width
+# torch's own kernels dispatch to: AVX-512, else AVX2, with FMA and F16C either way.
+_X86_COMMON = ("-O3", "-mfma", "-mf16c")
+X86_FLAGS = {"AVX512": (*_X86_COMMON, "-mavx512f"), "AVX2": (*_X86_COMMON, "-mavx2")}
+
+
+def x86_capability() -> str | None:
+    """"AVX512" or "AVX2" (or another of torch's names) on x86-64; None on other machines."""
+    return cpu_capability() if platform.machine().lower() in {"x86_64", "amd64"} else None
+
+
+def load_x86(source: Path) -> ctypes.CDLL | None:
+    """`source` built for this x86-64 CPU's vector width (X86_FLAGS); None on other CPUs or where it cannot be built."""
+    flags = X86_FLAGS.get(x86_capability())
+    return load(source, flags) if flags else None
 
 
 def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:

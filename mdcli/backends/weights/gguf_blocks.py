@@ -44,7 +44,6 @@ Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 
 from __future__ import annotations
 
 import ctypes
-import platform
 import struct
 import threading
 import weakref
@@ -57,13 +56,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from mdcli.backends.host import available_memory_bytes, cpu_capability
+from mdcli.backends.host import available_memory_bytes
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_file import read_tensors
 
 SOURCE = Path(__file__).parent.parent / "native" / "gguf_blocks.c"
-_COMMON = ("-O3", "-mfma", "-mf16c")
-FLAGS = {"AVX512": (*_COMMON, "-mavx512f"), "AVX2": (*_COMMON, "-mavx2")}
 BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # block_linear multiplies forwards of up to this many tokens by the block kernel, wider ones (a
@@ -71,7 +68,7 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # rebuilt in registers (8 on AVX-512, 4 on AVX2: its 16 registers); beyond that it writes 3 weight
 # rows out as float32 once and multiplies every row by them (gguf_blocks.c, "Wider products"), so a
 # block is rebuilt once per forward, not once per pass. 16 on both: on one AVX2-only Zen 3 thread the
-# whole step's products at 16 rows take 0.55x the tiles' time, at 8 rows 0.48x (measured:
+# whole step's products take 0.55x the tiles' time at 8 rows and 0.68x at 16 (measured:
 # notebook/gguf-blocks.md, "One rebuild for every row"); on AVX-512, whole steps of up to 16 branches
 # beat oneDNN's packed copy (notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32
 # weights in a sixth of the bytes").
@@ -241,8 +238,7 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
-    flags = FLAGS.get(_capability())
-    lib = native.load(SOURCE, flags) if flags else None
+    lib = native.load_x86(SOURCE)
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -407,6 +403,4 @@ def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[in
 
 
 def _capability() -> str | None:
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return None
-    return cpu_capability()
+    return native.x86_capability()
