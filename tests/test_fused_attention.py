@@ -137,3 +137,24 @@ def test_every_branch_on_the_kernel_gets_the_tokens_generate_gives_it_alone(arch
     assert engine.model_forward.own.fused_forwards >= 12  # every step of the forest ran on the kernel
     for i, prompt in enumerate(prompts):
         assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"
+
+
+@needs_kernel
+def test_many_questions_over_one_document_attend_on_the_kernel_not_the_cascade_and_match_generate():
+    """24 branches over one document: where the kernel serves the step (2-64 queries), dense on it
+    beats the one-product cascade (notebook/attention.md, "One kernel for a few queries'
+    attention"), so the steps take the kernel; each branch gets `generate`'s tokens."""
+    model = model_for("llama")
+    g = torch.Generator().manual_seed(13)
+    document = torch.randint(2, model.config.vocab_size, (120,), generator=g).tolist()
+    prompts = [document + torch.randint(2, model.config.vocab_size, (2 + i % 5,), generator=g).tolist()
+               for i in range(24)]
+    engine = engine_for(model, settings=settings_with(sparse_attention="auto"))
+    own = own_variant(engine, attention="bmm", fused=True)
+    generated = greedy_forest(engine, prompts, steps=5)
+    # every decode step (24 queries) on the kernel; the prefix plan only in the questions' prefill,
+    # whose forwards are wider than the kernel's 64 queries
+    assert own.fused_forwards >= 4
+    assert own.prefix_forwards < 4
+    for i, prompt in enumerate(prompts):
+        assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"

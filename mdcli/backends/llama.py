@@ -53,7 +53,7 @@ from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
-from mdcli.backends.attention.prefix import PrefixPlan
+from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.select import Plan
 from mdcli.backends.weights import gguf_blocks
@@ -233,7 +233,10 @@ class FastForward:
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        plan = plan_for(mask, self.gather_cost, self.sparse_mode)  # attention over each query's visible slots only, or None: dense
+        # attention over each query's visible slots only, or None: dense; where the kernel serves dense
+        # attention, the one-product cascade over a shared document starts later (fused.JOINED_MIN_QUERIES_WITH_KERNEL)
+        joined = fused.JOINED_MIN_QUERIES_WITH_KERNEL if self.fused_attention else JOINED_MIN_QUERIES
+        plan = plan_for(mask, self.gather_cost, self.sparse_mode, joined)
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa"

@@ -27,6 +27,11 @@ SOURCE = Path(__file__).parent.parent / "native" / "attention.c"
 # Dense forwards of up to this many queries attend on the kernel: the widest forest step the
 # selector's other rules measured on the bmm core (BMM_MAX_QUERIES on AVX2); past it sdpa's tiles.
 FUSED_MAX_QUERIES = 64
+# Where the kernel serves a step, it beats the one-product cascade over a shared document up to 48
+# queries (mdcli.backends.attention.prefix, JOINED_MIN_QUERIES = 24 against torch's products) and
+# loses at 64, on an AVX2-only Zen 3 core: the cascade is taken from 64 queries there (measured:
+# notebook/attention.md, "One kernel for a few queries' attention").
+JOINED_MIN_QUERIES_WITH_KERNEL = 64
 
 
 @dataclass(frozen=True)

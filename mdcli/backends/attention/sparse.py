@@ -88,14 +88,17 @@ class SparsePlan:
         return sdpa_attention(self, onednn, query, keys, values, mask, scale)
 
 
-def plan_for(mask, gather_cost: float = GATHER_COST, mode: str = "auto") -> SparsePlan | PrefixPlan | None:
+def plan_for(mask, gather_cost: float = GATHER_COST, mode: str = "auto",
+             joined_min_queries: int = JOINED_MIN_QUERIES) -> SparsePlan | PrefixPlan | None:
     """A plan for the engine's additive mask ([1, 1, M, N], or a dict by layer type), or None
     where the dense attention should run (off, a lone query, or too little to save): the gathered
     plan (within SPARSE_FRACTION of the dense work) or the prefix plan (mdcli.backends.attention.prefix,
     within PREFIX_FRACTION), the one doing less work where both qualify. gather_cost: a gathered
     slot in query rows (the plan's gather_cost). mode: "auto", "off", "always" (the gathered plan
     for every forward of 2+ queries) or "prefix" (the prefix plan wherever it applies); the last two
-    for tests and measurement (MDCLI_SPARSE_ATTENTION)."""
+    for tests and measurement (MDCLI_SPARSE_ATTENTION). joined_min_queries: from how many queries
+    one product over a shared document is taken whatever its work count says (the forward raises
+    it where mdcli's attention kernel serves dense attention: mdcli.backends.attention.fused)."""
     if mask is None or mode == "off":
         return None
     kinds = list(mask.values()) if isinstance(mask, dict) else [mask]
@@ -107,25 +110,26 @@ def plan_for(mask, gather_cost: float = GATHER_COST, mode: str = "auto") -> Spar
     if mode == "always":
         return _gathered(mask, allowed, forced=True)
     prefix_budget = None if mode == "prefix" else PREFIX_FRACTION * dense_work(m, n)
-    prefix = _prefix(mask, kinds, allowed, gather_cost, prefix_budget)
+    prefix = _prefix(mask, kinds, allowed, gather_cost, prefix_budget, joined_min_queries)
     if mode == "prefix":
         return prefix
     beat = None if prefix is None else prefix.work(gather_cost)
     return _gathered(mask, allowed, gather_cost, beat=beat) or prefix
 
 
-def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None) -> PrefixPlan | None:
+def _prefix(mask, kinds, allowed, gather_cost: float, budget: float | None,
+            joined_min_queries: int = JOINED_MIN_QUERIES) -> PrefixPlan | None:
     """The prefix plan if its work is within `budget` (None: any), or if it is one product over a
-    shared document of at least JOINED_MIN_QUERIES queries (`PrefixPlan.one_product`)."""
+    shared document of at least `joined_min_queries` queries (`PrefixPlan.one_product`)."""
     common = allowed  # [M, N]: seen under every mask
     for other in kinds if len(kinds) > 1 else []:
         common = common & (other[0, 0] == 0)
     buckets = bucket_prefixes(common, gather_cost=gather_cost)
-    many = allowed.shape[0] >= JOINED_MIN_QUERIES  # a single bucket may pay whatever its work
+    many = allowed.shape[0] >= joined_min_queries  # a single bucket may pay whatever its work
     if buckets is None or (budget is not None and not many and work_floor(*buckets) > budget):
         return None
     plan = plan_prefixes(mask, common, allowed, *buckets, gather_cost)
-    if budget is None or plan.work(gather_cost) <= budget or plan.one_product(JOINED_MIN_QUERIES):
+    if budget is None or plan.work(gather_cost) <= budget or plan.one_product(joined_min_queries):
         return plan
     return None
 
