@@ -158,3 +158,32 @@ def test_many_questions_over_one_document_attend_on_the_kernel_not_the_cascade_a
     assert own.prefix_forwards < 4
     for i, prompt in enumerate(prompts):
         assert generated[i] == generate_alone(model, prompt, len(generated[i])), f"branch {i}"
+
+
+@needs_kernel
+def test_forwards_on_two_threads_keep_their_own_scores():
+    """Each thread has its own scratch for the scores: two threads attending at once over caches
+    of different sizes each get torch's answer."""
+    import threading
+
+    generator = torch.Generator().manual_seed(4)
+    jobs = []
+    for slots in (700, 1900):
+        query = torch.randn(1, 9, 8, 64, generator=generator)
+        keys, values = cache_views(3, slots, 64, generator)
+        jobs.append((query, keys, values, torch_attention(query, keys, values, None, 0.125)))
+    failures = []
+
+    def run(query, keys, values, expected):
+        for _ in range(40):
+            got = fused.fused_attention(query, keys, values, None, 0.125, 3)
+            if not torch.allclose(got, expected, rtol=1e-4, atol=2e-6):
+                failures.append(keys.shape[2])
+                return
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures

@@ -15,6 +15,7 @@ exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_f
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -90,14 +91,14 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     return out.permute(2, 0, 1, 3).reshape(1, m, heads * dim)
 
 
-_SCRATCH: dict[str, torch.Tensor] = {}
+_SCRATCH = threading.local()  # each thread's scores, kept for the next layer: forwards on two threads never share one
 
 
 def _scratch(size: int) -> torch.Tensor:
-    """The scores' float32 scratch, kept for the next layer (a forward runs on one thread)."""
-    held = _SCRATCH.get("scores")
+    """This thread's float32 scratch for the scores, of at least `size` values."""
+    held = getattr(_SCRATCH, "scores", None)
     if held is None or held.numel() < size:
-        held = _SCRATCH["scores"] = torch.empty(size, dtype=torch.float32)
+        held = _SCRATCH.scores = torch.empty(size, dtype=torch.float32)
     return held
 
 
