@@ -1,8 +1,9 @@
 """Dense attention of a few queries on mdcli's own C kernel: scores, softmax and values in one call per layer.
 
-Rule: on x86-64 with AVX2 or AVX-512, float32 on the CPU, a dense forward of up to
-FUSED_MAX_QUERIES queries on the bmm core attends with `fused_attention` (mdcli/backends/native/
-attention.c) where the kernel builds here and `fused_works()` (the plan decides, mdcli.backends.select).
+Rule: on AVX2-only x86-64 hosts, float32 on the CPU, a dense forward of 2 to FUSED_MAX_QUERIES
+queries on the bmm core attends with `fused_attention` (mdcli/backends/native/attention.c) where the
+kernel builds here and serves the head size (`fused_serves`; the plan decides, mdcli.backends.select).
+AVX-512 hosts keep the bmm core: on an Intel Xeon it was faster.
 torch's bmm core runs two batched products, an add, a softmax and their temporaries per layer; the
 kernel reads each key and each value once for all the group's query rows, keeps the scores in the
 core's second cache, and runs the softmax down the keys across rows (measured: notebook/attention.md,
@@ -42,7 +43,6 @@ class StepMask:
     vector width with rows that see everything (their outputs are dropped)."""
 
     transposed: torch.Tensor  # [N, R_padded]
-    rows: int  # R before padding
 
 
 def fused_serves(head_dim: int) -> bool:
@@ -62,7 +62,7 @@ def step_mask(mask: torch.Tensor | None, per_group: int) -> StepMask | None:
     rows = mask[0, 0].repeat(per_group, 1)  # [H/G * M, N], row r * M + m = query m's row
     padded = torch.zeros(rows.shape[1], padded_rows(rows.shape[0]), dtype=torch.float32)
     padded[:, : rows.shape[0]] = rows.t()
-    return StepMask(padded, rows.shape[0])
+    return StepMask(padded)
 
 
 def fused_attention(query, keys, values, mask: StepMask | None, scale: float, groups: int) -> torch.Tensor:
