@@ -115,16 +115,18 @@ def test_the_kernel_writes_gguf_pys_weights_bit_for_bit(kind):
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17])
-def test_products_agree_with_float32_for_every_row_count(kind, rows):
-    """Every pass size (8 rows at a time on AVX-512, 4 on AVX2, the wide panels of 3 weight rows
-    beyond that, and the remainders: 37 outputs are 12 panels and one left over): within float32
-    rounding of the float64 product, the bound that holds for any order of summation, and as close
-    as torch's own float32 product is."""
+@pytest.mark.parametrize("inputs", [576, 1600])
+def test_products_agree_with_float32_for_every_row_count(kind, rows, inputs):
+    """Every pass size (8 rows at a time on AVX-512, 4 on AVX2, one rebuild for 5-8 rows on AVX2,
+    the wide panels of 3 weight rows beyond that, and the remainders: 37 outputs are 12 panels and
+    one left over; 1,600 inputs are two spans of 24 blocks and one of 2): within float32 rounding
+    of the float64 product, the bound that holds for any order of summation, and as close as
+    torch's own float32 product is."""
     generator = np.random.default_rng(rows)
-    codes, weights = quantized(generator.standard_normal((37, 576)), kind)
-    x = torch.from_numpy(generator.standard_normal((rows, 576)).astype(np.float32))
+    codes, weights = quantized(generator.standard_normal((37, inputs)), kind)
+    x = torch.from_numpy(generator.standard_normal((rows, inputs)).astype(np.float32))
     bias = torch.from_numpy(generator.standard_normal(37).astype(np.float32))
-    ours = block_linear(x, BlockWeight(kind, torch.from_numpy(codes), 576), bias)
+    ours = block_linear(x, BlockWeight(kind, torch.from_numpy(codes), inputs), bias)
     exact = x.double() @ weights.double().T + bias.double()
     torchs = float((torch.nn.functional.linear(x, weights, bias).double() - exact).abs().max())
     assert bool(((ours.double() - exact).abs() <= rounding_bound(x, weights, bias)).all())

@@ -10,7 +10,7 @@
  * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
  * Each output of a row of x sums its inputs in float32 on multiply-add chains (two per output
- * row in the passes of up to ROWS rows, one in the wider panels), one vector lane per input
+ * row in the passes of up to ROWS rows, one in the shared rebuilds and the wider panels), one vector lane per input
  * position modulo the vector width, then across the lanes: another summation order than other
  * BLAS kernels, so results agree with them to float32 rounding, not bit for bit.
  *
@@ -197,6 +197,59 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
     default: pass(kind, 4, xr, k, row, blocks, yr, n); break;
 #endif
 
+
+/* Past ROWS rows and up to ONE_REBUILD_ROWS (AVX2 only: its passes take 4 rows), each block is
+ * turned into weights in registers once for every row, with one accumulator per row (8 rows: 8
+ * multiply-add chains, both FMA pipes busy), and x is read SPAN blocks at a time so those inputs of
+ * every row stay in the core's first cache (8 x 768 floats, 24 KB) while the weight rows stream by.
+ * On a Zen 3 core at 5-8 rows this beat the panels below, which write each block out and read it
+ * back (8 rows: 0.85x; notebook/gguf-blocks.md, "In-register rebuilds for 5-8 rows"). Each output
+ * sums its inputs lane by lane in order within a span, the spans added in order. */
+#define ONE_REBUILD_ROWS 8
+#define SPAN 24
+
+/* Rows [0, R) of x, R <= ONE_REBUILD_ROWS, times blocks [0, blocks) of one weight row -> y[r * ldy],
+ * added to it if `add`. */
+static inline __attribute__((always_inline)) void shared_pass(int kind, int R, const float *x, int64_t ldx,
+                                                              const uint8_t *row, int64_t blocks, float *y,
+                                                              int64_t ldy, int add) {
+    const int64_t size = bytes_of(kind);
+    vec acc[ONE_REBUILD_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        acc[r] = vzero();
+    for (int64_t b = 0; b < blocks; b++) {
+        vec w[PER];
+        weights_of(kind, row + b * size, w);
+#pragma GCC unroll 4
+        for (int j = 0; j < PER; j++)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                acc[r] = vfma(vload(x + r * ldx + b * BLOCK + j * LANES), w[j], acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        y[r * ldy] = add ? y[r * ldy] + vsum(acc[r]) : vsum(acc[r]);
+}
+
+#define SHARED_PASSES(kind) \
+    case 5: shared_pass(kind, 5, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    case 6: shared_pass(kind, 6, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    case 7: shared_pass(kind, 7, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    default: shared_pass(kind, 8, xr, k, row, b1 - b0, yr, n, b0 > 0); break;
+
+/* y = x @ W^T for ROWS < m <= ONE_REBUILD_ROWS, a span of inputs at a time. */
+#define SHARED_PRODUCT(kind)                                                                       \
+    for (int64_t b0 = 0; b0 < blocks; b0 += SPAN) {                                                \
+        const int64_t b1 = b0 + SPAN < blocks ? b0 + SPAN : blocks;                                \
+        const float *xr = x + b0 * BLOCK;                                                          \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            const uint8_t *row = w + j * row_bytes + b0 * bytes_of(kind);                          \
+            float *yr = y + j;                                                                     \
+            switch (m) { SHARED_PASSES(kind) }                                                     \
+        }                                                                                          \
+    }
+
 /* Wider products: PANEL weight rows at a time are written out as float32 into the caller's scratch
  * (PANEL x k floats) by the code the passes use, then every row of x is multiplied by them, up to
  * WIDE_ROWS rows of x at a time, with one accumulator per (row, weight row): each block is turned
@@ -273,12 +326,17 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
 /* y[m][n] = sum_c x[m][c] * W[n][c]; x: [m, k] and y: [m, n] contiguous float32, W: n rows of k / 32
  * blocks; scratch: scratch_floats(k) floats. Up to ROWS rows: each weight row is read from memory
  * once and turned into weights in registers per pass (passes after the first over more rows of x
- * find it in the core's caches). More rows: PANEL weight rows at a time written out once into the
- * scratch, then multiplied by every row of x. */
+ * find it in the core's caches). Up to ONE_REBUILD_ROWS rows (AVX2): one rebuild in registers for
+ * every row. More rows: PANEL weight rows at a time written out once into the scratch, then
+ * multiplied by every row of x. */
 #define PRODUCT(name, kind)                                                                        \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
               float *scratch) {                                                                    \
         const int64_t blocks = k / BLOCK, row_bytes = blocks * bytes_of(kind);                    \
+        if (ROWS < ONE_REBUILD_ROWS && m > ROWS && m <= ONE_REBUILD_ROWS) {                       \
+            SHARED_PRODUCT(kind)                                                                   \
+            return;                                                                                \
+        }                                                                                          \
         if (m > ROWS) {                                                                            \
             int64_t j = 0;                                                                         \
             for (; j + PANEL <= n; j += PANEL) {                                                   \
