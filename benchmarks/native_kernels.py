@@ -13,8 +13,9 @@ The block kernel:
 
 - the check: random blocks of every kind (random codes, float16 scales of many magnitudes);
   `*_dequantize` must give the formula's float32 weights bit for bit (d * q + m, d * q, d * (q - 8),
-  the 16-bit numbers widened), and `*_gemm` for 1 to 19 rows (every pass size, the wide panels and
-  their remainders, 37 outputs: 12 panels of 3 and one left over) must be within float32 rounding of
+  the 16-bit numbers widened), and `*_gemm` for 1 to 19 rows (every pass size, the shared rebuilds,
+  the wide panels and their remainders, 37 outputs: 12 panels of 3 and one left over; 576 and 1,600
+  inputs, the latter three spans of inputs) must be within float32 rounding of
   the float64 product (k * 2^-24 * sum |x w|, a bound that holds for any order of summation);
 - the timing: the embedded model's step shapes (30 layers of 960 x 576, 576 x 576, 3,072 x 576,
   576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 8 and 16
@@ -22,7 +23,7 @@ The block kernel:
 
 The attention kernel:
 
-- the check: `grouped_attention` against torch's sdpa (each key/value head repeated for its query
+- the check: `attention` against torch's sdpa (each key/value head repeated for its query
   heads) for GQA 9/3, 4/4 and 8/2, 2 to 64 queries, 1 to 1,027 slots, head sizes 16, 64 and 128,
   masked (a random part of the cache, always the last slot) and not, within float32 rounding;
 - the timing: the embedded model's attention in a step over 1,825 cached slots (30 layers, 9 query
@@ -139,8 +140,8 @@ def rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def check(lib, name: str) -> list[str]:
     rng = np.random.default_rng(0)
     failures = []
-    n, k = 37, 576
-    for kind in BYTES:
+    n = 37
+    for kind, k in ((kind, k) for kind in BYTES for k in (576, 1600)):  # 1,600 inputs: spans of 24, 24 and 2 blocks
         blocks = random_blocks(kind, n, k, rng)
         weights = torch.from_numpy(formula(kind, blocks, k))
         written = torch.empty(n, k)
@@ -189,11 +190,11 @@ def build_attention(flags: list[str], folder: Path) -> ctypes.CDLL:
     subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(ATTENTION)], check=True)
     lib = ctypes.CDLL(str(target))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size, size, size], size
+    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size] * 4, size
     lib.attention_lanes.restype = size
-    lib.grouped_attention.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer,
-                                      ctypes.c_float, pointer, pointer]
-    lib.grouped_attention.restype = None
+    lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
+                              pointer, pointer]
+    lib.attention.restype = None
     return lib
 
 
@@ -204,18 +205,17 @@ def kernel_attention(lib, query, keys, values, mask, scale: float) -> torch.Tens
     rows = heads // groups * m
     lanes = lib.attention_lanes()
     padded = -(-rows // lanes) * lanes
-    transposed = torch.zeros(groups, dim, padded)
-    transposed[:, :, :rows] = query[0].reshape(groups, rows, dim).transpose(1, 2)
     mask_t = None
     if mask is not None:
         mask_t = torch.zeros(n, padded)
         mask_t[:, :rows] = mask[0, 0].repeat(heads // groups, 1).t()
-    out = torch.empty(groups, padded, dim)
-    scratch = torch.empty(lib.attention_scratch_floats(n, padded, dim))
-    lib.grouped_attention(transposed.data_ptr(), groups, padded, dim, keys.data_ptr(), values.data_ptr(), n,
-                          keys.stride(1), None if mask_t is None else mask_t.data_ptr(), ctypes.c_float(scale),
-                          out.data_ptr(), scratch.data_ptr())
-    return out[:, :rows].reshape(groups, heads // groups, m, dim).permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+    out = torch.empty(m, heads * dim)
+    scratch = torch.empty(lib.attention_scratch_floats(n, heads // groups, m, dim))
+    q = query[0].contiguous()
+    lib.attention(q.data_ptr(), q.stride(0), q.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
+                  n, keys.stride(1), None if mask_t is None else mask_t.data_ptr(), ctypes.c_float(scale),
+                  out.data_ptr(), scratch.data_ptr())
+    return out.view(1, m, heads * dim)
 
 
 def torch_attention(query, keys, values, mask, scale: float) -> torch.Tensor:

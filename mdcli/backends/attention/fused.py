@@ -72,23 +72,19 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
     the whole cache. Returns [1, M, H * D]."""
     _, heads, m, dim = query.shape
-    per_group = heads // groups
-    rows = per_group * m
-    padded = padded_rows(rows)
-    stacked = query[0].reshape(groups, rows, dim)  # [G, R, D]
-    transposed = torch.zeros(groups, dim, padded, dtype=torch.float32)  # [G, D, R_padded]
-    transposed[:, :, :rows] = stacked.transpose(1, 2)
+    rows = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
+    if rows.stride(2) != 1:
+        rows = rows.contiguous()
     n = keys.shape[2]
     if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
         keys, values = keys.contiguous(), values.contiguous()
-    out = torch.empty(groups, padded, dim, dtype=torch.float32)  # [G, R_padded, D]
-    scratch = _scratch(library().attention_scratch_floats(n, padded, dim))
-    library().grouped_attention(
-        transposed.data_ptr(), groups, padded, dim, keys.data_ptr(), values.data_ptr(), n, keys.stride(1),
-        None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale), out.data_ptr(),
-        scratch.data_ptr())
-    out = out[:, :rows].view(groups, per_group, m, dim)
-    return out.permute(2, 0, 1, 3).reshape(1, m, heads * dim)
+    out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
+    scratch = _scratch(library().attention_scratch_floats(n, heads // groups, m, dim))
+    library().attention(
+        rows.data_ptr(), rows.stride(0), rows.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
+        n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
+        out.data_ptr(), scratch.data_ptr())
+    return out.view(1, m, heads * dim)
 
 
 _SCRATCH = threading.local()  # each thread's scores, kept for the next layer: forwards on two threads never share one
@@ -109,12 +105,12 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size, size, size], size
+    lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size] * 4, size
     lib.attention_lanes.argtypes, lib.attention_lanes.restype = [], size
     lib.attention_dim_multiple.argtypes, lib.attention_dim_multiple.restype = [], size
-    lib.grouped_attention.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer,
-                                      ctypes.c_float, pointer, pointer]
-    lib.grouped_attention.restype = None
+    lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
+                              pointer, pointer]
+    lib.attention.restype = None
     return lib
 
 

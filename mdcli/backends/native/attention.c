@@ -2,11 +2,13 @@
  * one over the values: softmax(q k^T * scale + mask) v for every query head of a key/value group.
  *
  * For each group g the R query rows of its heads (H/G heads x M queries, stacked as transformers
- * pairs them) come transposed, qt [D][R], so one key's element k[p][d], broadcast, multiplies a
- * vector of R queries' elements: four keys and up to 3 (AVX2) or 4 (AVX-512) vectors of rows at a
+ * pairs them) are written transposed, qt [D][R], so one key's element k[p][d], broadcast, multiplies
+ * a vector of R queries' elements: four keys and up to 3 (AVX2) or 4 (AVX-512) vectors of rows at a
  * time, 12 or 16 independent multiply-add chains. The scores are kept key-major, s [N][R], so the
  * softmax runs down the keys with vectors across the rows (maximum, exp, sum: no horizontal sums),
- * and the values are summed per row, 128 keys at a time (a tile of v in the core's first cache).
+ * and the values are summed per row, VALUE_TILE keys at a time (a tile of v in the core's first
+ * cache), the next tile's values fetched while one is summed. The outputs are written as the
+ * forward reads them, [M][H * D].
  *
  * Float32 throughout; sums run in another order than torch's bmm and softmax, and exp is a
  * polynomial (Cephes' expf, within 2 ulp), so outputs agree with torch's to float32 rounding.
@@ -59,9 +61,10 @@ typedef __m256i ivec;
 #define vbelow_zero(x, lo, e) _mm256_blendv_ps(e, vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ))
 #endif
 
-#define KEYS 4           /* keys per score tile */
-#define VALUE_TILE 32    /* keys per tile of values summed: with their scores, well inside the first cache (32 beat 16 and 64) */
-#define VALUE_DIMS 4     /* value elements x ROW_VECTORS vectors of rows: 12 (AVX2) or 16 accumulators */
+#define KEYS 4        /* keys per step of the scores' micro-kernel */
+#define VALUE_TILE 16 /* keys per tile of values summed: with their scores, well inside the first cache */
+#define VALUE_DIMS 4  /* value elements x ROW_VECTORS vectors of rows: 12 (AVX2) or 16 accumulators */
+#define LINE 16       /* floats per cache line */
 
 /* exp(x) for x <= 0 (a score minus its row's maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
  * exp(r) by a degree-6 polynomial, times 2^n; below -87 (past float32's normal range) exactly 0. */
@@ -180,11 +183,18 @@ static inline __attribute__((always_inline)) void sum_values(int V, const float 
             vstore(ot + j * R + i * LANES, acc[j][i]);
 }
 
+/* Prefetches rows [p0, p1) of D floats into the first cache. */
+static inline void fetch_rows(const float *rows, int64_t D, int64_t p0, int64_t p1) {
+    for (const float *line = rows + p0 * D; line < rows + p1 * D; line += LINE)
+        __builtin_prefetch(line, 0, 3);
+}
+
 /* One group: qt [D][R] (R a multiple of LANES), k and v [N][D], mask_t [N][R] additive or NULL ->
- * out [R][D]. scratch: attention_scratch_floats(N, R, D) floats. */
+ * ot [D][R] (the weighted sums, the softmax's denominators not yet divided out) and sum [R] (those
+ * denominators); work: N * R + R floats. */
 static void group_attention(const float *qt, int64_t R, int64_t D, const float *k, const float *v, int64_t n,
-                            const float *mask_t, float scale, float *out, float *scratch) {
-    float *s = scratch, *mx = scratch + n * R, *sum = mx + R;
+                            const float *mask_t, float scale, float *ot, float *sum, float *work) {
+    float *s = work, *mx = work + n * R;
     for (int64_t r = 0; r < R; r++)
         mx[r] = -__builtin_inff();
     for (int64_t r0 = 0; r0 < R; r0 += ROW_VECTORS * LANES) {
@@ -212,11 +222,11 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
         }
         vstore(sum + r0, total);
     }
-    /* ot[d][r] = sum_p v[p][d] s[p][r], a tile of keys at a time, then out[r][d] = ot[d][r] / sum[r] */
-    float *ot = sum + R;
+    /* ot[d][r] = sum_p v[p][d] s[p][r], a tile of keys at a time */
     memset(ot, 0, (size_t)(R * D) * sizeof(float));
     for (int64_t p0 = 0; p0 < n; p0 += VALUE_TILE) {
         const int64_t p1 = p0 + VALUE_TILE < n ? p0 + VALUE_TILE : n;
+        fetch_rows(v, D, p1, p1 + VALUE_TILE < n ? p1 + VALUE_TILE : n); /* the next tile's values */
         for (int64_t r0 = 0; r0 < R; r0 += ROW_VECTORS * LANES) {
             const int64_t left = (R - r0) / LANES;
             for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
@@ -234,27 +244,48 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
             }
         }
     }
-    for (int64_t r = 0; r < R; r++) {
-        const float inverse = 1.0f / sum[r];
-        for (int64_t d = 0; d < D; d++)
-            out[r * D + d] = ot[d * R + r] * inverse;
-    }
 }
 
-/* Floats of scratch `grouped_attention` needs for n keys and R stacked rows. */
-int64_t attention_scratch_floats(int64_t n, int64_t R, int64_t D) { return n * R + 2 * R + D * R; }
+/* Rows a group's heads stack: H/G heads x M queries, padded to a whole number of vectors. */
+static int64_t padded_rows(int64_t per_group, int64_t M) { return (per_group * M + LANES - 1) / LANES * LANES; }
 
-/* Lanes of a vector here: R must be a multiple of it. */
+/* Floats of scratch `attention` needs for n slots, H/G = per_group heads a group, M queries, head size D. */
+int64_t attention_scratch_floats(int64_t n, int64_t per_group, int64_t M, int64_t D) {
+    const int64_t R = padded_rows(per_group, M);
+    return 2 * D * R + n * R + 2 * R; /* qt, ot, the scores, the exp sums, the maxima */
+}
+
+/* Lanes of a vector here: the mask's rows are padded to a multiple of it. */
 int64_t attention_lanes(void) { return LANES; }
 
 /* D must be a multiple of this. */
 int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
 
-/* Every group: qt [G][D][R], k and v rows p of group g at k + g * group_stride + p * D, mask_t
- * [N][R] additive (the same for every group) or NULL -> out [G][R][D]. */
-void grouped_attention(const float *qt, int64_t G, int64_t R, int64_t D, const float *k, const float *v, int64_t n,
-                       int64_t group_stride, const float *mask_t, float scale, float *out, float *scratch) {
-    for (int64_t g = 0; g < G; g++)
-        group_attention(qt + g * D * R, R, D, k + g * group_stride, v + g * group_stride, n, mask_t, scale,
-                        out + g * R * D, scratch);
+/* Every group's attention. q: query head h, query m at q + h * q_head + m * q_query (D contiguous
+ * floats); k and v rows p of group g at k + g * group_stride + p * D; mask_t [N][R] additive, R =
+ * the padded rows (H/G heads x M queries, row (h mod H/G) * M + m; padding rows see everything),
+ * the same for every group, or NULL -> out [M][H * D]. */
+void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
+               const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
+               float *out, float *scratch) {
+    const int64_t per_group = H / G, R = padded_rows(per_group, M);
+    float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
+    memset(qt, 0, (size_t)(D * R) * sizeof(float)); /* the padding rows: zero queries */
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t h = 0; h < per_group; h++) /* row r = h * M + m: query m of the group's head h */
+            for (int64_t m = 0; m < M; m++) {
+                const float *row = q + (g * per_group + h) * q_head + m * q_query;
+                for (int64_t d = 0; d < D; d++)
+                    qt[d * R + h * M + m] = row[d];
+            }
+        group_attention(qt, R, D, k + g * group_stride, v + g * group_stride, n, mask_t, scale, ot, sum, work);
+        for (int64_t h = 0; h < per_group; h++)
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t r = h * M + m;
+                const float inverse = 1.0f / sum[r];
+                float *o = out + m * H * D + (g * per_group + h) * D;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] = ot[d * R + r] * inverse;
+            }
+    }
 }
