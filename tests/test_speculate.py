@@ -413,8 +413,8 @@ def test_what_tied_branches_probes_cost_does_not_keep_the_branch_left_alone_from
     eighth), and each probe costs half a step. Probes are paced by their own rule (PROBES, then
     PROBE_SHARE), not charged to the loss account: when one of the seven is left alone, 30 tokens
     from done and quoting its document, it guesses as a lone branch does (charged, two probes
-    had spent the account and it guessed nothing; the 8-question bench on Zen 3: 53-62 forwards
-    with the probes charged, 39-40 without)."""
+    had spent the account and it guessed nothing; the 8-question bench on Zen 3: 41-62 forwards
+    with the probes charged, 39-44 without)."""
     from mdcli.speculative.planner import PROBES
 
     policy = SpeculationPolicy(Speculate("auto"))
