@@ -407,6 +407,58 @@ def test_auto_guessing_wrong_loses_at_most_a_small_share_of_the_run_whatever_its
     assert verifying == 200 and lost < 0  # guesses that save forwards go on every step
 
 
+def test_what_tied_branches_probes_cost_does_not_keep_the_branch_left_alone_from_guessing():
+    """Eight tied branches on one CPU core (a guess adds 1/16 of a step): while they are tied, auto
+    probes, a first guess each, seven of them right; the run is no shorter (it waits for the
+    eighth), and each probe costs half a step. Probes are paced by their own rule (PROBES, then
+    PROBE_SHARE), not charged to the loss account: when one of the seven is left alone, 30 tokens
+    from done and quoting its document, it guesses as a lone branch does (charged, two probes
+    had spent the account and it guessed nothing; the 8-question bench on Zen 3: 41-62 forwards
+    with the probes charged, 39-44 without)."""
+    from mdcli.speculative.planner import PROBES
+
+    policy = SpeculationPolicy(Speculate("auto"))
+    _time_steps(policy, 8, (0,) * 10, 0.08, 0.01)
+    states = [_state(policy, PromptLookup().drafter(TIED_DRAFTS)) for _ in range(8)]
+    for step in range(30):
+        kept = policy.plan([policy.draft(state, [], 8) for state in states], room=200, remaining=[60 - step] * 8)
+        guesses = sum(len(tree) for tree in kept)
+        if not guesses:
+            policy.observe_plain(8, 0.08 + 0.01 * 8)
+            continue
+        right = [[0] if b and len(tree) else [] for b, tree in enumerate(kept)]  # the eighth is wrong
+        for state, tree, path in zip(states, kept, right):
+            policy.observe(state, tree, path)
+        policy.settle([len(path) for path in right])
+        policy.observe_verified(8, guesses, 0.08 + 0.01 * (8 + guesses))
+    assert policy.probes >= PROBES
+
+    _time_steps(policy, 1, (0,) * 5, 0.06, 0.001)
+    [alone] = policy.plan([policy.draft(states[1], [], 16)], room=100, remaining=[30])
+    assert len(alone) >= 4
+
+
+def test_probes_the_cost_model_cannot_time_still_count_towards_the_first_few():
+    """In a forest each probe is a forward of a new width (branches end, the guesses change), and a
+    shape's first forward is never timed: after PROBES probes, auto probes at the pace
+    PROBE_SHARE allows (at most every PROBE_EVERY steps), not at every step until one is timed."""
+    from mdcli.speculative.planner import PROBE_EVERY, PROBES
+
+    policy = SpeculationPolicy(Speculate("auto"), first={3: 0.1, 2: 0.1, 1: 0.1}, follow={3: 0.3, 2: 0.3, 1: 0.3})
+    _time_steps(policy, 8, (0,) * 10, 0.08, 0.01)
+    states = [_state(policy, PromptLookup().drafter(TIED_DRAFTS)) for _ in range(8)]
+    probing = []
+    for step in range(40):
+        kept = policy.plan([policy.draft(state, [], 8) for state in states], room=200, remaining=[200 - step] * 8)
+        if any(len(tree) for tree in kept):
+            probing.append(step)  # not timed
+        else:
+            policy.observe_plain(8, 0.08 + 0.01 * 8)
+    assert policy.cost.verifying == 0
+    assert probing[:PROBES] == list(range(PROBES))
+    assert all(later - before >= PROBE_EVERY for before, later in zip(probing[PROBES - 1 :], probing[PROBES:]))
+
+
 # -- trees in the engine ---------------------------------------------------------------------------
 
 

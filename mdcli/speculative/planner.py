@@ -28,7 +28,9 @@ the run's pace). The cost model, timed on the machine the run is on, decides bet
 neither pays, a few first guesses are verified now and then (a probe, at most 1% of the time), so
 that what the answers do later in the run (start quoting) is found out. Whatever the estimates
 say, auto keeps an account of its guesses (forwards saved against what verifying cost) and stops
-verifying while they have lost more than LOSS_SHARE of the run so far.
+verifying while they have lost more than LOSS_SHARE of the run so far (probes are paced by their own
+rule, not by that account: what tied branches' probes lose must not keep a branch that is later
+left alone from guessing as it would alone).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ BROAD_SHARE = 0.6
 # auto: when no plan verifies anything, a probe verifies the likeliest first guesses of up to
 # PROBE_GUESSES branches, while the run has at least PROBE_RUN_LEFT steps to go (a shorter run has
 # little to gain): first until PROBES verifying steps have been timed (the cost model cannot tell
-# a CPU from a GPU before), then again once probing would have cost at most PROBE_SHARE of the
+# a CPU from a GPU before) or PROBES probes were made (a forest's probes change width as branches
+# end, and a shape's first forward is never timed, so they may never be), then again once probing would have cost at most PROBE_SHARE of the
 # steps since the last guess, and never more often than every PROBE_EVERY steps. The later probes
 # keep the acceptance estimates current: an answer that starts quoting its document after a first
 # stretch of paraphrase (where every early guess failed) is found again (measured:
@@ -76,9 +79,13 @@ PROBE_GUESSES = 8
 PROBE_RUN_LEFT = 32
 PROBE_SHARE = 0.01
 PROBE_EVERY = 16
-# auto's loss limit: what its guesses have cost so far beyond the forwards they saved, in plain
-# steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
-# probes); below that, nothing is verified until the run's length has made room again. Whatever
+# auto's loss limit: what its planned guesses have cost so far beyond the forwards they saved, in
+# plain steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
+# ones); below that, no plan verifies anything until the run's length has made room again. Probes
+# are not charged: their pace bounds them (PROBE_SHARE), and eight tied branches' probes, which save
+# no forward by design, used to spend the account in the first 30 steps, so that the branch left
+# alone afterwards, quoting its document, guessed nothing for the rest of the run (measured:
+# notebook/speculation.md, "Probes off the loss account (Zen 3, 2026-11-27)"). Whatever
 # the estimates say, what guessing loses is then about that share of the run, as the account sees
 # it (steps timed whole; the machine's own drift is not in it). The estimates alone can verify
 # many guesses that are mostly wrong in steps dearer than a plain one; the account bounds that
@@ -222,6 +229,7 @@ class SpeculationPolicy:
     # them cost beyond a plain step (see LOSS_SHARE); `gaps` are this step's branches' distances
     # behind the furthest from done, `charging` whether this step's cost goes on the account
     balance: float = 0.0
+    probes: int = 0  # probes made (see PROBES)
     gaps: list[int] = field(default_factory=list)
     charging: bool = False
 
@@ -264,11 +272,12 @@ class SpeculationPolicy:
         else:
             picked = self._ranked(trees, _critical_share(remaining), room)
             kept = _keep(trees, picked[: self._best_count(picked, fed)[0]])
-        if not any(len(tree) for tree in kept):
-            kept = self._probe(trees, room, remaining) or kept
+        self.charging = any(len(tree) for tree in kept)  # planned guesses go on the account; probes do not
+        if not self.charging and (probe := self._probe(trees, room, remaining)) is not None:
+            kept = probe
+            self.probes += 1
         if sum(1 for tree in kept if len(tree)) >= _probe_breadth(fed):
             self.last_guess = self.step  # (a lagging branch's lone catch-up guess says little of the others)
-        self.charging = any(len(tree) for tree in kept)
         return kept
 
     def _probe(self, trees: list[DraftTree], room: int, remaining: list[int]) -> list[DraftTree] | None:
@@ -285,7 +294,8 @@ class SpeculationPolicy:
         firsts = sorted(firsts, reverse=True)[: min(PROBE_GUESSES, room)]
         if len(firsts) < _probe_breadth(fed):
             return None
-        if self.cost.verifying >= PROBES and self.step - self.last_guess < self._probe_interval(fed, len(firsts)):
+        first_probes = self.cost.verifying < PROBES and self.probes < PROBES
+        if not first_probes and self.step - self.last_guess < self._probe_interval(fed, len(firsts)):
             return None
         return _keep(trees, firsts)
 
@@ -421,8 +431,9 @@ class SpeculationPolicy:
         """Credit a verified step's guesses with the forwards they took off the run: the run
         lasts as long as the branch furthest from done, so it is shortened by min over branches
         of (how far behind that one it was + guesses it accepted). accepted: per branch fed, in
-        the order `plan` was given them."""
-        self.balance += min(gap + n for gap, n in zip(self.gaps, accepted))
+        the order `plan` was given them. A probe's step is neither charged nor credited."""
+        if self.charging:
+            self.balance += min(gap + n for gap, n in zip(self.gaps, accepted))
 
     def _warmed(self, shape: tuple[int, bool]) -> bool:
         """True if a forward of this shape (width, verifying) was timed before in this run."""
