@@ -56,8 +56,9 @@ BROAD_SHARE = 0.6
 # PROBE_GUESSES branches, while the run has at least PROBE_RUN_LEFT steps to go (a shorter run has
 # little to gain): first until PROBES verifying steps have been timed (the cost model cannot tell
 # a CPU from a GPU before) or PROBES probes were made (a forest's probes change width as branches
-# end, and a shape's first forward is never timed, so they may never be), then again once probing would have cost at most PROBE_SHARE of the
-# steps since the last guess, and never more often than every PROBE_EVERY steps. The later probes
+# end, and a shape's first forward is never timed, so they may never be), then again once probing
+# would have cost at most PROBE_SHARE of the steps since the last guess, and never more often than
+# every PROBE_EVERY steps. The later probes
 # keep the acceptance estimates current: an answer that starts quoting its document after a first
 # stretch of paraphrase (where every early guess failed) is found again (measured:
 # notebook/speculation.md, "auto keeps learning through the run").
