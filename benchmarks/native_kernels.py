@@ -18,7 +18,7 @@ The block kernel:
   inputs, the latter three spans of inputs) must be within float32 rounding of
   the float64 product (k * 2^-24 * sum |x w|, a bound that holds for any order of summation);
 - the timing: the embedded model's step shapes (30 layers of 960 x 576, 576 x 576, 3,072 x 576,
-  576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 8 and 16
+  576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 6, 8 and 16
   rows, each build, in alternating order, one thread: ms, ratio to one row, GFLOP/s.
 
 The attention kernel:
@@ -164,7 +164,7 @@ def timing(libs: dict, repeats: int = 7) -> str:
     shapes = [("Q4_1", n, k) for _ in range(30) for n, k in LAYER] + [("Q8_0", *HEAD)]
     weights = [(kind, n, k, random_blocks(kind, n, k, rng)) for kind, n, k in shapes]
     count = sum(n * k for _, n, k, _ in weights)
-    rows = (1, 2, 4, 8, 16)
+    rows = (1, 2, 4, 6, 8, 16)
     inputs = {m: torch.randn(m, 1536) for m in rows}
 
     def step(lib, m):

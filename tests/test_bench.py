@@ -162,6 +162,26 @@ def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(
         assert runs[mode]["token_ids"] == mdcli_tokens, mode
 
 
+def test_whole_process_report_states_the_overhead_against_each_reference_and_checks_its_tokens():
+    """With --slowest-reference the report gives a second overhead, against the question that took
+    the most forwards alone, and that row must reproduce that question's own tokens from the forest."""
+    from mdcli.bench.whole_process import ProcessRun, markdown
+
+    forest = ProcessRun("mdcli, 2 questions", [20.0], [[1, 2, 3, 4], [5, 6]],
+                        {"prefill": 1.0, "decode": 4.0, "steps": 40, "step_ms": 100.0})
+    longest = ProcessRun("mdcli, longest question alone", [16.0], [[1, 2, 3, 4]],
+                         {"prefill": 0.5, "decode": 1.5, "steps": 24, "step_ms": 62.5, "question": "where?", "index": 0})
+    slowest = ProcessRun("mdcli, slowest question alone", [18.0], [[5, 6]],
+                         {"prefill": 0.5, "decode": 3.5, "steps": 46, "step_ms": 76.1, "question": "mood?", "index": 1,
+                          "forwards alone": [24, 46]})
+    report = markdown([forest, longest, slowest], 2, 64, 1700, 1)
+    assert '/ the longest-answering one alone, "where?"): **1.25x**' in report
+    assert '/ the one that takes the most forwards alone (each alone: [24, 46]), "mood?"): **1.11x**' in report
+    assert "**NO**" not in report
+    slowest.token_ids = [[5, 7]]
+    assert "| mdcli, slowest question alone | 18.0 | 0.90 | **NO** |" in markdown([forest, longest, slowest], 2, 64, 1700, 1)
+
+
 def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_whole_step():
     from mdcli.bench.step import (
         EngineStepper,

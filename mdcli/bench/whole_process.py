@@ -6,6 +6,9 @@ on one report and N questions, each in a fresh process with one thread:
   mdcli           ``mdcli ask-many REPORT -q ... -n N --jsonl``
   mdcli, 1 q      the same with only the question whose answer was longest: the branching overhead
                   (N questions / that one question, whole process) is what asking more costs
+  mdcli, slowest  (--slowest-reference) the same with only the question that takes the most forwards
+                  alone (each asked alone once first, untimed): with speculation that need not be the
+                  longest answer, and N questions cannot decode in fewer forwards than it does
   sequential      a plain-transformers script, generate() once per question
   batched         the same script, one generate() over the left-padded prompts
   prefill-once    the same script, the shared prefix prefilled once and deep-copied per question
@@ -105,9 +108,20 @@ def report_text(tokenizer, tokens: int) -> str:
     return bench_document(tokenizer, tokens)
 
 
+def forwards_alone(report: Path, questions: list[str], new_tokens: int) -> list[int]:
+    """The forwards each question takes asked alone, one untimed process each."""
+    counts = []
+    for question in questions:
+        probe = ProcessRun("alone")
+        run_mdcli_once(probe, report, [question], new_tokens)
+        counts.append(probe.phases["steps"])
+    return counts
+
+
 def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: int, workdir: Path,
-            approaches: tuple[str, ...] = PLAIN_MODES) -> list[ProcessRun]:
-    """Every approach in turn, mdcli first (its answers pick the longest question)."""
+            approaches: tuple[str, ...] = PLAIN_MODES, slowest_reference: bool = False) -> list[ProcessRun]:
+    """Every approach in turn, mdcli first (its answers pick the longest question; with
+    `slowest_reference`, each question alone picks the one that takes the most forwards)."""
     model_dir = embedded_model_dir()  # converted once, outside the timings
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     report = workdir / "report.txt"
@@ -115,25 +129,35 @@ def measure(report_tokens: int, questions: list[str], new_tokens: int, repeats: 
     questions_file = workdir / "questions.txt"
     questions_file.write_text("\n".join(questions) + "\n")
 
-    # the two mdcli rows alternate (all questions, then the longest alone, repeat) so that a drift in
-    # the machine's speed falls on both, not on one: their ratio is the branching overhead
+    # the mdcli rows alternate (all questions, then the longest alone, then the slowest alone, repeat)
+    # so that a drift in the machine's speed falls on all, not on one: their ratio is the branching overhead
     together = ProcessRun(f"mdcli, {len(questions)} questions")
     run_mdcli_once(together, report, questions, new_tokens)
     longest = max(range(len(questions)), key=lambda i: len(together.token_ids[i]))
     alone = ProcessRun("mdcli, longest question alone")
+    references = [(alone, longest)]
+    if slowest_reference:
+        counts = forwards_alone(report, questions, new_tokens)
+        slowest = max(range(len(questions)), key=counts.__getitem__)
+        references.append((ProcessRun("mdcli, slowest question alone"), slowest))
     for repeat in range(repeats):
         if repeat:
             run_mdcli_once(together, report, questions, new_tokens)
-        run_mdcli_once(alone, report, [questions[longest]], new_tokens)
-    alone.phases["question"] = questions[longest]
-    runs = [together, alone]
+        for reference, index in references:
+            run_mdcli_once(reference, report, [questions[index]], new_tokens)
+    for reference, index in references:
+        reference.phases["question"] = questions[index]
+        reference.phases["index"] = index
+    if slowest_reference:
+        references[1][0].phases["forwards alone"] = counts
+    runs = [together] + [reference for reference, _ in references]
     runs.extend(run_plain(mode, model_dir, report, questions_file, new_tokens, repeats) for mode in approaches)
     return runs
 
 
 def markdown(runs: list[ProcessRun], questions: int, new_tokens: int, report_tokens: int, repeats: int) -> str:
-    mdcli = runs[0]
-    alone = runs[1]
+    mdcli, alone = runs[0], runs[1]
+    references = [run for run in runs[1:] if "index" in run.phases]
     lines = [
         f"CPU: {cpu_line()}; one thread per process; {report_tokens:,}-token report, {questions} questions, "
         f"up to {new_tokens} greedy tokens each; median of {repeats} whole process(es) per row.",
@@ -142,21 +166,24 @@ def markdown(runs: list[ProcessRun], questions: int, new_tokens: int, report_tok
         "|---|---:|---:|---|---|",
     ]
     for run in runs:
-        same = "yes" if run is alone or run.token_ids == mdcli.token_ids else "**NO**"
-        if run is alone:
-            longest = mdcli.token_ids[[len(t) for t in mdcli.token_ids].index(max(len(t) for t in mdcli.token_ids))]
-            same = "yes" if run.token_ids == [longest] else "**NO**"
-        phases = ", ".join(f"{k} {v}" for k, v in run.phases.items() if k != "question")
+        expected = [mdcli.token_ids[run.phases["index"]]] if run in references else mdcli.token_ids
+        same = "yes" if run.token_ids == expected else "**NO**"
+        phases = ", ".join(f"{k} {v}" for k, v in run.phases.items() if k not in ("question", "index", "forwards alone"))
         lines.append(f"| {run.approach} | {run.median:.1f} | {run.median / mdcli.median:.2f} | {same} | {phases} |")
-    in_process = (mdcli.phases["prefill"] + mdcli.phases["decode"]) / (alone.phases["prefill"] + alone.phases["decode"])
-    lines += ["", f"Branching overhead (whole process, {questions} questions / the longest-answering one alone, "
-                  f"\"{alone.phases['question']}\"): **{mdcli.median / alone.median:.2f}x** "
-                  f"(prefill + decode alone, from the last runs' `done` stats: {in_process:.2f}x)"]
+    lines.append("")
+    for reference in references:
+        which = ("the longest-answering one alone" if reference is alone else
+                 f"the one that takes the most forwards alone (each alone: {reference.phases['forwards alone']})")
+        in_process = ((mdcli.phases["prefill"] + mdcli.phases["decode"])
+                      / (reference.phases["prefill"] + reference.phases["decode"]))
+        lines.append(f"Branching overhead (whole process, {questions} questions / {which}, "
+                     f"\"{reference.phases['question']}\"): **{mdcli.median / reference.median:.2f}x** "
+                     f"(prefill + decode alone, from the last runs' `done` stats: {in_process:.2f}x)")
     return "\n".join(lines) + "\n"
 
 
 def run(report_tokens: int, questions: int, new_tokens: int, repeats: int, approaches: tuple[str, ...] = PLAIN_MODES,
-        json_path: Path | None = None) -> str:
+        json_path: Path | None = None, slowest_reference: bool = False) -> str:
     """Measure and return the Markdown report (also written as JSON to `json_path`)."""
     unknown = [a for a in approaches if a not in PLAIN_MODES]
     if unknown:
@@ -166,7 +193,7 @@ def run(report_tokens: int, questions: int, new_tokens: int, repeats: int, appro
                          fix=f"e.g. --branches {len(QUESTIONS)}")
     chosen = QUESTIONS[:questions]
     with tempfile.TemporaryDirectory() as folder:
-        runs = measure(report_tokens, chosen, new_tokens, repeats, Path(folder), approaches)
+        runs = measure(report_tokens, chosen, new_tokens, repeats, Path(folder), approaches, slowest_reference)
     if json_path is not None:
         json_path.write_text(json.dumps({"cpu": cpu_line(), "report_tokens": report_tokens, "new_tokens": new_tokens,
                                          "runs": [vars(r) for r in runs]}, indent=2) + "\n")
@@ -181,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--approaches", default=",".join(PLAIN_MODES), help="plain-transformers modes to run")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--slowest-reference", action="store_true",
+                        help="also time the question that takes the most forwards alone (each asked alone once first)")
     args = parser.parse_args(argv)
     approaches = tuple(a for a in args.approaches.split(",") if a)
-    print(run(args.report_tokens, args.questions, args.new_tokens, args.repeats, approaches, args.json))
+    print(run(args.report_tokens, args.questions, args.new_tokens, args.repeats, approaches, args.json,
+              args.slowest_reference))
     return 0
 
 
