@@ -62,7 +62,7 @@ typedef __m256i ivec;
 #endif
 
 #define KEYS 4        /* keys per step of the scores' micro-kernel */
-#define VALUE_TILE 16 /* keys per tile of values summed: with their scores, well inside the first cache */
+#define VALUE_TILE 16 /* keys per tile of values summed, the next one prefetched: 16 beat 32 then (notebook/attention.md) */
 #define VALUE_DIMS 4  /* value elements x ROW_VECTORS vectors of rows: 12 (AVX2) or 16 accumulators */
 #define LINE 16       /* floats per cache line */
 
