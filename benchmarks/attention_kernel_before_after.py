@@ -41,7 +41,7 @@ def old_attention(lib, query, keys, values, mask: fused.StepMask, scale: float) 
     """e2516c4's fused.fused_attention, as it was."""
     _, heads, m, dim = query.shape
     rows = heads // GROUPS * m
-    padded = fused.padded_rows(rows)
+    padded = -(-rows // lib.attention_lanes()) * lib.attention_lanes()
     transposed = torch.zeros(GROUPS, dim, padded)
     transposed[:, :, :rows] = query[0].reshape(GROUPS, rows, dim).transpose(1, 2)
     out = torch.empty(GROUPS, padded, dim)

@@ -191,7 +191,7 @@ def build_attention(flags: list[str], folder: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size] * 4, size
-    lib.attention_lanes.restype = size
+    lib.attention_rows.argtypes, lib.attention_rows.restype = [size, size], size
     lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
                               pointer, pointer]
     lib.attention.restype = None
@@ -203,8 +203,7 @@ def kernel_attention(lib, query, keys, values, mask, scale: float) -> torch.Tens
     _, heads, m, dim = query.shape
     groups, n = keys.shape[1], keys.shape[2]
     rows = heads // groups * m
-    lanes = lib.attention_lanes()
-    padded = -(-rows // lanes) * lanes
+    padded = lib.attention_rows(heads // groups, m)
     mask_t = None
     if mask is not None:
         mask_t = torch.zeros(n, padded)

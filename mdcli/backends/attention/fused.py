@@ -50,17 +50,12 @@ def fused_serves(head_dim: int) -> bool:
     return fused_works() and head_dim % library().attention_dim_multiple() == 0
 
 
-def padded_rows(rows: int) -> int:
-    lanes = library().attention_lanes()
-    return -(-rows // lanes) * lanes
-
-
 def step_mask(mask: torch.Tensor | None, per_group: int) -> StepMask | None:
     """mask [1, 1, M, N] additive (None: a lone query seeing everything) -> the kernel's [N, R]."""
     if mask is None:
         return None
     rows = mask[0, 0].repeat(per_group, 1)  # [H/G * M, N], row r * M + m = query m's row
-    padded = torch.zeros(rows.shape[1], padded_rows(rows.shape[0]), dtype=torch.float32)
+    padded = torch.zeros(rows.shape[1], library().attention_rows(per_group, mask.shape[2]), dtype=torch.float32)
     padded[:, : rows.shape[0]] = rows.t()
     return StepMask(padded)
 
@@ -72,16 +67,16 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
     the whole cache. Returns [1, M, H * D]."""
     _, heads, m, dim = query.shape
-    rows = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
-    if rows.stride(2) != 1:
-        rows = rows.contiguous()
+    queries = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
+    if queries.stride(2) != 1:
+        queries = queries.contiguous()
     n = keys.shape[2]
     if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
     scratch = _scratch(library().attention_scratch_floats(n, heads // groups, m, dim))
     library().attention(
-        rows.data_ptr(), rows.stride(0), rows.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
+        queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
         n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
         out.data_ptr(), scratch.data_ptr())
     return out.view(1, m, heads * dim)
@@ -106,7 +101,7 @@ def library() -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size] * 4, size
-    lib.attention_lanes.argtypes, lib.attention_lanes.restype = [], size
+    lib.attention_rows.argtypes, lib.attention_rows.restype = [size, size], size
     lib.attention_dim_multiple.argtypes, lib.attention_dim_multiple.restype = [], size
     lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
                               pointer, pointer]

@@ -246,17 +246,15 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
     }
 }
 
-/* Rows a group's heads stack: H/G heads x M queries, padded to a whole number of vectors. */
-static int64_t padded_rows(int64_t per_group, int64_t M) { return (per_group * M + LANES - 1) / LANES * LANES; }
+/* Rows a group's heads stack: H/G heads x M queries, padded to a whole number of vectors (the
+ * mask's rows, mask_t [N][R]). */
+int64_t attention_rows(int64_t per_group, int64_t M) { return (per_group * M + LANES - 1) / LANES * LANES; }
 
 /* Floats of scratch `attention` needs for n slots, H/G = per_group heads a group, M queries, head size D. */
 int64_t attention_scratch_floats(int64_t n, int64_t per_group, int64_t M, int64_t D) {
-    const int64_t R = padded_rows(per_group, M);
+    const int64_t R = attention_rows(per_group, M);
     return 2 * D * R + n * R + 2 * R; /* qt, ot, the scores, the exp sums, the maxima */
 }
-
-/* Lanes of a vector here: the mask's rows are padded to a multiple of it. */
-int64_t attention_lanes(void) { return LANES; }
 
 /* D must be a multiple of this. */
 int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
@@ -268,7 +266,7 @@ int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
 void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
                const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
                float *out, float *scratch) {
-    const int64_t per_group = H / G, R = padded_rows(per_group, M);
+    const int64_t per_group = H / G, R = attention_rows(per_group, M);
     float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
     memset(qt, 0, (size_t)(D * R) * sizeof(float)); /* the padding rows: zero queries */
     for (int64_t g = 0; g < G; g++) {

@@ -155,11 +155,14 @@ static inline __attribute__((always_inline)) void block_out(int kind, const uint
         vstore(out + j * LANES, v[j]);
 }
 
-/* Rows [0, R) of x (row stride ldx) times one weight row of `blocks` blocks -> y[r * ldy]. */
-static inline __attribute__((always_inline)) void pass(int kind, int R, const float *x, int64_t ldx,
-                                                       const uint8_t *row, int64_t blocks, float *y, int64_t ldy) {
+/* Rows [0, R) of x (row stride ldx) times blocks [0, blocks) of one weight row -> y[r * ldy], added
+ * to it if `add`: each block turned into weights in registers once for the R rows, `chains`
+ * multiply-add chains per row (2 in the passes of up to ROWS rows, 1 in the shared rebuilds). */
+static inline __attribute__((always_inline)) void pass(int kind, int R, int chains, const float *x, int64_t ldx,
+                                                       const uint8_t *row, int64_t blocks, float *y, int64_t ldy,
+                                                       int add) {
     const int64_t size = bytes_of(kind);
-    vec acc[ROWS][2];
+    vec acc[8][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         acc[r][0] = acc[r][1] = vzero();
@@ -171,30 +174,32 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
             const float *in = x + r * ldx + b * BLOCK;
 #pragma GCC unroll 4
             for (int j = 0; j < PER; j++)
-                acc[r][j & 1] = vfma(vload(in + j * LANES), w[j], acc[r][j & 1]);
+                acc[r][j % chains] = vfma(vload(in + j * LANES), w[j], acc[r][j % chains]);
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-        y[r * ldy] = vsum(vadd(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; r++) {
+        const float total = vsum(chains == 2 ? vadd(acc[r][0], acc[r][1]) : acc[r][0]);
+        y[r * ldy] = add ? y[r * ldy] + total : total;
+    }
 }
 
 #if ROWS == 8
 #define PASSES(kind) \
-    case 1: pass(kind, 1, xr, k, row, blocks, yr, n); break; \
-    case 2: pass(kind, 2, xr, k, row, blocks, yr, n); break; \
-    case 3: pass(kind, 3, xr, k, row, blocks, yr, n); break; \
-    case 4: pass(kind, 4, xr, k, row, blocks, yr, n); break; \
-    case 5: pass(kind, 5, xr, k, row, blocks, yr, n); break; \
-    case 6: pass(kind, 6, xr, k, row, blocks, yr, n); break; \
-    case 7: pass(kind, 7, xr, k, row, blocks, yr, n); break; \
-    default: pass(kind, 8, xr, k, row, blocks, yr, n); break;
+    case 1: pass(kind, 1, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 2: pass(kind, 2, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 3: pass(kind, 3, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 4: pass(kind, 4, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 5: pass(kind, 5, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 6: pass(kind, 6, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 7: pass(kind, 7, 2, xr, k, row, blocks, yr, n, 0); break; \
+    default: pass(kind, 8, 2, xr, k, row, blocks, yr, n, 0); break;
 #else
 #define PASSES(kind) \
-    case 1: pass(kind, 1, xr, k, row, blocks, yr, n); break; \
-    case 2: pass(kind, 2, xr, k, row, blocks, yr, n); break; \
-    case 3: pass(kind, 3, xr, k, row, blocks, yr, n); break; \
-    default: pass(kind, 4, xr, k, row, blocks, yr, n); break;
+    case 1: pass(kind, 1, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 2: pass(kind, 2, 2, xr, k, row, blocks, yr, n, 0); break; \
+    case 3: pass(kind, 3, 2, xr, k, row, blocks, yr, n, 0); break; \
+    default: pass(kind, 4, 2, xr, k, row, blocks, yr, n, 0); break;
 #endif
 
 
@@ -203,40 +208,16 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, const fl
  * multiply-add chains, both FMA pipes busy), and x is read SPAN blocks at a time so those inputs of
  * every row stay in the core's first cache (8 x 768 floats, 24 KB) while the weight rows stream by.
  * On a Zen 3 core at 5-8 rows this beat the panels below, which write each block out and read it
- * back (8 rows: 0.85x; notebook/gguf-blocks.md, "In-register rebuilds for 5-8 rows"). Each output
+ * back (6 and 8 rows: 0.90x; notebook/gguf-blocks.md, "In-register rebuilds for 5-8 rows"). Each output
  * sums its inputs lane by lane in order within a span, the spans added in order. */
 #define ONE_REBUILD_ROWS 8
 #define SPAN 24
 
-/* Rows [0, R) of x, R <= ONE_REBUILD_ROWS, times blocks [0, blocks) of one weight row -> y[r * ldy],
- * added to it if `add`. */
-static inline __attribute__((always_inline)) void shared_pass(int kind, int R, const float *x, int64_t ldx,
-                                                              const uint8_t *row, int64_t blocks, float *y,
-                                                              int64_t ldy, int add) {
-    const int64_t size = bytes_of(kind);
-    vec acc[ONE_REBUILD_ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-        acc[r] = vzero();
-    for (int64_t b = 0; b < blocks; b++) {
-        vec w[PER];
-        weights_of(kind, row + b * size, w);
-#pragma GCC unroll 4
-        for (int j = 0; j < PER; j++)
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++)
-                acc[r] = vfma(vload(x + r * ldx + b * BLOCK + j * LANES), w[j], acc[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-        y[r * ldy] = add ? y[r * ldy] + vsum(acc[r]) : vsum(acc[r]);
-}
-
 #define SHARED_PASSES(kind) \
-    case 5: shared_pass(kind, 5, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    case 6: shared_pass(kind, 6, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    case 7: shared_pass(kind, 7, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    default: shared_pass(kind, 8, xr, k, row, b1 - b0, yr, n, b0 > 0); break;
+    case 5: pass(kind, 5, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    case 6: pass(kind, 6, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    case 7: pass(kind, 7, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
+    default: pass(kind, 8, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break;
 
 /* y = x @ W^T for ROWS < m <= ONE_REBUILD_ROWS, a span of inputs at a time. */
 #define SHARED_PRODUCT(kind)                                                                       \
