@@ -4,7 +4,8 @@
     python -m mdcli.bench.step --profile       # where a step's time goes, by part of the model
     python -m mdcli.bench.step --cpu-weights int8   # also the engine over int8 weights
 
-The reference is what `generate` does per token, with the loop reduced to its core: the prompt
+Every width's steps and the reference's are taken in turn, one of each, so the widths compare within
+one run. The reference is what `generate` does per token, with the loop reduced to its core: the prompt
 prefilled into a stock `DynamicCache`, then one token per forward on torch's own kernels, greedy.
 The engine steps are mdcli's `Engine.forward` with 1 or B chains of one token each over the shared
 cache of the same prompts (the bench's document plus questions, `mdcli.bench.ask.prompts_for`);
@@ -289,17 +290,26 @@ def main(argv: list[str] | None = None) -> None:
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
     print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {step_weight_bytes(lm) / 1e6:.0f} MB of "
           f"weights; prompt {len(prompts[0])} tokens")
+    # every width's steps and the reference's taken in turn, so that a drift in the machine's speed
+    # falls on all of them: the widths' ratio (8 branches against 1) is read within one run
+    steppers = {(0, "reference"): ReferenceStepper(lm, prompts[0])}
     for width in widths:
-        steppers = {"reference": ReferenceStepper(lm, prompts[0])}
-        steppers |= {f"{f} forward": EngineStepper(lm, prompts[:width], f, args.guesses)
+        steppers |= {(width, f"{f} forward"): EngineStepper(lm, prompts[:width], f, args.guesses)
                      for f in args.forwards.split(",")}
         if int8 is not None:
-            steppers |= {f"int8 weights, {f} forward": EngineStepper(int8, prompts[:width], f, args.guesses)
+            steppers |= {(width, f"int8 weights, {f} forward"): EngineStepper(int8, prompts[:width], f, args.guesses)
                          for f in args.forwards.split(",")}
-        medians = median_step_seconds(steppers, args.steps)
-        reference = medians["reference"]
-        for name, seconds in medians.items():
-            print(f"{width} branch(es), {name}: {1000 * seconds:.1f} ms = {seconds / reference:.2f}x the reference")
+    medians = median_step_seconds(steppers, args.steps)
+    reference = medians[(0, "reference")]
+    print(f"reference (one sequence, transformers' own step): {1000 * reference:.1f} ms")
+    for width in widths:
+        for (of, name), seconds in medians.items():
+            if of == width:
+                against = "" if width == widths[0] else (
+                    f", {seconds / medians[(widths[0], name)]:.2f}x its {widths[0]}-branch step")
+                print(f"{width} branch(es), {name}: {1000 * seconds:.1f} ms = {seconds / reference:.2f}x the reference"
+                      f"{against}")
+    for width in widths:
         if args.profile:
             for forward in args.forwards.split(","):
                 profile = StepProfile(lm)
