@@ -141,7 +141,7 @@ def test_every_branch_on_the_kernel_gets_the_tokens_generate_gives_it_alone(arch
 
 @needs_kernel
 def test_many_questions_over_one_document_attend_on_the_kernel_not_the_cascade_and_match_generate():
-    """24 branches over one document: where the kernel serves the step (2-64 queries), dense on it
+    """24 branches over one document: where the kernel serves the step (1-64 queries), dense on it
     beats the one-product cascade (notebook/attention.md, "One kernel for a few queries'
     attention"), so the steps take the kernel; each branch gets `generate`'s tokens."""
     model = model_for("llama")

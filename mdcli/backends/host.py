@@ -39,9 +39,11 @@ def cpu_vendor() -> str:
     return next((name for vendor_id, name in _VENDORS.items() if vendor_id in reported), "")
 
 
+@cache
 def cpu_capability() -> str:
     """The instruction set torch's CPU kernels dispatch to here: "AVX512", "AVX2", "DEFAULT", ...
-    (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one)."""
+    (ATEN_CPU_CAPABILITY lowers it, so one AVX-512 machine can stand in for an AVX2 one). torch
+    fixes it at start-up, so it is asked once: every block product asks which kernel serves it."""
     return str(torch.backends.cpu.get_cpu_capability())
 
 

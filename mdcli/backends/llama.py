@@ -134,7 +134,7 @@ class FastForward:
         self.attention = attention or plan.attention
         # bmm materializes every score: a long prefill over a tree attends with sdpa
         self.bmm_max_queries = plan.bmm_max_queries if attention is None else None
-        # dense forwards of 2 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
+        # dense forwards of 1 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
         self.fused_attention = (plan.fused_attention and attention is None) if fused is None else fused
         self.gather_cost = plan.gather_cost
         self.sparse_mode = plan.sparse_attention
@@ -240,7 +240,8 @@ class FastForward:
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa"
-        if plan is None and attention == "bmm" and self.fused_attention and 2 <= m <= fused.FUSED_MAX_QUERIES:
+        fits = fused.FUSED_MIN_QUERIES <= m <= fused.FUSED_MAX_QUERIES
+        if plan is None and attention == "bmm" and self.fused_attention and fits:
             attention = "fused"
             self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)

@@ -13,7 +13,7 @@ measured on):
   multiply mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
   oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on
-  AVX2-only hosts a dense forward of 2 to 64 queries attends on mdcli's own kernel where it builds
+  AVX2-only hosts a dense forward of 1 to 64 queries attends on mdcli's own kernel where it builds
   and serves the head size (`fused_attention`; measured: notebook/attention.md, "One kernel for a
   few queries' attention");
 * a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
@@ -114,7 +114,7 @@ class Plan:
     linears: KernelChoice
     attention: str  # own forward's core: "bmm" (batched products per group) or "sdpa"
     bmm_max_queries: int | None  # wider forwards attend with sdpa
-    fused_attention: bool  # dense forwards of 2 to fused.FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
+    fused_attention: bool  # dense forwards of 1 to fused.FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
     packed: bool  # a oneDNN-packed copy serves forwards the narrower copies do not
     pair_padding: bool  # two-row products on a packed copy run as four rows (AMD with AVX-512)
     transposed: bool  # a transposed copy serves a lone token
@@ -170,7 +170,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
     fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
     if fused_attention:
-        notes.append(f"2-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
+        notes.append(f"{fused.FUSED_MIN_QUERIES}-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
     if transposed and lone_blas_host:
         notes.append("one thread: a lone token on OpenBLAS")
     if tiled:

@@ -1,6 +1,6 @@
 """Dense attention of a few queries on mdcli's own C kernel: scores, softmax and values in one call per layer.
 
-Rule: on AVX2-only x86-64 hosts, float32 on the CPU, a dense forward of 2 to FUSED_MAX_QUERIES
+Rule: on AVX2-only x86-64 hosts, float32 on the CPU, a dense forward of 1 to FUSED_MAX_QUERIES
 queries on the bmm core attends with `fused_attention` (mdcli/backends/native/attention.c) where the
 kernel builds here and serves the head size (`fused_serves`; the plan decides, mdcli.backends.select).
 AVX-512 hosts keep the bmm core: on an Intel Xeon it was faster.
@@ -26,9 +26,11 @@ import torch
 from mdcli.backends.native import build as native
 
 SOURCE = Path(__file__).parent.parent / "native" / "attention.c"
-# Dense forwards of up to this many queries attend on the kernel: the widest forest step the
-# selector's other rules measured on the bmm core (BMM_MAX_QUERIES on AVX2); past it sdpa's tiles.
-FUSED_MAX_QUERIES = 64
+# Dense forwards of this many queries attend on the kernel: from a lone query (a one-branch step on
+# Zen 3: 45.7 against 48.3 ms on the bmm core with OpenBLAS's weighted sum, notebook/attention.md,
+# "The kernel's own layouts...") to the widest forest step the selector's other rules measured on
+# the bmm core (BMM_MAX_QUERIES on AVX2); past it sdpa's tiles.
+FUSED_MIN_QUERIES, FUSED_MAX_QUERIES = 1, 64
 # Where the kernel serves a step, it beats the one-product cascade over a shared document up to 48
 # queries (mdcli.backends.attention.prefix, JOINED_MIN_QUERIES = 24 against torch's products) and
 # loses at 64, on an AVX2-only Zen 3 core: the cascade is taken from 64 queries there (measured:
