@@ -12,9 +12,7 @@ queries, rounds in alternating order, process CPU time:
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ from mdcli.backends.attention import fused
 from mdcli.backends.host import cpu_line
 from mdcli.backends.llama import _grouped_attention
 from mdcli.backends.native import build
+from mdcli.bench.attention import abba
 
 LAYERS, GROUPS, HEADS, DIM, SLOTS, QUERIES, ROUNDS = 30, 3, 9, 64, 1825, 8, 21
 
@@ -72,17 +71,12 @@ def main() -> int:
     outputs = {name: run() for name, run in cases.items()}
     for name, out in outputs.items():
         assert torch.allclose(torch.stack(out), torch.stack(outputs["torch bmm core"]), rtol=1e-4, atol=1e-5), name
-    times = {name: [] for name in cases}
-    for round_ in range(ROUNDS):
-        for name in list(cases) if round_ % 2 == 0 else list(cases)[::-1]:
-            started = time.process_time()
-            cases[name]()
-            times[name].append(time.process_time() - started)
+    measured = abba(cases, ROUNDS)
     print(f"{cpu_line()}, one thread; {LAYERS} layers, {QUERIES} queries over {SLOTS:,} cold slots, "
           f"{ROUNDS} rounds in alternating order, process CPU time\n")
     print("| attention of a step | median ms | fastest ms |\n|---|---:|---:|")
-    for name, values in times.items():
-        print(f"| {name} | {1000 * statistics.median(values):.1f} | {1000 * min(values):.1f} |")
+    for name, (median, fastest) in measured.items():
+        print(f"| {name} | {median:.1f} | {fastest:.1f} |")
     return 0
 
 
