@@ -309,17 +309,18 @@ def main(argv: list[str] | None = None) -> None:
                     f", {seconds / medians[(widths[0], name)]:.2f}x its {widths[0]}-branch step")
                 print(f"{width} branch(es), {name}: {1000 * seconds:.1f} ms = {seconds / reference:.2f}x the reference"
                       f"{against}")
+    if not args.profile:
+        return
     for width in widths:
-        if args.profile:
-            for forward in args.forwards.split(","):
-                profile = StepProfile(lm)
-                median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward, args.guesses)}, args.steps,
-                                    observe=profile.observe)
-                print(f"\n| part of a {width}-branch step, {forward} forward | ms | share |\n|---|---:|---:|")
-                rows = profile.table()
-                for part, ms in rows:
-                    print(f"| {part} | {ms:.2f} | {100 * ms / rows[-1][1]:.0f}% |")
-                print()
+        for forward in args.forwards.split(","):
+            profile = StepProfile(lm)
+            median_step_seconds({"engine": EngineStepper(lm, prompts[:width], forward, args.guesses)}, args.steps,
+                                observe=profile.observe)
+            print(f"\n| part of a {width}-branch step, {forward} forward | ms | share |\n|---|---:|---:|")
+            rows = profile.table()
+            for part, ms in rows:
+                print(f"| {part} | {ms:.2f} | {100 * ms / rows[-1][1]:.0f}% |")
+            print()
 
 
 if __name__ == "__main__":
