@@ -205,6 +205,19 @@ def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_who
     assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6
 
 
+def test_step_benchmark_steps_on_the_cpu_unless_told_names_it_and_refuses_a_profile_elsewhere(capsys):
+    from mdcli.backends.host import cpu_model
+    from mdcli.bench.step import main
+
+    main(["--random-model", "tiny", "--branches", "1,2", "--steps", "2", "--context", "40", "--forwards", "mdcli"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"host: {cpu_model()}") and first.endswith("steps on cpu")
+    with pytest.raises(SystemExit) as refused:
+        main(["--device", "cuda", "--profile"])
+    assert refused.value.code == 2
+    assert "--profile times the parts of a CPU step" in capsys.readouterr().err
+
+
 def test_step_benchmark_variants_name_the_forwards_choices_and_guesses_feed_a_speculative_chain():
     from mdcli.bench.step import EngineStepper
 

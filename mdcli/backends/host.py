@@ -69,6 +69,13 @@ def cpu_line() -> str:
     return f"{cpu_model()}, AVX-512: {'yes' if has_avx512() else 'no'}"
 
 
+def device_line(device: torch.device) -> str:
+    """What a benchmark ran on, in words: "cpu" or "cuda:0 (NVIDIA H200)"."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def available_memory_bytes(device) -> int | None:
     """Memory free where the cache lives: CUDA's free bytes; on Linux MemAvailable (free plus
     reclaimable page cache), else free pages from sysconf; None when unknown."""

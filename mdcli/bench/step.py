@@ -3,6 +3,10 @@
     python -m mdcli.bench.step                 # ratios: 1 and 8 branches over the bench's document
     python -m mdcli.bench.step --profile       # where a step's time goes, by part of the model
     python -m mdcli.bench.step --cpu-weights int8   # also the engine over int8 weights
+    python -m mdcli.bench.step --device cuda   # the same steps on a GPU (no --profile there)
+
+It steps on the CPU, one thread, unless --device says otherwise (on a machine with a GPU, `auto`
+would load there), and its first line names the CPU and the device the steps ran on.
 
 Every width's steps and the reference's are taken in turn, one of each, so the widths compare within
 one run. The reference is what `generate` does per token, with the loop reduced to its core: the prompt
@@ -32,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from mdcli.backends import llama as fastforward
 from mdcli.backends import reference
 from mdcli.backends.attention import fused, prefix
+from mdcli.backends.host import cpu_line, device_line
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights import tiled as tiled_gemm
@@ -270,24 +275,31 @@ def main(argv: list[str] | None = None) -> None:
                         help="each branch's step also verifies this many guessed tokens (a speculative step)")
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
-                        help="engine forwards to compare: transformers, mdcli, "
+                        help="engine forwards to compare: transformers, mdcli, mdcli+fused (attention on the kernel), "
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|tiled|blocks|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",
                         help="int8: also step the engine over int8 weights (mdcli.backends.weights.int8; a copy of the "
                              "model, quantized), against the same float32 reference")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model steps: cpu (default, one thread), cuda, cuda:N or auto")
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
     args = parser.parse_args(argv)
+    if args.profile and args.device != "cpu":
+        # its wrappers time each part's launch, not its work, on an asynchronous device
+        parser.error("--profile times the parts of a CPU step: drop --profile or use --device cpu")
     torch.set_num_threads(1)
     if args.linears:
         int8 = args.cpu_weights == "int8"  # and where its two products cross over
         print(linear_kernels_table([1, 2, 4, 8, 16, 32, 64, 512] if int8 else [1, 2, 4, 8, 16, 64], int8_weights=int8))
         return
-    lm = random_model(args.random_model) if args.random_model else load_model(quiet=True)
+    lm = random_model(args.random_model, device=args.device) if args.random_model else load_model(
+        device=args.device, quiet=True)
     int8 = int8_copy(lm) if args.cpu_weights == "int8" else None
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
+    print(f"host: {cpu_line()}; steps on {device_line(lm.device)}")
     print(f"one thread reads {memory_read_gbps():.1f} GB/s; a step reads {step_weight_bytes(lm) / 1e6:.0f} MB of "
           f"weights; prompt {len(prompts[0])} tokens")
     # every width's steps and the reference's taken in turn, so that a drift in the machine's speed

@@ -53,7 +53,8 @@ class EngineStepper:
     read the cache ahead (mdcli.backends.kernels.read_ahead; without it, not), "tiled" for forwards of up to
     fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.backends.weights.tiled; without it, not), "blocks"
     for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks;
-    without it, not).
+    without it, not). "mdcli+fused": the plan's own forward with every dense forward of up to
+    fused.FUSED_MAX_QUERIES queries attending on mdcli's kernel, where the plan would not.
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
     (the tree a speculative step feeds, mdcli.speculative.planner); the step then continues from the last."""
@@ -71,6 +72,8 @@ class EngineStepper:
                                             lone_blas="openblas" in copies, pair_padded="padded" in copies,
                                             read_ahead="ahead" in copies, tiled="tiled" in copies,
                                             blocks="blocks" in copies)
+        if forward == "mdcli+fused":  # the plan's choices, the kernel's attention
+            model_forward.own = FastForward(lm.model, lm.forward.plan, fused=True)
         self.engine = Engine(model_forward, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
         self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)
