@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mdcli.backends.weights import gguf_blocks
@@ -215,7 +216,12 @@ def test_step_benchmark_steps_on_the_cpu_unless_told_names_it_and_refuses_a_prof
     with pytest.raises(SystemExit) as refused:
         main(["--device", "cuda", "--profile"])
     assert refused.value.code == 2
-    assert "--profile times the parts of a CPU step" in capsys.readouterr().err
+    # on a GPU machine the profile is what is refused; without one, the device itself
+    expected = "--profile times the parts of a CPU step" if torch.cuda.is_available() else "CUDA is not available"
+    assert expected in capsys.readouterr().err
+    with pytest.raises(SystemExit) as unknown:
+        main(["--device", "tpu"])
+    assert unknown.value.code == 2 and "unknown device 'tpu'" in capsys.readouterr().err
 
 
 def test_step_benchmark_variants_name_the_forwards_choices_and_guesses_feed_a_speculative_chain():

@@ -60,7 +60,8 @@ from mdcli.bench.steppers import (
 )
 from mdcli.core import cache as kv
 from mdcli.core import engine as engine_module
-from mdcli.models.load import load_model
+from mdcli.errors import UsageError
+from mdcli.models.load import load_model, resolve_device
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -286,7 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-model", metavar="SHAPE",
                         help=f"random weights of a named shape instead of the embedded model: {', '.join(RANDOM_SHAPES)}")
     args = parser.parse_args(argv)
-    if args.profile and args.device != "cpu":
+    try:
+        device = resolve_device(args.device)
+    except UsageError as exc:
+        parser.error(str(exc))
+    if args.profile and device.type != "cpu":
         # its wrappers time each part's launch, not its work, on an asynchronous device
         parser.error("--profile times the parts of a CPU step: drop --profile or use --device cpu")
     torch.set_num_threads(1)
@@ -294,8 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         int8 = args.cpu_weights == "int8"  # and where its two products cross over
         print(linear_kernels_table([1, 2, 4, 8, 16, 32, 64, 512] if int8 else [1, 2, 4, 8, 16, 64], int8_weights=int8))
         return
-    lm = random_model(args.random_model, device=args.device) if args.random_model else load_model(
-        device=args.device, quiet=True)
+    lm = random_model(args.random_model, device=str(device)) if args.random_model else load_model(
+        device=str(device), quiet=True)
     int8 = int8_copy(lm) if args.cpu_weights == "int8" else None
     widths = [int(b) for b in args.branches.split(",")]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
