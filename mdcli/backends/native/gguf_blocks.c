@@ -155,6 +155,19 @@ static inline __attribute__((always_inline)) void block_out(int kind, const uint
         vstore(out + j * LANES, v[j]);
 }
 
+/* While one weight row is multiplied, the row AHEAD_ROWS on (the next panel, in the panels) is asked
+ * into the caches: with the hardware prefetchers alone the step's products took 9-14% longer at 6-8
+ * rows on a Zen 3 core, 1-15% at 1-4 rows, the same at 16 (weights are read once a step, so the hint
+ * is non-temporal; notebook/gguf-blocks.md, "Weight rows fetched ahead"). A hint: it never faults
+ * and never waits. */
+#define AHEAD_ROWS 6
+#define LINE_BYTES 64
+
+static inline void fetch(const uint8_t *p, int64_t bytes) {
+    for (int64_t f = 0; f < bytes; f += LINE_BYTES)
+        __builtin_prefetch(p + f, 0, 0);
+}
+
 /* Rows [0, R) of x (row stride ldx) times blocks [0, blocks) of one weight row -> y[r * ldy], added
  * to it if `add`: each block turned into weights in registers once for the R rows, `chains`
  * multiply-add chains per row (2 in the passes of up to ROWS rows, 1 in the shared rebuilds). */
@@ -226,6 +239,8 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
         const float *xr = x + b0 * BLOCK;                                                          \
         for (int64_t j = 0; j < n; j++) {                                                          \
             const uint8_t *row = w + j * row_bytes + b0 * bytes_of(kind);                          \
+            if (j + AHEAD_ROWS < n)                                                                \
+                fetch(row + AHEAD_ROWS * row_bytes, (b1 - b0) * bytes_of(kind));                   \
             float *yr = y + j;                                                                     \
             switch (m) { SHARED_PASSES(kind) }                                                     \
         }                                                                                          \
@@ -321,6 +336,8 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
         if (m > ROWS) {                                                                            \
             int64_t j = 0;                                                                         \
             for (; j + PANEL <= n; j += PANEL) {                                                   \
+                if (j + 2 * PANEL <= n)                                                            \
+                    fetch(w + (j + PANEL) * row_bytes, PANEL * row_bytes);                         \
                 for (int64_t b = 0; b < PANEL * blocks; b++)                                       \
                     block_out(kind, w + j * row_bytes + b * bytes_of(kind), scratch + b * BLOCK);  \
                 panel_rows_of(PANEL, x, m, k, scratch, y + j, n);                                  \
@@ -334,6 +351,8 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
         }                                                                                          \
         for (int64_t j = 0; j < n; j++) {                                                          \
             const uint8_t *row = w + j * row_bytes;                                                \
+            if (j + AHEAD_ROWS < n)                                                                \
+                fetch(row + AHEAD_ROWS * row_bytes, row_bytes);                                    \
             const float *xr = x;                                                                   \
             float *yr = y + j;                                                                     \
             switch (m) { PASSES(kind) }                                                            \
