@@ -62,12 +62,15 @@ def step_mask(mask: torch.Tensor | None, per_group: int) -> StepMask | None:
     return StepMask(padded)
 
 
-def fused_attention(query, keys, values, mask: StepMask | None, scale: float, groups: int) -> torch.Tensor:
+def fused_attention(query, keys, values, mask: StepMask | None, scale: float, groups: int,
+                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v per key/value group, query head h reading group h // (H / G).
 
     query: [1, H, M, D]; keys, values: [1, G, N, D] float32 with rows of D contiguous (views of
     the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
-    the whole cache. Returns [1, M, H * D]."""
+    the whole cache; lib: another build of the kernel (`bound`), for comparing one with this one.
+    Returns [1, M, H * D]."""
+    lib = lib or library()
     _, heads, m, dim = query.shape
     queries = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
     if queries.stride(2) != 1:
@@ -76,8 +79,8 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
-    scratch = _scratch(library().attention_scratch_floats(n, heads // groups, m, dim))
-    library().attention(
+    scratch = _scratch(lib.attention_scratch_floats(n, heads // groups, m, dim))
+    lib.attention(
         queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
         n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
         out.data_ptr(), scratch.data_ptr())
@@ -99,8 +102,11 @@ def _scratch(size: int) -> torch.Tensor:
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
     lib = native.load_x86(SOURCE)
-    if lib is None:
-        return None
+    return None if lib is None else bound(lib)
+
+
+def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, a build of attention.c, with its functions' argument and result types declared."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.attention_scratch_floats.argtypes, lib.attention_scratch_floats.restype = [size] * 4, size
     lib.attention_rows.argtypes, lib.attention_rows.restype = [size, size], size

@@ -85,6 +85,17 @@ static inline vec vexp(vec x) {
     return vbelow_zero(x, lowest, e);
 }
 
+/* The keys KEYS_AHEAD on are asked into the caches while four are scored: with the hardware
+ * prefetchers alone, 30 layers' attention over 1,825 cold slots took 0-7% longer at 8 queries and
+ * 6-14% at one on a Zen 3 core (notebook/attention.md, "Keys fetched ahead"). Non-temporal: each
+ * key is read once a step. */
+#define KEYS_AHEAD 32
+
+static inline void fetch_keys(const float *keys, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += LINE)
+        __builtin_prefetch(keys + f, 0, 0);
+}
+
 /* s[p][r0 .. r0 + V * LANES) = scale * sum_d k[p][d] qt[d][...] (+ mask_t[p][...]) for keys [0, n);
  * the rows' running maxima in mx. */
 static inline __attribute__((always_inline)) void score_rows(int V, const float *qt, int64_t r_stride, int64_t d_size,
@@ -104,6 +115,7 @@ static inline __attribute__((always_inline)) void score_rows(int V, const float 
             for (int i = 0; i < V; i++)
                 acc[j][i] = vzero();
         const float *kp = k + p * d_size;
+        fetch_keys(kp + KEYS_AHEAD * d_size, KEYS * d_size); /* past the end: a hint, never a fault */
         for (int64_t d = 0; d < d_size; d++) {
             vec q[ROW_VECTORS];
 #pragma GCC unroll 4
