@@ -70,7 +70,7 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
     the whole cache; lib: another build of the kernel (`bound`), for comparing one with this one.
     Returns [1, M, H * D]."""
-    lib = lib or library()
+    lib = library() if lib is None else lib
     _, heads, m, dim = query.shape
     queries = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
     if queries.stride(2) != 1:
