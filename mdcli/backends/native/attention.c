@@ -87,8 +87,9 @@ static inline vec vexp(vec x) {
 
 /* The keys KEYS_AHEAD on are asked into the caches while four are scored: with the hardware
  * prefetchers alone, 30 layers' attention over 1,825 cold slots took 0-7% longer at 8 queries and
- * 6-14% at one on a Zen 3 core (notebook/attention.md, "Keys fetched ahead"). Non-temporal: each
- * key is read once a step. */
+ * 6-14% at one on a Zen 3 core (notebook/attention.md, "Keys fetched ahead"). Non-temporal, as a
+ * step reads each key once per pass of rows; at 32 queries (four passes) it was no slower than an
+ * ordinary prefetch or none. */
 #define KEYS_AHEAD 32
 
 static inline void fetch_keys(const float *keys, int64_t floats) {
