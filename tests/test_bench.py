@@ -239,6 +239,24 @@ def test_step_benchmark_variants_name_the_forwards_choices_and_guesses_feed_a_sp
     assert ahead.engine.forwards == plain.engine.forwards
 
 
+def test_the_fused_step_variant_attends_on_the_kernel_where_the_plan_would_not():
+    from dataclasses import replace
+
+    from mdcli.backends.attention import fused
+    from mdcli.bench.step import EngineStepper
+
+    lm = random_model("tiny")
+    if not fused.fused_serves(lm.model.config.hidden_size // lm.model.config.num_attention_heads):
+        pytest.skip("mdcli's attention kernel does not build or serve this head size here")
+    lm.forward.plan = replace(lm.forward.plan, fused_attention=False)  # as on an AVX-512 host
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
+    steppers = {name: EngineStepper(lm, prompts, name) for name in ("mdcli", "mdcli+fused")}
+    for stepper in steppers.values():
+        stepper.step()
+    assert steppers["mdcli"].engine.model_forward.own.fused_forwards == 0
+    assert steppers["mdcli+fused"].engine.model_forward.own.fused_forwards >= 1, "the two-branch step on the kernel"
+
+
 def test_the_margins_questions_bench_compares_equal_work_and_reports_every_phase(capsys):
     from mdcli.bench.margins import bench_document
     from mdcli.bench.margins_questions import compare_questions, run_stage
