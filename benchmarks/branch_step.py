@@ -6,17 +6,23 @@
 One thread, the embedded model as `mdcli` loads it (every forward on its .gguf blocks). In one run:
 
 - the host: the CPU; what one thread reads per second (a sum over 512 MB, as a decode step reads its
-  weights); the core's float32 multiply-add rate, as torch's own GEMM reaches it on 1,024 x 1,024
-  matrices (the practical ceiling of any float32 product here);
-- products: the step's 211 block products (30 layers' fused q/k/v, o, fused gate/up, down, and the
+  weights); the core's float32 multiply-add peak (benchmarks/fma_peak.c: twelve independent vector
+  multiply-add chains, built with the kernels' flags), and torch's own GEMM rate on 1,024 x 1,024
+  matrices beside it;
+- products: the step's 121 block products (30 layers' fused q/k/v, o, fused gate/up, down, and the
   head) for forwards of 1, 2, 4, 8 and 16 rows, on `gguf_blocks.block_linear` (the kernel the plan
   uses at that width) and, from 8 rows, tile by tile on torch's GEMM (`tiled_product`), in alternating
   order: milliseconds, the ratio to one row, GFLOP/s, and the floor: the larger of the blocks' bytes
-  over the read rate and the FLOPs over the GEMM rate;
+  over the read rate and the FLOPs over the core's peak;
 - the step: mdcli's engine step (mdcli.bench.steppers.EngineStepper: one greedy token for each
   branch, each branch a question over one shared `--context`-token document) at each width, the
   widths' steps taken in turn; its floor: reading the weights and the cached keys and values once
-  (bytes over the read rate) or their FLOPs (over the GEMM rate), whichever is larger.
+  (bytes over the read rate) or their FLOPs (over the core's peak), whichever is larger;
+- the step's parts (mdcli.bench.step.StepProfile of products and attention alone, every width's
+  profiled steps taken in turn):
+  products, attention and everything else, each width's products and attention against their
+  floors, and what the 1.5x target asks of them: the multiply-add rate the products and attention
+  of the widest step would need, given the rest of that step as measured, against the rate they reach.
 
 The issue this answers (37) asks for the eight-branch step within 1.5x of the one-branch step.
 """
@@ -24,6 +30,7 @@ The issue this answers (37) asks for the eight-branch step within 1.5x of the on
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as _dt
 import statistics
 import sys
@@ -36,12 +43,32 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
 from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.backends.native import build as native  # noqa: E402
 from mdcli.backends.weights import gguf_blocks  # noqa: E402
 from mdcli.bench.ask import Case, prompts_for  # noqa: E402
+from mdcli.bench.step import StepProfile  # noqa: E402
 from mdcli.bench.steppers import EngineStepper, median_step_seconds, memory_read_gbps  # noqa: E402
 from mdcli.models.load import LoadOptions, load_model  # noqa: E402
 
 PRODUCT_ROWS = (1, 2, 4, 8, 16)
+PEAK_SOURCE = Path(__file__).with_name("fma_peak.c")
+TARGET = 1.5  # issue 37: the eight-branch step within 1.5x of the one-branch step
+
+
+def core_peak_gflops(vectors: int = 120_000_000, repeats: int = 7) -> float | None:
+    """The core's float32 multiply-add peak on one thread, GFLOP/s: the best of a few runs of
+    fma_peak.c's independent chains, built with the kernels' flags; None where it cannot be built."""
+    lib = native.load_x86(PEAK_SOURCE)
+    if lib is None:
+        return None
+    lib.fma_peak_flops.argtypes, lib.fma_peak_flops.restype = [ctypes.c_int64], ctypes.c_int64
+    lib.fma_peak_flops(vectors // 10)
+    best, flops = float("inf"), 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        flops = lib.fma_peak_flops(vectors)
+        best = min(best, time.perf_counter() - started)
+    return flops / best / 1e9
 
 
 def gemm_gflops(size: int = 1024, repeats: int = 10) -> float:
@@ -62,7 +89,7 @@ def step_weights(lm) -> list:
     return [w for layer in own.block_layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [own.block_head]
 
 
-def products_table(lm, read_gbps: float, gemm: float, repeats: int = 7) -> str:
+def products_table(lm, read_gbps: float, peak: float, repeats: int = 7) -> str:
     weights = step_weights(lm)
     count = sum(w.shape[0] * w.shape[1] for w in weights)
     stored = sum(w.nbytes for w in weights)
@@ -88,23 +115,72 @@ def products_table(lm, read_gbps: float, gemm: float, repeats: int = 7) -> str:
              "", "| rows | path | ms | x 1 row | GFLOP/s | floor ms | x floor |", "|---:|---|---:|---:|---:|---:|---:|"]
     for (m, path), seconds in times.items():
         s = statistics.median(seconds)
-        floor = max(stored / read_gbps / 1e9, 2 * count * m / gemm / 1e9)
+        floor = max(stored / read_gbps / 1e9, 2 * count * m / peak / 1e9)
         lines.append(f"| {m} | {path} | {1000 * s:.1f} | {s / one:.2f} | {2 * count * m / s / 1e9:.1f} | "
                      f"{1000 * floor:.1f} | {s / floor:.2f} |")
     return "\n".join(lines)
 
 
-def step_floor_ms(lm, branches: int, context: int, read_gbps: float, gemm: float) -> float:
-    """The step's floor: its weights and cached keys and values read once, or its FLOPs, whichever takes longer."""
+def part_floors_ms(lm, branches: int, context: int, read_gbps: float, peak: float) -> dict[str, float]:
+    """Each part's floor at `branches`: its bytes read once (over the read rate) or its FLOPs (over
+    the core's peak), whichever takes longer. Products: the blocks and 2 x weights x rows FLOPs.
+    Attention: the cached keys and values of `context` slots, and 4 x heads x head size x slots x
+    rows FLOPs per layer (scores and weighted sums; the softmax's exp not counted)."""
     config = lm.model.config
     weights = step_weights(lm)
     count = sum(w.shape[0] * w.shape[1] for w in weights)
     head_dim = config.hidden_size // config.num_attention_heads
     cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context * 4
     attention_flops = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context * branches
-    read = (sum(w.nbytes for w in weights) + cache_bytes) / read_gbps / 1e9
-    compute = (2 * count * branches + attention_flops) / gemm / 1e9
-    return 1000 * max(read, compute)
+    products = max(sum(w.nbytes for w in weights) / read_gbps, 2 * count * branches / peak) / 1e9
+    attention = max(cache_bytes / read_gbps, attention_flops / peak) / 1e9
+    return {"products": 1000 * products, "attention": 1000 * attention}
+
+
+def profiled_parts_ms(steppers: dict[int, EngineStepper], lm, steps: int) -> dict[int, dict[str, float]]:
+    """ms per step of products (linears and head), attention and everything else, per width, from a
+    StepProfile of those parts alone (mdcli's functions wrapped by name) over `steps` steps of each
+    width taken in turn."""
+    profiles = {width: StepProfile(lm, parts=("linears", "lm_head", "attention")) for width in steppers}
+    for _ in range(steps):
+        for width, stepper in steppers.items():
+            with profiles[width].observe():
+                stepper.step()
+    parts = {}
+    for width, profile in profiles.items():
+        table = dict(profile.table())
+        products, attention = table["linears"] + table["lm_head"], table["attention"]
+        parts[width] = {"products": products, "attention": attention,
+                        "everything else": table["step"] - products - attention, "step": table["step"]}
+    return parts
+
+
+def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, float]], peak: float,
+                floors_at: dict[int, dict[str, float]]) -> list[str]:
+    """The parts table and what the target asks of the widest step's products and attention."""
+    one, wide = min(parts), max(parts)
+    lines = [f"| part | {one} branch ms | {wide} branches ms | {wide} / {one} | {one}-branch floor ms | "
+             f"{wide}-branch floor ms | {wide} branches x floor |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for part in ("products", "attention", "everything else", "step"):
+        a, b = parts[one][part], parts[wide][part]
+        if part in floors[wide]:
+            lines.append(f"| {part} | {a:.1f} | {b:.1f} | {b / a:.2f} | {floors[one][part]:.1f} | "
+                         f"{floors[wide][part]:.1f} | {b / floors[wide][part]:.2f} |")
+        else:
+            lines.append(f"| {part} | {a:.1f} | {b:.1f} | {b / a:.2f} | | | |")
+    compute = floors_at[wide]["products"] + floors_at[wide]["attention"]  # their FLOPs at the peak, ms
+    spent = parts[wide]["products"] + parts[wide]["attention"]
+    budget = TARGET * parts[one]["step"] - parts[wide]["everything else"]
+    lines += ["", f"At {peak:.1f} GFLOP/s their FLOPs take {compute:.1f} ms at {wide} branches; they took "
+              f"{spent:.1f} ms, **{100 * compute / spent:.0f}% of the core's peak**."]
+    if budget > 0:
+        lines.append(f"Within {TARGET}x of the {one}-branch step ({parts[one]['step']:.1f} ms), with everything else as "
+                     f"measured ({parts[wide]['everything else']:.1f} ms), they would have {budget:.1f} ms: "
+                     f"**{100 * compute / budget:.0f}% of the core's peak** (more than 100%: out of reach).")
+    else:
+        lines.append(f"Everything else alone ({parts[wide]['everything else']:.1f} ms) exceeds {TARGET}x the "
+                     f"{one}-branch step ({parts[one]['step']:.1f} ms).")
+    return lines
 
 
 def main() -> None:
@@ -116,22 +192,33 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lm = load_model(LoadOptions(quiet=True))
-    read_gbps, gemm = memory_read_gbps(), gemm_gflops()
+    read_gbps, gemm, measured_peak = memory_read_gbps(), gemm_gflops(), core_peak_gflops()
+    peak = measured_peak or gemm  # without a compiler here, torch's GEMM rate stands in for the peak
+    peak_line = (f"the core's float32 multiply-add peak is {measured_peak:.1f} GFLOP/s (benchmarks/fma_peak.c); "
+                 if measured_peak else "the core's peak was not measured (no C compiler): floors use torch's GEMM rate; ")
     widths = [int(b) for b in args.branches.split(",")]
     lines = [f"# The {'-'.join(map(str, widths))}-branch decode steps, their products and their floors",
              "", f"{_dt.date.today()}, {cpu_line()}, one thread; `python benchmarks/branch_step.py "
              f"--context {args.context} --steps {args.steps} --branches {args.branches}`", "",
-             f"one thread reads {read_gbps:.1f} GB/s; torch's float32 GEMM reaches {gemm:.1f} GFLOP/s", "",
-             "## Products", "", products_table(lm, read_gbps, gemm), ""]
+             f"one thread reads {read_gbps:.1f} GB/s; {peak_line}torch's float32 GEMM reaches {gemm:.1f} GFLOP/s", "",
+             "## Products", "", products_table(lm, read_gbps, peak), ""]
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
+    context = len(prompts[0])
     steppers = {width: EngineStepper(lm, prompts[:width]) for width in widths}
     medians = median_step_seconds(steppers, args.steps)
     one = medians[widths[0]]
-    lines += ["## Steps", "", f"prompt {len(prompts[0])} tokens; each width's steps taken in turn, medians", "",
+    floors = {width: part_floors_ms(lm, width, context, read_gbps, peak) for width in widths}
+    lines += ["## Steps", "", f"prompt {context} tokens; each width's steps taken in turn, medians", "",
               f"| branches | ms | x {widths[0]} branch | floor ms | x floor |", "|---:|---:|---:|---:|---:|"]
     for width, seconds in medians.items():
-        floor = step_floor_ms(lm, width, len(prompts[0]), read_gbps, gemm)
+        floor = max(sum(floors[width].values()), 0.0)
         lines.append(f"| {width} | {1000 * seconds:.1f} | {seconds / one:.2f} | {floor:.1f} | {1000 * seconds / floor:.2f} |")
+    flops_only = {width: part_floors_ms(lm, width, context, float("inf"), peak) for width in widths}
+    parts = profiled_parts_ms(steppers, lm, args.steps)
+    lines += ["", "The step's floor is its parts' floors added: the products' and attention's, each the larger of "
+              "its bytes over the read rate and its FLOPs over the peak (the rest has none).", "",
+              "## Parts", "", "StepProfile (mdcli.bench.step) of products and attention alone, the widths' profiled steps taken in turn, ms per step", "",
+              *parts_lines(parts, floors, peak, flops_only)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

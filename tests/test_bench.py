@@ -206,6 +206,25 @@ def test_step_benchmark_times_both_forwards_and_its_profile_accounts_for_the_who
     assert abs(sum(ms for name, ms in parts.items() if name != "step") - parts["step"]) < 1e-6
 
 
+def test_a_partial_step_profile_times_only_its_parts_by_name_and_leaves_the_rest_to_the_glue():
+    from mdcli.bench.step import EngineStepper, StepProfile, median_step_seconds
+
+    lm = random_model("tiny")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
+    profile = StepProfile(lm, parts=("linears", "lm_head", "attention"))
+    median_step_seconds({"mdcli": EngineStepper(lm, prompts, "mdcli")}, 2, observe=profile.observe)
+    parts = dict(profile.table())
+    assert list(parts) == ["linears", "lm_head", "attention", "Python and dispatch glue (the rest)", "step"]
+    assert parts["linears"] > 0 and parts["lm_head"] > 0 and parts["attention"] > 0
+    assert parts["Python and dispatch glue (the rest)"] > 0, "norms, rotary and the cache's writes are glue now"
+    # by name only: transformers' forward, whose products and attention are torch functions, shows none
+    by_name = StepProfile(lm, parts=("linears", "lm_head", "attention"))
+    median_step_seconds({"transformers": EngineStepper(lm, prompts, "transformers")}, 2, observe=by_name.observe)
+    assert dict(by_name.table())["linears"] == 0 and dict(by_name.table())["attention"] == 0
+    with pytest.raises(ValueError, match="no part 'softmax'"):
+        StepProfile(lm, parts=("softmax",))
+
+
 def test_step_benchmark_steps_on_the_cpu_unless_told_names_it_and_refuses_a_profile_elsewhere(capsys):
     from mdcli.backends.host import cpu_model
     from mdcli.bench.step import main

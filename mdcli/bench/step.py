@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,8 +82,19 @@ class StepProfile:
 
     PARTS = ("linears", "lm_head", "attention", "rotary", "norms", "activation", "cache writes", "mask")
 
-    def __init__(self, lm: LoadedModel) -> None:
+    def __init__(self, lm: LoadedModel, parts: tuple[str, ...] | None = None) -> None:
+        """parts: time only these (the rest counts as glue). A partial profile wraps mdcli's own
+        functions by name and nothing else: no torch function mode, whose Python dispatch of every
+        torch call added 10-25 ms to an embedded-model step on a Zen 3 core, so mdcli's forward keeps
+        its pace (products on the .gguf blocks go through `block_linear`, attention through the
+        kernel's or the cores' functions); transformers' forward, whose products are `F.linear`, needs
+        the full profile."""
+        unknown = set(parts or ()) - set(self.PARTS)
+        if unknown:
+            raise ValueError(f"no part {sorted(unknown)[0]!r} to profile: choose from {', '.join(self.PARTS)}")
         self.lm = lm
+        self.parts = tuple(parts) if parts else self.PARTS
+        self.whole = parts is None
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.total = 0.0
@@ -100,7 +111,7 @@ class StepProfile:
 
     def table(self) -> list[tuple[str, float]]:
         """(part, ms per step) for every part, the glue, and the whole (wrapped) step."""
-        rows = [(part, 1000 * self.seconds[part] / self.steps) for part in self.PARTS]
+        rows = [(part, 1000 * self.seconds[part] / self.steps) for part in self.parts]
         total = 1000 * self.total / self.steps
         return [*rows, ("Python and dispatch glue (the rest)", total - sum(ms for _, ms in rows)), ("step", total)]
 
@@ -127,38 +138,43 @@ class StepProfile:
         timed_block_linear = timed_linear_of(fastforward.block_linear, 0)  # BlockWeight.shape is (out, in)
 
         timed_attention = self._timed(F.scaled_dot_product_attention, "attention")
-        # mdcli's own functions are timed by name in their modules; torch's F.linear and sdpa by a
-        # torch function mode over the step (torch itself is never patched)
+        # mdcli's own functions are timed by name in their modules, each patch with the parts it times;
+        # torch's F.linear and sdpa by a torch function mode over the step (torch itself is never patched)
+        products, attention = ("linears", "lm_head"), ("attention",)
         patches = [
-            (fastforward, "routed_linear", timed_linear_of(fastforward.routed_linear, 0)),
-            (fastforward, "sdpa_attention", self._timed(fastforward.sdpa_attention, "attention")),
-            (reference, "routed_linear", timed_linear_of(reference.routed_linear, 0)),
-            (reference, "gemm_attention", self._timed(reference.gemm_attention, "attention")),
-            (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask")),
-            (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes")),
-            (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms")),
-            (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary")),
-            (packing, "packed_linear", timed_packed_linear),
-            (packing, "pair_padded_linear", timed_pair_padded_linear),
-            (packing, "transposed_linear", timed_transposed_linear),
-            (fastforward, "openblas_linear", timed_blas_linear),
-            (fastforward, "tiled_linear", timed_tiled_linear),
-            (fastforward, "block_linear", timed_block_linear),
-            (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention")),
-            (fused, "fused_attention", self._timed(fused.fused_attention, "attention")),
-            (prefix.PrefixPlan, "attend", self._timed(prefix.PrefixPlan.attend, "attention")),
+            (fastforward, "routed_linear", timed_linear_of(fastforward.routed_linear, 0), products),
+            (fastforward, "sdpa_attention", self._timed(fastforward.sdpa_attention, "attention"), attention),
+            (reference, "routed_linear", timed_linear_of(reference.routed_linear, 0), products),
+            (reference, "gemm_attention", self._timed(reference.gemm_attention, "attention"), attention),
+            (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask"), ("mask",)),
+            (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes"),
+             ("cache writes",)),
+            (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms"), ("norms",)),
+            (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary"), ("rotary",)),
+            (packing, "packed_linear", timed_packed_linear, products),
+            (packing, "pair_padded_linear", timed_pair_padded_linear, products),
+            (packing, "transposed_linear", timed_transposed_linear, products),
+            (fastforward, "openblas_linear", timed_blas_linear, products),
+            (fastforward, "tiled_linear", timed_tiled_linear, products),
+            (fastforward, "block_linear", timed_block_linear, products),
+            (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention"), attention),
+            (fused, "fused_attention", self._timed(fused.fused_attention, "attention"), attention),
+            (prefix.PrefixPlan, "attend", self._timed(prefix.PrefixPlan.attend, "attention"), attention),
         ]
+        patches = [(owner, attr, replacement) for owner, attr, replacement, parts in patches
+                   if set(parts) & set(self.parts)]
         handles = []
         for name, module in self.lm.model.named_modules():
             part = _part_of(name)
-            if part is not None:
+            if part is not None and part in self.parts:
                 handles.append(module.register_forward_pre_hook(self._start(part)))
                 handles.append(module.register_forward_hook(self._stop(part)))
         saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
         try:
             for owner, attr, replacement in patches:
                 setattr(owner, attr, replacement)
-            with _TimedTorchFunctions({F.linear: timed_linear, F.scaled_dot_product_attention: timed_attention}):
+            with (_TimedTorchFunctions({F.linear: timed_linear, F.scaled_dot_product_attention: timed_attention})
+                  if self.whole else nullcontext()):
                 yield
         finally:
             for owner, attr, original in reversed(saved):
