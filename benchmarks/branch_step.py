@@ -171,8 +171,10 @@ def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, 
     compute = floors_at[wide]["products"] + floors_at[wide]["attention"]  # their FLOPs at the peak, ms
     spent = parts[wide]["products"] + parts[wide]["attention"]
     budget = TARGET * parts[one]["step"] - parts[wide]["everything else"]
+    best = (compute + parts[wide]["everything else"]) / parts[one]["step"]
     lines += ["", f"At {peak:.1f} GFLOP/s their FLOPs take {compute:.1f} ms at {wide} branches; they took "
-              f"{spent:.1f} ms, **{100 * compute / spent:.0f}% of the core's peak**."]
+              f"{spent:.1f} ms, **{100 * compute / spent:.0f}% of the core's peak**. Were they at the peak, "
+              f"everything else as measured, the {wide}-branch step would be {best:.2f}x the {one}-branch one."]
     if budget > 0:
         lines.append(f"Within {TARGET}x of the {one}-branch step ({parts[one]['step']:.1f} ms), with everything else as "
                      f"measured ({parts[wide]['everything else']:.1f} ms), they would have {budget:.1f} ms: "
