@@ -10,10 +10,12 @@ One thread, the embedded model as `mdcli` loads it (every forward on its .gguf b
   multiply-add chains, built with the kernels' flags), and torch's own GEMM rate on 1,024 x 1,024
   matrices beside it;
 - products: the step's 121 block products (30 layers' fused q/k/v, o, fused gate/up, down, and the
-  head) for forwards of 1, 2, 4, 8 and 16 rows, on `gguf_blocks.block_linear` (the kernel the plan
-  uses at that width) and, from 8 rows, tile by tile on torch's GEMM (`tiled_product`), in alternating
-  order: milliseconds, the ratio to one row, GFLOP/s, and the floor: the larger of the blocks' bytes
-  over the read rate and the FLOPs over the core's peak;
+  head) for forwards of 1, 2, 4, 8 and 16 rows (`--product-rows`), on the block kernel
+  (`gguf_blocks.narrow_product`) and, from 8 rows, tile by tile on torch's GEMM (`tiled_product`),
+  in alternating order: milliseconds, the ratio to one row, GFLOP/s, and the floor: the larger of
+  the blocks' bytes over the read rate and the FLOPs over the core's peak; `--products-only` stops
+  there (with wide `--product-rows`, where the kernel and the tiles cross: the plan's
+  block_kernel_rows);
 - the step: mdcli's engine step (mdcli.bench.steppers.EngineStepper: one greedy token for each
   branch, each branch a question over one shared `--context`-token document) at each width, the
   widths' steps taken in turn; its floor: reading the weights and the cached keys and values once
@@ -89,35 +91,40 @@ def step_weights(lm) -> list:
     return [w for layer in own.block_layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [own.block_head]
 
 
-def products_table(lm, read_gbps: float, peak: float, repeats: int = 7) -> str:
+def products_table(lm, read_gbps: float, peak: float, product_rows=PRODUCT_ROWS, repeats: int = 7) -> str:
     weights = step_weights(lm)
     count = sum(w.shape[0] * w.shape[1] for w in weights)
     stored = sum(w.nbytes for w in weights)
-    inputs = {m: [torch.randn(m, w.shape[1]) for w in weights] for m in PRODUCT_ROWS}
+    inputs = {m: [torch.randn(m, w.shape[1]) for w in weights] for m in product_rows}
 
     def kernel(m: int, product) -> None:
         for w, x in zip(weights, inputs[m]):
             product(x, w, torch.empty(m, w.shape[0]))
 
-    def planned(x, w, out):
-        out.copy_(gguf_blocks.block_linear(x, w))
-
-    cases = {(m, "block_linear"): (m, planned) for m in PRODUCT_ROWS}
-    cases |= {(m, "tiles + torch GEMM"): (m, gguf_blocks.tiled_product) for m in PRODUCT_ROWS if m >= 8}
+    cases = {(m, "block kernel"): (m, gguf_blocks.narrow_product) for m in product_rows}
+    cases |= {(m, "tiles + torch GEMM"): (m, gguf_blocks.tiled_product) for m in product_rows if m >= 8}
     times: dict = {key: [] for key in cases}
     for repeat in range(repeats):
         for key in list(cases) if repeat % 2 == 0 else list(cases)[::-1]:
             started = time.perf_counter()
             kernel(*cases[key])
             times[key].append(time.perf_counter() - started)
-    one = statistics.median(times[(1, "block_linear")])
+    fewest = min(product_rows)
+    one = statistics.median(times[(fewest, "block kernel")])
     lines = [f"{count / 1e6:.0f} M weights in {stored / 1e6:.0f} MB of blocks; one product of M rows is {2 * count / 1e9:.2f} x M GFLOP",
-             "", "| rows | path | ms | x 1 row | GFLOP/s | floor ms | x floor |", "|---:|---|---:|---:|---:|---:|---:|"]
+             "", f"| rows | path | ms | x {fewest} row{'s' if fewest > 1 else ''} | GFLOP/s | floor ms | x floor |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for (m, path), seconds in times.items():
         s = statistics.median(seconds)
         floor = max(stored / read_gbps / 1e9, 2 * count * m / peak / 1e9)
         lines.append(f"| {m} | {path} | {1000 * s:.1f} | {s / one:.2f} | {2 * count * m / s / 1e9:.1f} | "
                      f"{1000 * floor:.1f} | {s / floor:.2f} |")
+    both = [m for m in product_rows if (m, "tiles + torch GEMM") in times]
+    if both:
+        lines += ["", "| rows | block kernel / tiles, median of the rounds' ratios (range) |", "|---:|---|"]
+        for m in both:
+            ratios = [k / t for k, t in zip(times[(m, "block kernel")], times[(m, "tiles + torch GEMM")])]
+            lines.append(f"| {m} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
     return "\n".join(lines)
 
 
@@ -185,13 +192,17 @@ def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, 
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1819)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--branches", default="1,8")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--product-rows", default=",".join(map(str, PRODUCT_ROWS)),
+                        help="the forwards' widths the products table times (default %(default)s)")
+    parser.add_argument("--product-repeats", type=int, default=7)
+    parser.add_argument("--products-only", action="store_true", help="the host and the products table alone")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     lm = load_model(LoadOptions(quiet=True))
     read_gbps, gemm, measured_peak = memory_read_gbps(), gemm_gflops(), core_peak_gflops()
@@ -201,9 +212,12 @@ def main() -> None:
     widths = [int(b) for b in args.branches.split(",")]
     lines = [f"# The {'-'.join(map(str, widths))}-branch decode steps, their products and their floors",
              "", f"{_dt.date.today()}, {cpu_line()}, one thread; `python benchmarks/branch_step.py "
-             f"--context {args.context} --steps {args.steps} --branches {args.branches}`", "",
+             f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"one thread reads {read_gbps:.1f} GB/s; {peak_line}torch's float32 GEMM reaches {gemm:.1f} GFLOP/s", "",
-             "## Products", "", products_table(lm, read_gbps, peak), ""]
+             "## Products", "", products_table(lm, read_gbps, peak, [int(m) for m in args.product_rows.split(",")],
+                                                args.product_repeats), ""]
+    if args.products_only:
+        return finish(lines, args.out)
     prompts = prompts_for(lm, Case(max(widths), args.context, args.steps))
     context = len(prompts[0])
     steppers = {width: EngineStepper(lm, prompts[:width]) for width in widths}
@@ -221,10 +235,14 @@ def main() -> None:
               "its bytes over the read rate and its FLOPs over the peak (the rest has none).", "",
               "## Parts", "", "StepProfile (mdcli.bench.step) of products and attention alone, the widths' profiled steps taken in turn, ms per step", "",
               *parts_lines(parts, floors, peak, flops_only)]
+    finish(lines, args.out)
+
+
+def finish(lines: list[str], out: Path | None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -459,6 +459,15 @@ def test_the_step_choices_follow_the_host_kind(name):
     assert chosen.onednn == (linears == "oneDNN")
 
 
+def test_forwards_on_the_blocks_take_the_block_kernel_up_to_64_tokens_only_on_one_avx2_thread():
+    """The plan's block_kernel_rows: 64 on one AVX2 thread (the kernel beat the tiles' GEMM there
+    up to 64 rows), a step's 16 on more threads, where the GEMM gets them all, and on AVX-512."""
+    model = tiny_model("llama", "sdpa")
+    rows = {(capability, threads): select(model, settings_with(), kind(capability, "AMD", threads)).block_kernel_rows
+            for capability in ("AVX2", "AVX512") for threads in (1, 2)}
+    assert rows == {("AVX2", 1): 64, ("AVX2", 2): 16, ("AVX512", 1): 16, ("AVX512", 2): 16}
+
+
 def test_this_hosts_engine_runs_the_plan_chosen_for_it(torch_threads):
     """On the machine running the tests, at one thread and two: the engine's own forward follows the
     plan `select` makes for this host, and a loaded model's plan is the same."""

@@ -150,11 +150,13 @@ WIDE_OUT, WIDE_IN = 1101, 608
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, "narrow", "wide", 37, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_products_of_any_width_are_float32_products_of_the_blocks_weights(kind, rows, with_bias):
-    """Up to max_rows() rows the block kernel multiplies, beyond it a tile of weight rows at a time
-    (`tiled_product`): on either side of the switch, for 2-D and 3-D inputs, with and without a
-    bias, the product is x @ W.T in float32 of the blocks' own weights, within float32 rounding of
-    the float64 product, as close as torch's own float32 product is."""
+@pytest.mark.parametrize("rows_on_kernel", [None, 64])
+def test_products_of_any_width_are_float32_products_of_the_blocks_weights(kind, rows, with_bias, rows_on_kernel):
+    """Up to max_rows() rows (or `rows_on_kernel`: 64 on one AVX2 thread) the block kernel
+    multiplies, beyond it a tile of weight rows at a time (`tiled_product`): on either side of the
+    switch, for 2-D and 3-D inputs, with and without a bias, the product is x @ W.T in float32 of the
+    blocks' own weights, within float32 rounding of the float64 product, as close as torch's own
+    float32 product is."""
     rows = {"narrow": gguf_blocks.max_rows(), "wide": gguf_blocks.max_rows() + 1}.get(rows, rows)
     generator = np.random.default_rng(rows + 100 * with_bias)
     codes, weights = quantized(generator.standard_normal((WIDE_OUT, WIDE_IN)), kind)
@@ -165,10 +167,40 @@ def test_products_of_any_width_are_float32_products_of_the_blocks_weights(kind, 
     exact = x.double() @ weights.double().T + (0 if bias is None else bias.double())  # [1, M, out]
     torchs = float((torch.nn.functional.linear(x, weights, bias).double() - exact).abs().max())
     for shaped in (x, x[0]):  # [1, M, in] and [M, in]
-        ours = block_linear(shaped, weight, bias)
+        ours = block_linear(shaped, weight, bias, rows_on_kernel=rows_on_kernel)
         assert ours.shape == (*shaped.shape[:-1], WIDE_OUT)
         assert bool(((ours.double() - exact.view(ours.shape)).abs() <= rounding_bound(shaped, weights, bias)).all())
         assert float((ours.double() - exact.view(ours.shape)).abs().max()) <= 4 * torchs + 1e-6
+
+
+def test_the_block_kernel_takes_forwards_up_to_64_tokens_only_on_one_avx2_thread():
+    """The tiles' GEMM runs on every torch thread, the kernel on one: past a step's 16 tokens the
+    kernel takes a forward only with torch on one thread, and only where that was measured (AVX2)."""
+    assert gguf_blocks.kernel_rows(1, "AVX2") == 64
+    assert gguf_blocks.kernel_rows(2, "AVX2") == gguf_blocks.kernel_rows(1, "AVX512") == 16
+    assert gguf_blocks.kernel_rows(1, "DEFAULT") == 0  # no kernel built for it
+
+
+@needs_kernel
+def test_a_wide_forward_takes_the_kernel_or_the_tiles_as_rows_on_kernel_says(monkeypatch):
+    """37 rows: the kernel when the plan allows 64 rows on it, the tiles when it allows 16."""
+    codes, _ = quantized(np.random.default_rng(5).standard_normal((64, 96)), "Q8_0")
+    weight, x = BlockWeight("Q8_0", torch.from_numpy(codes), 96), torch.ones(37, 96)
+    taken = []
+
+    def noted(name):  # the real product, its name noted when it runs
+        product = getattr(gguf_blocks, name)
+
+        def run(*args, **kwargs):
+            taken.append(name)
+            return product(*args, **kwargs)
+        return run
+
+    for name in ("narrow_product", "tiled_product"):
+        monkeypatch.setattr(gguf_blocks, name, noted(name))
+    block_linear(x, weight, rows_on_kernel=64)
+    block_linear(x, weight, rows_on_kernel=16)
+    assert taken == ["narrow_product", "tiled_product"]
 
 
 def test_a_wide_product_writes_out_one_tile_of_float32_weights_at_a_time():

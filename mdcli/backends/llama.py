@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,7 @@ class FastForward:
         self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
         self.blocks = self._block_copies(model) if (plan.blocks if blocks is None else blocks) else None
         self.block_rows = plan.block_rows
+        self.block_kernel_rows = plan.block_kernel_rows  # wider forwards on the blocks go tile by tile
         if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
             self.block_layers = _with_weights(self.layers, copies)
@@ -182,7 +184,8 @@ class FastForward:
             return (WeightFormat("int8", None, _int8_linear, self.layers, self.head),)
         formats = []
         if self.blocks:
-            formats.append(WeightFormat(".gguf blocks", None if self.on_blocks else self.block_rows, _block_linear,
+            formats.append(WeightFormat(".gguf blocks", None if self.on_blocks else self.block_rows,
+                                        partial(_block_linear, rows_on_kernel=self.block_kernel_rows),
                                         self.block_layers, self.block_head))
             if self.on_blocks:  # no float32 weights: the blocks serve every width
                 return tuple(formats)
@@ -359,8 +362,8 @@ def _int8_linear(x, weight, bias=None):
     return int8_linear(x, weight, bias)
 
 
-def _block_linear(x, weight, bias=None):
-    return block_linear(x, weight, bias)
+def _block_linear(x, weight, bias=None, *, rows_on_kernel=None):
+    return block_linear(x, weight, bias, rows_on_kernel=rows_on_kernel)
 
 
 def _routed_linear(x, weight, bias=None):

@@ -22,7 +22,10 @@ measured on):
   it fits in half the free memory (measured: notebook/cpu-kernels.md, "A faster decode step", "A
   lone token on OpenBLAS", "Small products on Zen 3: mdcli's own kernel");
 * the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16) where its float32 weights are exactly them and the block kernel works here (then no
-  transposed copy is made; measured: notebook/gguf-blocks.md);
+  transposed copy is made; measured: notebook/gguf-blocks.md); where they serve every width, the
+  block kernel multiplies up to `block_kernel_rows` tokens (64 with torch on one AVX2 thread, else
+  16) and wider forwards go tile by tile to torch's GEMM (measured: notebook/gguf-blocks.md, "The
+  kernel past 16 rows on one thread");
 * two-token products are padded to four rows on AMD cores with AVX-512 (measured:
   notebook/cpu-kernels.md, "Two-token forwards"); the cached keys and values are read ahead of a
   wide forward's products on AMD cores (measured: notebook/attention.md, "Reading the cache ahead").
@@ -125,6 +128,7 @@ class Plan:
     blocks: str | None  # the .gguf block kinds serving forwards of up to block_rows tokens, e.g. "Q4_1/Q8_0"
     blocks_reason: str | None  # why the blocks were looked for and not used
     block_rows: int
+    block_kernel_rows: int  # forwards on the blocks of up to this many tokens take the block kernel, wider ones its tiles and torch's GEMM
     on_blocks: bool  # every forward multiplies by the blocks: the model holds no float32 projections or head
     float32_reason: str  # why a .gguf's float32 weights were loaded all the same ("" where they were not, or no .gguf)
     blas_queries: int  # forwards of up to this many tokens take OpenBLAS's weighted sum of the values, where
@@ -165,7 +169,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     tiled = copies and tiled_host and fits(2 if packed else 1)
     blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
-    notes = [_blocks_note(blocks, on_blocks)] if blocks else []
+    notes = [_blocks_note(blocks, on_blocks, gguf_blocks.kernel_rows(host.threads, host.capability))] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core, slower on an AVX-512 Xeon (whose
     # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
     fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
@@ -194,6 +198,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         blocks=blocks,
         blocks_reason=blocks_reason,
         block_rows=gguf_blocks.max_rows(),
+        block_kernel_rows=gguf_blocks.kernel_rows(host.threads, host.capability),
         on_blocks=on_blocks,
         float32_reason=float32_reason or "",
         blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2 else SMALL_BLAS_QUERIES,
@@ -210,9 +215,10 @@ def _head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _blocks_note(blocks: str, on_blocks: bool) -> str:
+def _blocks_note(blocks: str, on_blocks: bool, kernel_rows: int) -> str:
     if on_blocks:
-        return f"every forward on the .gguf's own {blocks} blocks, no float32 copy (the same float32 weights)"
+        return (f"every forward on the .gguf's own {blocks} blocks, no float32 copy (the same float32 weights); "
+                f"the block kernel up to {kernel_rows} tokens, wider tile by tile")
     return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"
 
 

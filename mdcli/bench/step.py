@@ -125,9 +125,9 @@ class StepProfile:
         def timed_linear_of(function, out_dim: int):
             """`function` timed as the head when its weight's output side (dim `out_dim`: 0 for
             [out, in] weights, 1 for transposed [in, out] copies) is the vocabulary, else linears."""
-            def timed(x, weight, bias=None):
+            def timed(x, weight, bias=None, **options):
                 part = "lm_head" if weight.shape[out_dim] == vocab else "linears"
-                return self._timed(function, part)(x, weight, bias)
+                return self._timed(function, part)(x, weight, bias, **options)
             return timed
 
         timed_linear = timed_linear_of(linear, 0)

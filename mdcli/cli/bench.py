@@ -111,6 +111,11 @@ def bench(
                  for b in _ints(branches, "--branches")]
         if plot_path is not None:
             _require_matplotlib()
+        from mdcli.models.load import resolve_device
+
+        # set before the load: the kernel plan is chosen for torch's threads then (mdcli.backends.select)
+        used_threads = threads or (1 if resolve_device(device).type == "cpu" else torch.get_num_threads())
+        torch.set_num_threads(used_threads)
         if random_model:
             if cpu_weights != "float32":
                 raise UsageError(f"--cpu-weights {cpu_weights} applies to a loaded model, not --random-model",
@@ -118,8 +123,6 @@ def bench(
             lm = make_random(random_model, device=device, dtype=dtype, attn=attn)
         else:
             lm = load(load_options(locals()))
-        used_threads = threads or (1 if lm.device.type == "cpu" else torch.get_num_threads())
-        torch.set_num_threads(used_threads)
         facts = machine_facts(used_threads, lm.forward.plan) | {
             "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "cpu_weights": lm.cpu_weights,
             "baseline_kernels": baseline_kernels,

@@ -1,13 +1,15 @@
 """Forwards multiply by the .gguf file's own blocks: the same float32 weights in a sixth of the bytes.
 
 Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bit for bit) and the
-block kernel builds here, `block_linear` multiplies by the blocks at any width: up to max_rows()
-tokens (16: MAX_ROWS_BY_CAPABILITY) the block kernel rebuilds each weight once, in registers or, past
-a pass's rows, into a panel of three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to TILE_ROWS weight rows at a time is written out as
-float32 by the same code and multiplied by torch's float32 GEMM: level with `F.linear` on the float32
-weights, 0.86-1.03x of the packed oneDNN copy, on one Zen 3 thread (measured: notebook/gguf-blocks.md,
-"Wide forwards on the blocks"). The selector (mdcli.backends.select) decides which forwards take
-the blocks; `MDCLI_GGUF_BLOCKS=0` turns them off.
+block kernel builds here, `block_linear` multiplies by the blocks at any width: up to kernel_rows()
+tokens (16: MAX_ROWS_BY_CAPABILITY; 64 with torch on one AVX2 thread: ONE_THREAD_ROWS_BY_CAPABILITY)
+the block kernel rebuilds each weight once, in registers or, past a pass's rows, into a panel of
+three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to
+TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by torch's
+float32 GEMM: level with `F.linear` on the float32 weights, 0.86-1.03x of the packed oneDNN copy, on
+one Zen 3 thread (measured: notebook/gguf-blocks.md, "Wide forwards on the blocks"). The selector
+(mdcli.backends.select) decides which forwards take the blocks and, from torch's threads, up to how
+many tokens the kernel multiplies (Plan.block_kernel_rows); `MDCLI_GGUF_BLOCKS=0` turns them off.
 
 The embedded model ships as a Q4_1 GGUF (its output head Q8_0), and so does any `.gguf` a user
 passes: transformers dequantizes every block to float32 at load (gguf-py's `dequantize`), so the
@@ -73,6 +75,14 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 # beat oneDNN's packed copy (notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32
 # weights in a sixth of the bytes").
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16}
+# With torch on one thread, where the tiles' GEMM gets no second core, the kernel's panels multiply
+# wider forwards too: on one AVX2-only Zen 3 thread the step's 121 products took 0.55-0.64x the
+# tiles' time at 17 rows, 0.67-0.83x at 24-48 and 0.86-0.90x at 64 (medians of two to four runs);
+# from 96 rows the runs disagreed (0.76-0.99x at 96, 0.91-1.07x at 128, 0.93-1.14x at 192-256) and
+# from 384 the tiles were as fast or faster (a question's prefill and a speculative step's guesses
+# are 17-64 tokens; measured: notebook/gguf-blocks.md, "The kernel past 16 rows on one thread").
+# On AVX-512 not measured: 16 there.
+ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
 # Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
 # rows written out as float32 into a scratch (this thread's, kept: TILE_ROWS x in_features float32),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
@@ -106,9 +116,20 @@ class BlockWeight:
 
 
 def max_rows() -> int:
-    """Forwards of up to this many tokens multiply by the block kernel, wider ones tile by tile
-    (MAX_ROWS_BY_CAPABILITY; 0 where the kernel does not build)."""
+    """Forwards of up to this many tokens (a decode step's widths) multiply by the block kernel with
+    torch on any number of threads (MAX_ROWS_BY_CAPABILITY; 0 where the kernel does not build)."""
     return MAX_ROWS_BY_CAPABILITY.get(_capability(), 0)
+
+
+def kernel_rows(threads: int, capability: str | None = None) -> int:
+    """Forwards of up to this many tokens multiply by the block kernel with torch on `threads`
+    threads, wider ones tile by tile (the kernel runs on one thread; the tiles' GEMM on all):
+    ONE_THREAD_ROWS_BY_CAPABILITY on one thread where measured, else MAX_ROWS_BY_CAPABILITY.
+    capability: the x86-64 vector width ("AVX2", "AVX512"), this CPU's when None."""
+    capability = _capability() if capability is None else capability
+    if threads == 1 and capability in ONE_THREAD_ROWS_BY_CAPABILITY:
+        return ONE_THREAD_ROWS_BY_CAPABILITY[capability]
+    return MAX_ROWS_BY_CAPABILITY.get(capability, 0)
 
 
 def remember_source(model, path: Path | str) -> None:
@@ -156,11 +177,12 @@ def source_known(model) -> bool:
     return model in _SOURCES
 
 
-def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None, *,
+                 rows_on_kernel: int | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for W in blocks, any number of rows. x: [..., in] float32 CPU -> [..., out].
 
-    Up to max_rows() rows the block kernel multiplies; wider inputs (a prefill) are multiplied tile
-    by tile (`tiled_product`)."""
+    Up to `rows_on_kernel` rows (the plan's block_kernel_rows; None: max_rows()) the block kernel
+    multiplies; wider inputs (a prefill) are multiplied tile by tile (`tiled_product`)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
@@ -168,7 +190,7 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     if inner != flat.shape[1]:
         raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
-    if flat.shape[0] > max(max_rows(), 1):
+    if flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1):
         tiled_product(flat, weight, out)
     else:
         narrow_product(flat, weight, out)
