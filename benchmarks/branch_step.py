@@ -128,20 +128,28 @@ def products_table(lm, read_gbps: float, peak: float, product_rows=PRODUCT_ROWS,
     return "\n".join(lines)
 
 
-def part_floors_ms(lm, branches: int, context: int, read_gbps: float, peak: float) -> dict[str, float]:
-    """Each part's floor at `branches`: its bytes read once (over the read rate) or its FLOPs (over
-    the core's peak), whichever takes longer. Products: the blocks and 2 x weights x rows FLOPs.
-    Attention: the cached keys and values of `context` slots, and 4 x heads x head size x slots x
-    rows FLOPs per layer (scores and weighted sums; the softmax's exp not counted)."""
+def part_work(lm, branches: int, context: int) -> dict[str, tuple[float, float]]:
+    """(bytes read, FLOPs) of each part of a step at `branches`. Products: the blocks, and 2 x weights
+    x rows. Attention: the cached keys and values of `context` slots, and 4 x heads x head size x
+    slots x rows per layer (scores and weighted sums; the softmax's exp not counted)."""
     config = lm.model.config
     weights = step_weights(lm)
     count = sum(w.shape[0] * w.shape[1] for w in weights)
     head_dim = config.hidden_size // config.num_attention_heads
     cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context * 4
     attention_flops = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context * branches
-    products = max(sum(w.nbytes for w in weights) / read_gbps, 2 * count * branches / peak) / 1e9
-    attention = max(cache_bytes / read_gbps, attention_flops / peak) / 1e9
-    return {"products": 1000 * products, "attention": 1000 * attention}
+    return {"products": (sum(w.nbytes for w in weights), 2 * count * branches),
+            "attention": (cache_bytes, attention_flops)}
+
+
+def floors_ms(work: dict[str, tuple[float, float]], read_gbps: float, peak: float) -> dict[str, float]:
+    """Each part's floor: its bytes over the read rate or its FLOPs over the core's peak, whichever is longer."""
+    return {part: 1000 * max(bytes_ / read_gbps, flops / peak) / 1e9 for part, (bytes_, flops) in work.items()}
+
+
+def flops_ms(work: dict[str, tuple[float, float]], peak: float) -> dict[str, float]:
+    """Each part's FLOPs at the core's peak."""
+    return {part: 1000 * flops / peak / 1e9 for part, (_, flops) in work.items()}
 
 
 def profiled_parts_ms(steppers: dict[int, EngineStepper], lm, steps: int) -> dict[int, dict[str, float]]:
@@ -163,7 +171,7 @@ def profiled_parts_ms(steppers: dict[int, EngineStepper], lm, steps: int) -> dic
 
 
 def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, float]], peak: float,
-                floors_at: dict[int, dict[str, float]]) -> list[str]:
+                at_peak: dict[int, dict[str, float]]) -> list[str]:
     """The parts table and what the target asks of the widest step's products and attention."""
     one, wide = min(parts), max(parts)
     lines = [f"| part | {one} branch ms | {wide} branches ms | {wide} / {one} | {one}-branch floor ms | "
@@ -175,7 +183,7 @@ def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, 
                          f"{floors[wide][part]:.1f} | {b / floors[wide][part]:.2f} |")
         else:
             lines.append(f"| {part} | {a:.1f} | {b:.1f} | {b / a:.2f} | | | |")
-    compute = floors_at[wide]["products"] + floors_at[wide]["attention"]  # their FLOPs at the peak, ms
+    compute = at_peak[wide]["products"] + at_peak[wide]["attention"]  # their FLOPs at the peak, ms
     spent = parts[wide]["products"] + parts[wide]["attention"]
     budget = TARGET * parts[one]["step"] - parts[wide]["everything else"]
     best = (compute + parts[wide]["everything else"]) / parts[one]["step"]
@@ -183,9 +191,10 @@ def parts_lines(parts: dict[int, dict[str, float]], floors: dict[int, dict[str, 
               f"{spent:.1f} ms, **{100 * compute / spent:.0f}% of the core's peak**. Were they at the peak, "
               f"everything else as measured, the {wide}-branch step would be {best:.2f}x the {one}-branch one."]
     if budget > 0:
+        need = 100 * compute / budget
         lines.append(f"Within {TARGET}x of the {one}-branch step ({parts[one]['step']:.1f} ms), with everything else as "
                      f"measured ({parts[wide]['everything else']:.1f} ms), they would have {budget:.1f} ms: "
-                     f"**{100 * compute / budget:.0f}% of the core's peak** (more than 100%: out of reach).")
+                     f"**{need:.0f}% of the core's peak**{' (out of reach)' if need > 100 else ''}.")
     else:
         lines.append(f"Everything else alone ({parts[wide]['everything else']:.1f} ms) exceeds {TARGET}x the "
                      f"{one}-branch step ({parts[one]['step']:.1f} ms).")
@@ -223,18 +232,18 @@ def main(argv: list[str] | None = None) -> None:
     steppers = {width: EngineStepper(lm, prompts[:width]) for width in widths}
     medians = median_step_seconds(steppers, args.steps)
     one = medians[widths[0]]
-    floors = {width: part_floors_ms(lm, width, context, read_gbps, peak) for width in widths}
+    work = {width: part_work(lm, width, context) for width in widths}
+    floors = {width: floors_ms(work[width], read_gbps, peak) for width in widths}
     lines += ["## Steps", "", f"prompt {context} tokens; each width's steps taken in turn, medians", "",
               f"| branches | ms | x {widths[0]} branch | floor ms | x floor |", "|---:|---:|---:|---:|---:|"]
     for width, seconds in medians.items():
-        floor = max(sum(floors[width].values()), 0.0)
+        floor = sum(floors[width].values())
         lines.append(f"| {width} | {1000 * seconds:.1f} | {seconds / one:.2f} | {floor:.1f} | {1000 * seconds / floor:.2f} |")
-    flops_only = {width: part_floors_ms(lm, width, context, float("inf"), peak) for width in widths}
     parts = profiled_parts_ms(steppers, lm, args.steps)
     lines += ["", "The step's floor is its parts' floors added: the products' and attention's, each the larger of "
               "its bytes over the read rate and its FLOPs over the peak (the rest has none).", "",
               "## Parts", "", "StepProfile (mdcli.bench.step) of products and attention alone, the widths' profiled steps taken in turn, ms per step", "",
-              *parts_lines(parts, floors, peak, flops_only)]
+              *parts_lines(parts, floors, peak, {width: flops_ms(work[width], peak) for width in widths})]
     finish(lines, args.out)
 
 
