@@ -83,14 +83,13 @@ class StepProfile:
     PARTS = ("linears", "lm_head", "attention", "rotary", "norms", "activation", "cache writes", "mask")
 
     def __init__(self, lm: LoadedModel, parts: tuple[str, ...] | None = None) -> None:
-        """parts: time only these (the rest counts as glue). A partial profile wraps mdcli's own
-        functions by name and nothing else: no module hooks and no torch function mode, which
-        dispatches every torch call through Python. The full profile made the embedded model's
-        1- and 8-branch steps 24-35 ms longer on a Zen 3 core, products and attention alone 0-10 ms
-        (benchmarks/results/branch-step-zen3-floors.md). mdcli's forward is timed whole that way
-        (products on the .gguf blocks go through `block_linear`, attention through the kernel's or
-        the cores' functions); transformers' forward, whose products are `F.linear`, needs the full
-        profile."""
+        """parts: time only these (the rest counts as glue). A partial profile wraps only its parts'
+        functions (by name) and modules (hooks), and enters no torch function mode, which dispatches
+        every torch call through Python: the full profile made the embedded model's 1- and 8-branch
+        steps 24-35 ms longer on a Zen 3 core, products and attention alone 0-10 ms
+        (benchmarks/results/branch-step-zen3-floors.md). mdcli's forward reaches its products and
+        attention by name (`block_linear` on the .gguf blocks, the kernel's or the cores' attention);
+        transformers' forward, whose products are `F.linear`, needs the full profile."""
         unknown = set(parts or ()) - set(self.PARTS)
         if unknown:
             raise ValueError(f"no part {sorted(unknown)[0]!r} to profile: choose from {', '.join(self.PARTS)}")
