@@ -17,6 +17,15 @@ from mdcli.models.embedded import embedded_model_dir
 from mdcli.models.load import LoadedModel, resolve_device, resolve_dtype
 
 
+def set_bench_threads(threads: int | None, device: str) -> int:
+    """Set and return torch's threads for a benchmark: `threads`, else 1 where `device` resolves to
+    the CPU (comparable on shared machines), else torch's own. Call it before the model loads: the
+    kernel plan is chosen for the threads torch has then (mdcli.backends.select)."""
+    used = threads or (1 if resolve_device(device).type == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(used)
+    return used
+
+
 def baseline_kernels(lm: LoadedModel, choice: str):
     """The context the alternatives to mdcli run in (see BASELINE_KERNELS_HELP)."""
     return lm.forward.reference.kernels() if choice == "mdcli" else nullcontext()

@@ -85,10 +85,9 @@ def bench(
         if whole_process:
             _whole_process(branches, context, new_tokens, repeats, json_path, markdown_path)
             return
-        import torch
-
         # lazy: the harness costs `mdcli --help` ~15 ms
         from mdcli.bench.harness import random_model as make_random
+        from mdcli.bench.harness import set_bench_threads
         from mdcli.bench.ask import ALL_APPROACHES, Case, run_case
         from mdcli.bench.report import (
             as_json,
@@ -111,11 +110,7 @@ def bench(
                  for b in _ints(branches, "--branches")]
         if plot_path is not None:
             _require_matplotlib()
-        from mdcli.models.load import resolve_device
-
-        # set before the load: the kernel plan is chosen for torch's threads then (mdcli.backends.select)
-        used_threads = threads or (1 if resolve_device(device).type == "cpu" else torch.get_num_threads())
-        torch.set_num_threads(used_threads)
+        used_threads = set_bench_threads(threads, device)  # before the load, whose plan reads them
         if random_model:
             if cpu_weights != "float32":
                 raise UsageError(f"--cpu-weights {cpu_weights} applies to a loaded model, not --random-model",
