@@ -2,6 +2,7 @@
 """Branches nearly free: the eight-branch decode step against the one-branch step, its parts, and their floors.
 
     python benchmarks/branch_step.py [--context 1819] [--steps 32] [--branches 1,8] [--out FILE]
+    python benchmarks/branch_step.py --products-only --product-rows 16,32,64,128   # where the kernel and tiles cross
 
 One thread, the embedded model as `mdcli` loads it (every forward on its .gguf blocks). In one run:
 
@@ -18,8 +19,8 @@ One thread, the embedded model as `mdcli` loads it (every forward on its .gguf b
   block_kernel_rows);
 - the step: mdcli's engine step (mdcli.bench.steppers.EngineStepper: one greedy token for each
   branch, each branch a question over one shared `--context`-token document) at each width, the
-  widths' steps taken in turn; its floor: reading the weights and the cached keys and values once
-  (bytes over the read rate) or their FLOPs (over the core's peak), whichever is larger;
+  widths' steps taken in turn; its floor: the products' and attention's floors added, each the
+  larger of its bytes over the read rate and its FLOPs over the core's peak;
 - the step's parts (mdcli.bench.step.StepProfile of products and attention alone, every width's
   profiled steps taken in turn):
   products, attention and everything else, each width's products and attention against their

@@ -169,7 +169,8 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     tiled = copies and tiled_host and fits(2 if packed else 1)
     blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
-    notes = [_blocks_note(blocks, on_blocks, gguf_blocks.kernel_rows(host.threads, host.capability))] if blocks else []
+    block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
+    notes = [_blocks_note(blocks, on_blocks, block_kernel_rows)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core, slower on an AVX-512 Xeon (whose
     # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
     fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
@@ -198,7 +199,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         blocks=blocks,
         blocks_reason=blocks_reason,
         block_rows=gguf_blocks.max_rows(),
-        block_kernel_rows=gguf_blocks.kernel_rows(host.threads, host.capability),
+        block_kernel_rows=block_kernel_rows,
         on_blocks=on_blocks,
         float32_reason=float32_reason or "",
         blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2 else SMALL_BLAS_QUERIES,
