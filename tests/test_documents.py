@@ -4,6 +4,8 @@ tokenizer to count tokens."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,18 @@ def test_a_question_reads_only_passages_that_share_a_word_with_it():
     hits = index.top("Pixel", 50)  # fewer related passages than asked for: only those
     assert hits and len(hits) < len(index.chunks) and all(hit.score > 0 for hit in hits)
     assert words("The Keeper's CAT, and Pixel!") == ["keeper", "s", "cat", "pixel"]
+
+
+def test_bm25s_is_imported_only_when_a_question_retrieves():
+    # where jax is installed, importing bm25s runs a jax op: seconds, and most of a GPU's memory
+    script = (
+        "import sys\n"
+        "import mdcli.api, mdcli.strategies.ask_many, mdcli.recipes.ask_many, mdcli.cli.app\n"
+        "print('bm25s' in sys.modules)\n"
+        "from mdcli.documents.chunks import Chunk\n"
+        "from mdcli.documents.retrieve import ChunkIndex\n"
+        "ChunkIndex([Chunk(id=1, path='a.txt', first_line=1, last_line=1, text='bakery bread')])\n"
+        "print('bm25s' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "True"]

@@ -72,11 +72,12 @@ LAYER_RULES = (
 # The command line is the top: only these import it.
 MAY_IMPORT_THE_CLI = ("mdcli.cli", "mdcli.__main__", "mdcli.bench")
 
-# The one lazy boundary: `mdcli --help` must not load torch, so the package's __init__ (PEP 562
+# The lazy boundaries: `mdcli --help` must not load torch, so the package's __init__ (PEP 562
 # exports of the API) and the command modules (which import mdcli.api inside the command they run)
-# may import inside functions. Everywhere else imports go at the top of the module. A path ending
-# in "/" covers its folder.
-LAZY_BOUNDARY = ("mdcli/__init__.py", "mdcli/cli/")
+# may import inside functions; and bm25s is imported only when retrieval is asked for, because
+# where jax is installed importing it runs a jax op (seconds, and most of a GPU's memory).
+# Everywhere else imports go at the top of the module. A path ending in "/" covers its folder.
+LAZY_BOUNDARY = ("mdcli/__init__.py", "mdcli/cli/", "mdcli/documents/retrieve.py")
 
 HEAVY_PACKAGES = ("torch", "transformers")  # process-wide state mdcli must never assign to
 ENVIRONMENT_MODULE = "mdcli/settings.py"  # the only module that reads the environment

@@ -13,23 +13,31 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
-import bm25s
 import numpy as np
-from bm25s.stopwords import STOPWORDS_EN
 
 from mdcli.documents.chunks import Chunk
 from mdcli.errors import UsageError
 from mdcli.events import Source
 
 _WORD = re.compile(r"[0-9a-z]+")
-_STOPWORDS = frozenset(STOPWORDS_EN)
 CHUNK_SEPARATOR = "\n\n"
+
+
+@cache
+def _stopwords() -> frozenset[str]:
+    # bm25s is imported only when retrieval is asked for: where jax is installed, importing bm25s
+    # imports jax and runs a jax op, which takes seconds and, on a GPU machine, most of the GPU's memory
+    from bm25s.stopwords import STOPWORDS_EN
+
+    return frozenset(STOPWORDS_EN)
 
 
 def words(text: str) -> list[str]:
     """The terms BM25 matches on."""
-    return [w for w in _WORD.findall(text.lower()) if w not in _STOPWORDS]
+    stopwords = _stopwords()
+    return [w for w in _WORD.findall(text.lower()) if w not in stopwords]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class ChunkIndex:
     def __init__(self, chunks: Sequence[Chunk]) -> None:
         if not chunks:
             raise UsageError("the documents hold no text to retrieve from", fix="give documents with some text")
+        import bm25s  # only when retrieval is asked for (see _stopwords)
+
         self.chunks = list(chunks)
         self._bm25 = bm25s.BM25()
         # the path's words count too (a question may name the file); a chunk with no indexable word
