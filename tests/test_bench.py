@@ -146,7 +146,7 @@ def test_weight_bytes_skip_an_untied_input_table():
 
 def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(tmp_path):
     """Each row is a fresh process (mdcli ask-many, mdcli with one question, and the plain-transformers
-    script three ways); the report names the CPU and the branching overhead, and every approach
+    script three ways), timed once a repeat after an untimed one picked the longest question; the report names the CPU and the branching overhead, and every approach
     reproduced mdcli's tokens (equal work)."""
     out = tmp_path / "whole.json"
     result = CliRunner().invoke(app, ["bench", "--whole-process", "--branches", "2", "--context", "120",
@@ -157,6 +157,8 @@ def test_whole_process_bench_times_real_commands_that_all_produce_mdclis_tokens(
     report = json.loads(out.read_text())
     runs = {run["approach"]: run for run in report["runs"]}
     assert list(runs) == ["mdcli, 2 questions", "mdcli, longest question alone", "sequential", "batched", "prefill-once"]
+    # one timed process per row and repeat: the run that picked the longest question (cold) is not among them
+    assert [len(run["seconds"]) for run in runs.values()] == [1] * 5
     mdcli_tokens = runs["mdcli, 2 questions"]["token_ids"]
     assert len(mdcli_tokens) == 2 and all(0 < len(t) <= 4 for t in mdcli_tokens)
     for mode in ("sequential", "batched", "prefill-once"):
