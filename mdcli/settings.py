@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     device: str = Field(
         "auto", description="What --device auto means: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
     cache_dir: Path | None = Field(
-        None, description="Where the embedded model's unpacked files are kept (default: $XDG_CACHE_HOME/mdcli).")
+        None, description="Where mdcli keeps its caches: the embedded model's files, compiled kernels, .gguf checks, prompts (default: $XDG_CACHE_HOME/mdcli).")
     prompt_cache_dir: Path | None = Field(
         None, description="The folder --prompt-cache auto keeps prompt prefixes in (default: the cache folder's prompts/).")
     prompt_cache_mb: int = Field(

@@ -7,6 +7,7 @@ cover loads its float32 weights as before, and the plan says why.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from mdcli.backends.forward import ModelForward, causal_mask
 from mdcli.backends.select import select
+from mdcli.backends.weights import gguf_blocks
+from mdcli.models import block_checks
 from mdcli.models.load import LoadOptions, load_model
 from mdcli.models.on_blocks import load_on_blocks, refusal
 from tests.reference import generate_alone, plain
@@ -156,3 +159,77 @@ def test_keeping_the_float32_weights_is_an_option_and_the_plan_says_so():
     assert not kept.forward.plan.on_blocks and "keep" in kept.forward.plan.float32_reason
     assert not kept.model.model.layers[0].mlp.up_proj.weight.is_meta
     assert kept.forward.plan.blocks == "Q4_1/Q8_0"  # a few tokens still read the blocks
+
+
+def records_in(cache: Path) -> list[Path]:
+    return sorted((cache / block_checks.FOLDER).glob("*.json"))
+
+
+def loaded_counting_checks(path: Path, config, monkeypatch) -> tuple[torch.nn.Module | None, str | None, list[str]]:
+    """load_on_blocks, and the tensors the whole bit-for-bit check ran on (gguf_blocks._matching)."""
+    checked, whole_check = [], gguf_blocks._matching
+
+    def counted(candidates, weight):
+        checked.append(candidates[0].shape)
+        return whole_check(candidates, weight)
+
+    monkeypatch.setattr(gguf_blocks, "_matching", counted)
+    model, why = load_on_blocks(path, config, "sdpa")
+    monkeypatch.setattr(gguf_blocks, "_matching", whole_check)
+    return model, why, checked
+
+
+@needs_kernel
+def test_a_passed_check_is_recorded_and_the_next_load_of_the_file_skips_it_with_the_same_tokens(tmp_path, monkeypatch):
+    """The first load checks every matrix and writes one JSON record of the layouts it found (q and
+    k with llama.cpp's permutation undone); the second load of the same file checks none of them
+    whole, takes the recorded layouts, and still decodes transformers' tokens."""
+    monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
+    reference = tiny_model("llama", "sdpa")
+    path = complete_gguf(reference, tmp_path / "llama.gguf", "llama")
+    first, why, checked_first = loaded_counting_checks(path, reference.config, monkeypatch)
+    assert why is None and len(checked_first) == 7 * reference.config.num_hidden_layers + 1  # every matrix, the head
+    [record] = records_in(tmp_path / "cache")
+    layouts = json.loads(record.read_text())["layouts"]
+    assert layouts["blk.0.attn_q.weight"] == 1 and layouts["blk.0.attn_v.weight"] == 0
+    second, why, checked_second = loaded_counting_checks(path, reference.config, monkeypatch)
+    assert why is None and checked_second == []
+    for mine, theirs in zip(gguf_blocks.model_blocks(second)[0][0], gguf_blocks.model_blocks(first)[0][0]):
+        assert mine.kind == theirs.kind and torch.equal(mine.data, theirs.data)
+    prompts = random_prompts(30, [4, 7, 2, 9], seed=5)
+    for prompt, tokens in zip(prompts, greedy_forest(engine_for(second), prompts, steps=5)):
+        assert tokens == generate_alone(reference, prompt, len(tokens))
+
+
+@needs_kernel
+@pytest.mark.parametrize("spoil", ["the other layout", "no layout there", "not json"])
+def test_a_record_that_is_wrong_for_the_file_is_caught_and_the_check_runs_again(spoil, tmp_path, monkeypatch):
+    """A record naming the wrong layout for q fails the first rows' check, one naming a layout the
+    tensor does not have or that cannot be read is ignored: those tensors are checked whole, the
+    model gets the right layout and the record is put right."""
+    monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
+    reference = tiny_model("llama", "sdpa")
+    path = complete_gguf(reference, tmp_path / "llama.gguf", "llama")
+    load_on_blocks(path, reference.config, "sdpa")
+    [record] = records_in(tmp_path / "cache")
+    right = json.loads(record.read_text())
+    wrong = {**right["layouts"], "blk.0.attn_q.weight": {"the other layout": 0, "no layout there": 7}.get(spoil, 1)}
+    record.write_text("{not json" if spoil == "not json" else json.dumps({**right, "layouts": wrong}))
+    model, why, checked = loaded_counting_checks(path, reference.config, monkeypatch)
+    assert why is None and len(checked) == (1 if spoil != "not json" else 7 * reference.config.num_hidden_layers + 1)
+    assert json.loads(record.read_text()) == right
+    prompt = random_prompts(30, [6], seed=6)[0]
+    assert greedy_forest(engine_for(model), [prompt], steps=5)[0] == generate_alone(reference, prompt, 5)
+
+
+@needs_kernel
+def test_another_file_or_config_has_its_own_record(tmp_path, monkeypatch):
+    """The key covers the file's bytes and the config: a second file (other blocks) and the same
+    file read with another config each get a record of their own, never another's."""
+    monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
+    one = tiny_model("llama", "sdpa")
+    first = complete_gguf(one, tmp_path / "q4_1.gguf", "llama")
+    second = complete_gguf(tiny_model("llama", "sdpa"), tmp_path / "q8_0.gguf", "llama", kind="Q8_0")
+    assert block_checks.record_path(first, one.config) != block_checks.record_path(second, one.config)
+    other_config = type(one.config)(**{**one.config.to_dict(), "rms_norm_eps": 1e-3})
+    assert block_checks.record_path(first, one.config) != block_checks.record_path(first, other_config)

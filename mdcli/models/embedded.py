@@ -8,7 +8,8 @@ folder named after the GGUF's hash, and later runs load the copy.
 
 Cache layout (root: `$MDCLI_CACHE_DIR`, else `$XDG_CACHE_HOME/mdcli`, else `~/.cache/mdcli`)::
 
-    <root>/gguf-sha256.json                       hashes keyed by (path, size, mtime_ns)
+    <root>/gguf-sha256.json                       hashes keyed by (path, size, mtime_ns), of files that exist
+    <root>/gguf-checks/<32 hex>.json              what a .gguf's bit-for-bit check found (mdcli.models.block_checks)
     <root>/models/smollm2-135m-instruct-<16 hex>/  config.json, model.safetensors (fp32),
                                                    generation_config.json, tokenizer files
 """
@@ -172,6 +173,7 @@ def gguf_sha256(path: Path) -> str:
     if isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) and entry.get("sha256"):
         return str(entry["sha256"])
     digest = _hash_file(path)
+    stamps = {name: entry for name, entry in stamps.items() if os.path.exists(name)}  # files since removed
     stamps[key] = {**stamp, "sha256": digest}
     _write_stamps(stamps)
     return digest

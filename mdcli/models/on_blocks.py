@@ -11,7 +11,9 @@ K-quant, a window, `LoadOptions(keep_float32=True)`) loads as before, with the r
 Exactness: every block matrix is checked bit for bit against the float32 weights transformers'
 own GGUF loader would have made of that tensor (gguf-py's dequantization, then the loader's own
 tensor processor, which undoes llama.cpp's rotary permutation of q and k), one tensor at a time,
-so the model multiplies by exactly the weights `from_pretrained` would give it.
+so the model multiplies by exactly the weights `from_pretrained` would give it. A passed check is
+recorded (mdcli.models.block_checks) under a key over the file's bytes, the config, the kernel's
+build and the loader's versions; a later load with the same key takes the recorded layouts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mdcli import settings as settings_module
 from mdcli.backends.forward_support import unsupported_reason
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights.gguf_file import read_file
+from mdcli.models import block_checks
 from mdcli.models.architectures import sliding_window_layout
 
 # The projections whose weights the blocks replace (their float32 weights stay on the meta device).
@@ -100,13 +103,17 @@ def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | Non
     why = _make_real(model, tensors, names, as_loaded)
     if why is not None:
         return None, why
-    found = gguf_blocks.read_blocks(path, model, reference=reference)
+    record = block_checks.record_path(path, config)
+    known, layouts = block_checks.read(record), {}
+    found = gguf_blocks.read_blocks(path, model, reference=reference, known=known, layouts=layouts)
     if isinstance(found, str):
         return None, found
     tied_head = "output.weight" not in tensors  # the head reads the embedding's blocks
-    embedding = found[1] if tied_head else gguf_blocks.read_embedding(path, reference)
+    embedding = found[1] if tied_head else gguf_blocks.read_embedding(path, reference, known=known, layouts=layouts)
     if isinstance(embedding, str):
         return None, embedding
+    if layouts != known:
+        block_checks.write(record, layouts)
     gguf_blocks.adopt(model, path, found, embedding)
     _give_back_the_heap()
     model.eval()

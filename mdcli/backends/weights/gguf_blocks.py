@@ -49,6 +49,7 @@ import ctypes
 import struct
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Callable
@@ -95,6 +96,7 @@ _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CHECK_ROWS = 4096  # a big matrix is checked this many rows at a time (its float32 never whole in memory)
+SPOT_ROWS = 64  # a recorded layout is confirmed on this many first rows (a q or k head's rows tell the layouts apart)
 _SCRATCH = threading.local()  # each thread's float32 scratch for the tiles of wide products
 
 
@@ -314,15 +316,23 @@ def model_blocks(model, free_memory=available_memory_bytes) -> tuple[list[tuple[
 
 
 def read_blocks(path: Path, model, free_memory=available_memory_bytes,
-                reference: Callable[[str], Callable] | None = None) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
+                reference: Callable[[str], Callable] | None = None, *,
+                known: Mapping[str, int] | None = None,
+                layouts: dict[str, int] | None = None) -> tuple[list[tuple[BlockWeight, ...]], BlockWeight] | str:
     """The blocks of `path` for every projection and the head, each checked bit for bit against the
     model's float32 weight; or the first reason not. Where the model holds no float32 weight (a
     model built on the meta device: mdcli.models.on_blocks), the check is against
     `reference(tensor name)(start, stop)`: rows start..stop of the float32 weights transformers'
-    loader makes of that tensor."""
+    loader makes of that tensor.
 
-    def expected(name: str, weight: torch.Tensor):
-        return reference(name) if weight.is_meta and reference is not None else weight
+    known: for such a model, the layout each tensor matched when this file last passed the check
+    with the same kernel and loader (mdcli.models.block_checks): those tensors take that layout,
+    confirmed on their first SPOT_ROWS rows instead of checked whole. layouts: filled with the layout each tensor took (an index into `_tensor_blocks`'
+    candidates: 0 as stored, 1 with llama.cpp's rotary permutation undone)."""
+
+    def choose(name: str, candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeight | None:
+        return _chosen(name, candidates, reference(name) if weight.is_meta and reference is not None else weight,
+                       known if weight.is_meta else None, layouts)
 
     try:
         tensors = read_tensors(path)
@@ -347,7 +357,7 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
             candidates = _tensor_blocks(tensors, tensor_name, rows)
             if isinstance(candidates, str):
                 return candidates
-            chosen = _matching(candidates, expected(tensor_name, module.weight))
+            chosen = choose(tensor_name, candidates, module.weight)
             tensors[tensor_name].release()  # copied out and checked: not resident twice
             if chosen is None:
                 return f"blk.{index}.{name}.weight is not the model's float32 weight"
@@ -361,23 +371,26 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
     head = _tensor_blocks(tensors, head_name, None)
     if isinstance(head, str):
         return head
-    chosen_head = _matching(head, expected(head_name, model.lm_head.weight))
+    chosen_head = choose(head_name, head, model.lm_head.weight)
     tensors[head_name].release()
     if chosen_head is None:
         return "the output head's blocks are not the model's float32 weights"
     return copies, chosen_head
 
 
-def read_embedding(path: Path, reference: Callable[[str], Callable]) -> BlockWeight | str:
+def read_embedding(path: Path, reference: Callable[[str], Callable], *, known: Mapping[str, int] | None = None,
+                   layouts: dict[str, int] | None = None) -> BlockWeight | str:
     """The blocks of `path`'s token embedding, checked bit for bit against
-    `reference("token_embd.weight")` as read_blocks checks the projections; or why not."""
+    `reference("token_embd.weight")` as read_blocks checks the projections (`known` and `layouts`
+    as there); or why not."""
+    name = "token_embd.weight"
     try:
-        candidates = _tensor_blocks(read_tensors(path), "token_embd.weight", None)
+        candidates = _tensor_blocks(read_tensors(path), name, None)
     except (OSError, ValueError, struct.error) as exc:
         return f"{path.name} could not be read: {exc}"
     if isinstance(candidates, str):
         return candidates
-    return _matching(candidates, reference("token_embd.weight")) or "token_embd.weight is not the model's embedding"
+    return _chosen(name, candidates, reference(name), known, layouts) or "token_embd.weight is not the model's embedding"
 
 
 def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWeight] | str:
@@ -407,6 +420,30 @@ def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
     if len({(w.kind, w.in_features) for w in parts}) != 1:
         return None
     return BlockWeight(parts[0].kind, torch.cat([w.data for w in parts]), parts[0].in_features)
+
+
+def _chosen(name: str, candidates: list[BlockWeight], weight, known: Mapping[str, int] | None,
+            layouts: dict[str, int] | None) -> BlockWeight | None:
+    """The candidate `known` names for `name` where it names one and its first rows match, else
+    the one `_matching` finds; its index goes into `layouts`. (The first rows tell the layouts
+    apart, and catch a record that is wrong for this file, at a small part of the whole check.)"""
+    index = known.get(name) if known is not None else None
+    if index is not None and not (0 <= index < len(candidates) and _first_rows_match(candidates[index], weight)):
+        index = None
+    if index is None:
+        chosen = _matching(candidates, weight)
+        index = None if chosen is None else next(i for i, c in enumerate(candidates) if c is chosen)
+    if index is None:
+        return None
+    if layouts is not None:
+        layouts[name] = index
+    return candidates[index]
+
+
+def _first_rows_match(candidate: BlockWeight, weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> bool:
+    stop = min(SPOT_ROWS, candidate.shape[0])
+    first = BlockWeight(candidate.kind, candidate.data[:stop], candidate.in_features)
+    return matches(first, weight(0, stop) if callable(weight) else weight[:stop])
 
 
 def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> BlockWeight | None:
