@@ -231,3 +231,18 @@ def test_output_piped_into_head_ends_quietly(story):
                           timeout=300)
     assert len(proc.stdout.splitlines()) == 2
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["ask-many", "no-such-file.txt", "-q", "Q?"], 2)])
+def test_the_command_line_leaves_its_objects_out_of_the_interpreters_last_collection(argv, code):
+    """After a command, done or refused, everything it made is frozen out of the garbage collection
+    Python runs at exit (which walked torch's and transformers' objects for seconds); atexit
+    handlers still run, and the exit code is the command's."""
+    script = ("import atexit, gc, sys\n"
+              "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
+              f"sys.argv = ['mdcli', *{argv!r}]\n"
+              "from mdcli.cli.app import main\n"
+              "main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == code, done.stderr
+    assert done.stdout.splitlines()[-1] == "frozen True"
