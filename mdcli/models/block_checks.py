@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from mdcli import settings as settings_module
 from mdcli.backends.weights import gguf_blocks
-from mdcli.models.embedded import gguf_sha256
+from mdcli.models.embedded import gguf_sha256, replace_json
 
 FORMAT = 1
 FOLDER = "gguf-checks"
@@ -74,23 +72,17 @@ def read(record: Path | None) -> dict[str, int] | None:
 
 def write(record: Path | None, layouts: Mapping[str, int]) -> None:
     """Keep what a passed check found (best effort: a read-only cache only costs the check next time)."""
-    if record is None:
-        return
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=record.parent)
-        with os.fdopen(handle, "w") as out:
-            json.dump({"format": FORMAT, "layouts": dict(layouts)}, out)
-        os.replace(partial, record)
+    if record is not None and replace_json(record, {"format": FORMAT, "layouts": dict(layouts)}):
         _keep_newest(record.parent)
-    except OSError:
-        pass
 
 
 def _keep_newest(folder: Path) -> None:
-    records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in records[MAX_RECORDS:]:
-        old.unlink(missing_ok=True)
+    try:
+        records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in records[MAX_RECORDS:]:
+            old.unlink(missing_ok=True)
+    except OSError:  # another process removed one first
+        pass
 
 
 def _version(package: str) -> str:

@@ -196,16 +196,22 @@ def _read_stamps() -> dict:
 
 
 def _write_stamps(stamps: dict) -> None:
-    """Best effort, atomic: a read-only cache only costs a re-hash next time."""
-    root = cache_root()
+    """A read-only cache only costs a re-hash next time."""
+    replace_json(cache_root() / _STAMP_FILE, stamps)
+
+
+def replace_json(path: Path, data) -> bool:
+    """Write `data` as JSON to a temporary file beside `path`, then rename it over `path`, so a
+    reader never sees half of it. Best effort: False where it could not be written."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".json", dir=root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".part", dir=path.parent)
         with os.fdopen(fd, "w") as handle:
-            json.dump(stamps, handle, indent=1)
-        os.replace(tmp, root / _STAMP_FILE)
+            json.dump(data, handle, indent=1)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _is_complete(folder: Path) -> bool:

@@ -431,8 +431,7 @@ def _chosen(name: str, candidates: list[BlockWeight], weight, known: Mapping[str
     if index is not None and not (0 <= index < len(candidates) and _first_rows_match(candidates[index], weight)):
         index = None
     if index is None:
-        chosen = _matching(candidates, weight)
-        index = None if chosen is None else next(i for i, c in enumerate(candidates) if c is chosen)
+        index = _matching(candidates, weight)
     if index is None:
         return None
     if layouts is not None:
@@ -446,18 +445,19 @@ def _first_rows_match(candidate: BlockWeight, weight: torch.Tensor | Callable[[i
     return matches(first, weight(0, stop) if callable(weight) else weight[:stop])
 
 
-def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> BlockWeight | None:
-    """The candidate whose weights are `weight`, bit for bit, or None. `weight` may be a function
-    of a row range giving those rows (a big matrix is then compared a slice at a time, never made
-    whole in float32)."""
-    if not callable(weight):
-        return next((candidate for candidate in candidates if matches(candidate, weight)), None)
-    for candidate in candidates:
+def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> int | None:
+    """The index of the candidate whose weights are `weight`, bit for bit, or None. `weight` may be
+    a function of a row range giving those rows (a big matrix is then compared a slice at a time,
+    never made whole in float32)."""
+    for index, candidate in enumerate(candidates):
         rows = candidate.shape[0]
-        if all(matches(BlockWeight(candidate.kind, candidate.data[start:start + CHECK_ROWS], candidate.in_features),
-                       weight(start, min(start + CHECK_ROWS, rows)))
-               for start in range(0, rows, CHECK_ROWS)):
-            return candidate
+        if not callable(weight):
+            if matches(candidate, weight):
+                return index
+        elif all(matches(BlockWeight(candidate.kind, candidate.data[start:start + CHECK_ROWS], candidate.in_features),
+                         weight(start, min(start + CHECK_ROWS, rows)))
+                 for start in range(0, rows, CHECK_ROWS)):
+            return index
     return None
 
 
