@@ -225,7 +225,8 @@ def test_a_record_that_is_wrong_for_the_file_is_caught_and_the_check_runs_again(
 @needs_kernel
 def test_another_file_or_config_has_its_own_record(tmp_path, monkeypatch):
     """The key covers the file's bytes and the config: a second file (other blocks) and the same
-    file read with another config each get a record of their own, never another's."""
+    file read with another config each get a record of their own, never another's; where the
+    config was read from is no part of it."""
     monkeypatch.setenv("MDCLI_CACHE_DIR", str(tmp_path / "cache"))
     one = tiny_model("llama", "sdpa")
     first = complete_gguf(one, tmp_path / "q4_1.gguf", "llama")
@@ -233,3 +234,5 @@ def test_another_file_or_config_has_its_own_record(tmp_path, monkeypatch):
     assert block_checks.record_path(first, one.config) != block_checks.record_path(second, one.config)
     other_config = type(one.config)(**{**one.config.to_dict(), "rms_norm_eps": 1e-3})
     assert block_checks.record_path(first, one.config) != block_checks.record_path(first, other_config)
+    read_elsewhere = type(one.config)(**{**one.config.to_dict(), "_name_or_path": "/somewhere/else"})
+    assert block_checks.record_path(first, one.config) == block_checks.record_path(first, read_elsewhere)

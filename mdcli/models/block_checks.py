@@ -29,6 +29,7 @@ from pathlib import Path
 from mdcli import settings as settings_module
 from mdcli.backends.weights import gguf_blocks
 from mdcli.models.embedded import gguf_sha256, replace_json
+from mdcli.models.prompt_identity import numerics_config
 
 FORMAT = 1
 FOLDER = "gguf-checks"
@@ -48,11 +49,11 @@ def record_path(path: Path, config) -> Path | None:
     key = {
         "format": FORMAT,
         "gguf_sha256": digest,
-        "config": config.to_json_string(use_diff=False),
+        "config": numerics_config(config),
         "kernel": Path(library._name).name,
         "versions": {name: _version(name) for name in ("gguf", "transformers", "numpy")},
     }
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return settings_module.current().mdcli_cache / FOLDER / f"{name}.json"
 
 

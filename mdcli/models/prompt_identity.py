@@ -22,7 +22,7 @@ from mdcli.prompt_cache.store import PromptStore
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 FIRST_WORDS = 60  # characters of a prefix's text `mdcli cache list` shows
-_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash")
+_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash")  # where it was read, not what it is
 
 
 def check_prompt_cache(option: str) -> None:
@@ -38,7 +38,7 @@ def prompt_store(option: str, *, location: str, gguf_file: str | None, is_hub_id
     folder = cache_folder(option, now)
     if folder is None:
         return None
-    config = {k: v for k, v in hf_model.config.to_dict().items() if k not in _VOLATILE_CONFIG}
+    config = numerics_config(hf_model.config)
     facts = {
         "weights": _weights_digest(location, gguf_file, is_hub_id, hf_model, folder),
         "config": config,
@@ -53,6 +53,11 @@ def prompt_store(option: str, *, location: str, gguf_file: str | None, is_hub_id
     }
     return PromptStore(folder, namespace(facts), model=name, dtype=dtype, cap_bytes=now.prompt_cache_mb << 20,
                        describe=first_words_of(tokenizer))
+
+
+def numerics_config(config) -> dict:
+    """The config's fields that change what the model computes (not where it was read from)."""
+    return {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG}
 
 
 def _weights_digest(location: str, gguf_file: str | None, is_hub_id: bool, hf_model, folder: Path) -> str:
