@@ -327,8 +327,9 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
 
     known: for such a model, the layout each tensor matched when this file last passed the check
     with the same kernel and loader (mdcli.models.block_checks): those tensors take that layout,
-    confirmed on their first SPOT_ROWS rows instead of checked whole. layouts: filled with the layout each tensor took (an index into `_tensor_blocks`'
-    candidates: 0 as stored, 1 with llama.cpp's rotary permutation undone)."""
+    confirmed on their first SPOT_ROWS rows instead of checked whole. layouts: filled with the
+    layout each tensor took (an index into `_tensor_blocks`' candidates: 0 as stored, 1 with
+    llama.cpp's rotary permutation undone)."""
 
     def choose(name: str, candidates: list[BlockWeight], weight: torch.Tensor) -> BlockWeight | None:
         return _chosen(name, candidates, reference(name) if weight.is_meta and reference is not None else weight,
@@ -440,9 +441,7 @@ def _chosen(name: str, candidates: list[BlockWeight], weight, known: Mapping[str
 
 
 def _first_rows_match(candidate: BlockWeight, weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> bool:
-    stop = min(SPOT_ROWS, candidate.shape[0])
-    first = BlockWeight(candidate.kind, candidate.data[:stop], candidate.in_features)
-    return matches(first, weight(0, stop) if callable(weight) else weight[:stop])
+    return _rows_match(candidate, weight, 0, min(SPOT_ROWS, candidate.shape[0]))
 
 
 def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[int, int], torch.Tensor]) -> int | None:
@@ -451,14 +450,18 @@ def _matching(candidates: list[BlockWeight], weight: torch.Tensor | Callable[[in
     never made whole in float32)."""
     for index, candidate in enumerate(candidates):
         rows = candidate.shape[0]
-        if not callable(weight):
-            if matches(candidate, weight):
-                return index
-        elif all(matches(BlockWeight(candidate.kind, candidate.data[start:start + CHECK_ROWS], candidate.in_features),
-                         weight(start, min(start + CHECK_ROWS, rows)))
-                 for start in range(0, rows, CHECK_ROWS)):
+        step = CHECK_ROWS if callable(weight) else max(rows, 1)
+        if all(_rows_match(candidate, weight, start, min(start + step, rows)) for start in range(0, rows, step)):
             return index
     return None
+
+
+def _rows_match(candidate: BlockWeight, weight: torch.Tensor | Callable[[int, int], torch.Tensor],
+                start: int, stop: int) -> bool:
+    """Rows start..stop of the candidate's weights are those of `weight` (a tensor, or a function
+    of a row range), bit for bit."""
+    rows = BlockWeight(candidate.kind, candidate.data[start:stop], candidate.in_features)
+    return matches(rows, weight(start, stop) if callable(weight) else weight[start:stop])
 
 
 def _capability() -> str | None:
