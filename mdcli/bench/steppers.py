@@ -19,6 +19,7 @@ from mdcli.bench.twin import float32_twin
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
 from mdcli.core.forest import pad_rows
+from mdcli.core.sampling import greedy_tokens
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -80,7 +81,7 @@ class EngineStepper:
         self.rows, self.logits = [o.row for o in outs], torch.stack([o.logits for o in outs])  # [B, V]
 
     def step(self) -> None:
-        tokens = self.logits.argmax(-1).tolist()
+        tokens = greedy_tokens(self.logits)  # the engine's own choice (numpy's argmax on the CPU)
         stacked = torch.stack([_pad(r, len(self.engine)) for r in self.rows])  # [B, N]
         if self.guesses:  # a chain of 1 + guesses nodes per branch; its guesses repeat its token
             chain = list(range(-1, self.guesses))  # node i's parent: i - 1
