@@ -2,6 +2,7 @@
 """mdcli's C kernels on their own, on whatever x86-64 CPU runs this: every build it can run checked, then timed.
 
     python benchmarks/native_kernels.py [--out FILE] [--baseline OLD_gguf_blocks.c] [--no-timing]
+    python benchmarks/native_kernels.py --define AHEAD_ROWS=12 --define AHEAD_ROWS=24,SPAN=16
 
 Needs only torch and a C compiler (no mdcli install, no .gguf): it builds
 mdcli/backends/native/gguf_blocks.c and attention.c with the AVX2 flags and, where the CPU has
@@ -19,7 +20,10 @@ The block kernel:
   the float64 product (k * 2^-24 * sum |x w|, a bound that holds for any order of summation);
 - the timing: the embedded model's step shapes (30 layers of 960 x 576, 576 x 576, 3,072 x 576,
   576 x 1,536 in Q4_1, and the 49,152 x 576 head in Q8_0) with random codes, for 1, 2, 4, 6, 8 and 16
-  rows, each build, in alternating order, one thread: ms, ratio to one row, GFLOP/s.
+  rows, each build, in alternating order, one thread: ms, ratio to one row, GFLOP/s. Each
+  `--define NAME=VALUE[,NAME=VALUE]` adds builds of today's source with those macros (the block
+  kernel's prefetch distance AHEAD_ROWS and span SPAN), checked and timed in the same rounds: the
+  way to try another setting on another host kind without editing the source.
 
 The attention kernel:
 
@@ -70,8 +74,10 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def build(flags: list[str], folder: Path, source: Path = SOURCE) -> ctypes.CDLL:
-    target = folder / f"{source.stem}-{flags[-1].lstrip('-')}.so"
+def build(flags: list[str], folder: Path, source: Path = SOURCE, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """`source` built with `flags` and `-D` each of `defines` (NAME=VALUE), its entry points typed."""
+    target = folder / f"{source.stem}-{flags[-1].lstrip('-')}{''.join('-' + d for d in defines)}.so"
+    flags = [*flags, *(f"-D{d}" for d in defines)]
     subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
     lib = ctypes.CDLL(str(target))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -293,7 +299,14 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another version of gguf_blocks.c (e.g. `git show REV:mdcli/backends/native/gguf_blocks.c`), "
                              "built the same ways and timed in the same rounds")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="also build today's gguf_blocks.c with these macros (e.g. AHEAD_ROWS=12), "
+                             "checked and timed in the same rounds; repeat for more builds")
     args = parser.parse_args()
+    variants = [tuple(d for d in given.split(",") if d) for given in args.define]
+    for defines in variants:
+        if not defines or any(not d.partition("=")[0].isidentifier() or not d.partition("=")[2] for d in defines):
+            parser.error(f"--define {','.join(defines)!r}: give NAME=VALUE pairs, e.g. --define AHEAD_ROWS=12")
     torch.set_num_threads(1)
     flags = cpu_flags()
     runnable = [name for name, needs in (("AVX2", {"avx2", "fma", "f16c"}), ("AVX512", {"avx512f", "fma", "f16c"}))
@@ -303,10 +316,15 @@ def main() -> int:
         failures = [f for name, lib in libs.items() for f in check(lib, name)]
         attention = {name: build_attention(FLAGS[name], Path(folder)) for name in runnable}
         failures += [f for name, lib in attention.items() for f in check_attention(lib, name)]
+        for defines in variants:
+            built = {f"{name}, {' '.join(defines)}": build(FLAGS[name], Path(folder), SOURCE, defines) for name in runnable}
+            failures += [f for name, lib in built.items() for f in check(lib, name)]
+            libs |= built
         if args.baseline:
             libs |= {f"{name}, baseline": build(FLAGS[name], Path(folder), args.baseline) for name in runnable}
         lines = [f"# mdcli's C kernels on {cpu_name()} (AVX-512: {'yes' if 'avx512f' in flags else 'no'})", "",
-                 f"`python benchmarks/native_kernels.py{' --baseline ' + args.baseline.name if args.baseline else ''}`, "
+                 f"`python benchmarks/native_kernels.py{''.join(' --define ' + d for d in args.define)}"
+                 f"{' --baseline ' + args.baseline.name if args.baseline else ''}`, "
                  f"torch {torch.__version__}, one thread", "",
                  f"check ({', '.join(runnable)}): " + ("every block kind and row count, and every attention shape, "
                                                          "within float32 rounding" if not failures else "FAILED"),

@@ -159,8 +159,11 @@ static inline __attribute__((always_inline)) void block_out(int kind, const uint
  * into the caches: with the hardware prefetchers alone the step's products took 9-14% longer at 6-8
  * rows on a Zen 3 core, 1-15% at 1-4 rows, the same at 16 (weights are read once a step, so the hint
  * is non-temporal; notebook/gguf-blocks.md, "Weight rows fetched ahead"). A hint: it never faults
- * and never waits. */
+ * and never waits. Other distances build with -DAHEAD_ROWS=N (and span widths with -DSPAN=N, below),
+ * for a benchmark to compare them on another host kind (benchmarks/native_kernels.py --define). */
+#ifndef AHEAD_ROWS
 #define AHEAD_ROWS 6
+#endif
 #define LINE_BYTES 64
 
 static inline void fetch(const uint8_t *p, int64_t bytes) {
@@ -224,7 +227,9 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
  * back (6 and 8 rows: 0.90x; notebook/gguf-blocks.md, "In-register rebuilds for 5-8 rows"). Each output
  * sums its inputs lane by lane in order within a span, the spans added in order. */
 #define ONE_REBUILD_ROWS 8
+#ifndef SPAN
 #define SPAN 24
+#endif
 
 #define SHARED_PASSES(kind) \
     case 5: pass(kind, 5, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
