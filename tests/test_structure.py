@@ -58,9 +58,11 @@ LAYER_RULES = (
     ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
     ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
     # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models); it
-    # shares core.forest's token-prefix helper
+    # shares core.forest's token-prefix helper, and the cache files' rules with the model loader
     ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.core.forest", "mdcli.errors",
-                                    "mdcli.events", "mdcli.settings")),
+                                    "mdcli.events", "mdcli.settings", "mdcli.cache_files")),
+    # the cache files' rules: the standard library only
+    ("mdcli.cache_files", "only", ()),
     # output constraints: the llguidance adapter behind core's ConstraintState protocol; it knows core's
     # protocol and a tokenizer, never a backend, a model loader, a strategy or the CLI
     ("mdcli.constraints", "only", ("mdcli.constraints", "mdcli.core", "mdcli.errors")),

@@ -6,7 +6,7 @@ dequantization, then the loader's tensor processor). That check dequantizes the 
 numpy: 2.4 of the 3.6 s a load of the embedded model took on a Zen 3 core (2026-11-27,
 docs/performance.md, "Start-up"). Its outcome depends only on
 
-* the file's bytes (its sha256, remembered per path, size and mtime: mdcli.models.embedded),
+* the file's bytes (its sha256, remembered per path, size and mtime: mdcli.cache_files),
 * the model's config, as transformers read it from the file,
 * the block kernel's build (its library is named after its source, flags and compiler),
 * the gguf-py, transformers and numpy versions that make the reference weights,
@@ -20,15 +20,14 @@ oldest beyond MAX_RECORDS are removed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from mdcli import settings as settings_module
+from mdcli.cache_files import json_digest, read_json_object, replace_json
 from mdcli.backends.weights import gguf_blocks
-from mdcli.models.embedded import gguf_sha256, replace_json
+from mdcli.models.embedded import gguf_sha256
 from mdcli.models.prompt_identity import numerics_config
 
 FORMAT = 1
@@ -53,19 +52,15 @@ def record_path(path: Path, config) -> Path | None:
         "kernel": Path(library._name).name,
         "versions": {name: _version(name) for name in ("gguf", "transformers", "numpy")},
     }
-    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return settings_module.current().mdcli_cache / FOLDER / f"{name}.json"
+    return settings_module.current().mdcli_cache / FOLDER / f"{json_digest(key)}.json"
 
 
 def read(record: Path | None) -> dict[str, int] | None:
     """The layout index each tensor matched when the check last passed, or None."""
     if record is None:
         return None
-    try:
-        data = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None
-    layouts = data.get("layouts") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    data = read_json_object(record)
+    layouts = data.get("layouts") if data.get("format") == FORMAT else None
     if not isinstance(layouts, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layouts.values()):
         return None
     return layouts

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib.util
 import io
-import json
 import os
 import shutil
 import tempfile
@@ -36,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from mdcli import settings
+from mdcli.cache_files import remembered_sha256s
 from mdcli.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
@@ -165,53 +164,7 @@ def save_dequantized(model: PreTrainedModel, out_dir: Path) -> None:
 
 def gguf_sha256(path: Path) -> str:
     """The file's sha256, remembered per (path, size, mtime) so it is hashed once, not per run."""
-    stat = path.stat()
-    key = str(path.resolve())
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    stamps = _read_stamps()
-    entry = stamps.get(key)
-    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) and entry.get("sha256"):
-        return str(entry["sha256"])
-    digest = _hash_file(path)
-    stamps = {name: entry for name, entry in stamps.items() if os.path.exists(name)}  # files since removed
-    stamps[key] = {**stamp, "sha256": digest}
-    _write_stamps(stamps)
-    return digest
-
-
-def _hash_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
-def _read_stamps() -> dict:
-    try:
-        data = json.loads((cache_root() / _STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_stamps(stamps: dict) -> None:
-    """A read-only cache only costs a re-hash next time."""
-    replace_json(cache_root() / _STAMP_FILE, stamps)
-
-
-def replace_json(path: Path, data) -> bool:
-    """Write `data` as JSON to a temporary file beside `path`, then rename it over `path`, so a
-    reader never sees half of it. Best effort: False where it could not be written."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".part", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        return False
-    return True
+    return remembered_sha256s([path], cache_root() / _STAMP_FILE)[path]
 
 
 def _is_complete(folder: Path) -> bool:

@@ -16,19 +16,16 @@ again only when one of them changes.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import uuid
 from pathlib import Path
 
 import torch
 
+from mdcli.cache_files import json_digest, remembered_sha256s
 from mdcli.errors import UsageError
 from mdcli.settings import Settings
 
 FORMAT_VERSION = 1  # bump when an entry's layout or meaning changes: old entries then miss
 DIGESTS_FILE = "digests.json"
-_CHUNK = 1 << 22
 
 
 def cache_folder(option: str, settings: Settings) -> Path | None:
@@ -49,27 +46,16 @@ def cache_folder(option: str, settings: Settings) -> Path | None:
 
 def namespace(facts: dict) -> str:
     """The namespace of these facts: a hex digest of their canonical JSON (with FORMAT_VERSION)."""
-    text = json.dumps({"format": FORMAT_VERSION, **facts}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return json_digest({"format": FORMAT_VERSION, **facts})
 
 
 def files_digest(paths: list[Path], folder: Path | None) -> str:
     """One digest of the contents of `paths` (and their names), each file's digest remembered in
-    `folder`/digests.json by (path, size, mtime) when a folder is given."""
-    remembered = _read_digests(folder)
+    `folder`/digests.json by (path, size, mtime) when a folder is given (mdcli.cache_files)."""
+    digests = remembered_sha256s(paths, folder / DIGESTS_FILE if folder is not None else None)
     combined = hashlib.sha256()
-    changed = False
     for path in sorted(paths, key=lambda p: p.name):
-        stat = path.stat()
-        key = str(path.resolve())
-        stamp = [stat.st_size, stat.st_mtime_ns]
-        entry = remembered.get(key)
-        if not (isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3):
-            entry = [*stamp, _file_digest(path)]
-            remembered[key], changed = entry, True
-        combined.update(f"{path.name}:{entry[2]};".encode())
-    if changed and folder is not None:
-        _write_digests(folder, remembered)
+        combined.update(f"{path.name}:{digests[path]};".encode())
     return combined.hexdigest()
 
 
@@ -86,32 +72,3 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's bytes in memory order, whatever its dtype (bf16 included)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _read_digests(folder: Path | None) -> dict:
-    if folder is None:
-        return {}
-    try:
-        data = json.loads((folder / DIGESTS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_digests(folder: Path, digests: dict) -> None:
-    """Written whole to a temporary file, then renamed over: a reader never sees half of it."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        temporary = folder / f".{DIGESTS_FILE}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        temporary.write_text(json.dumps(digests), encoding="utf-8")
-        os.replace(temporary, folder / DIGESTS_FILE)
-    except OSError:
-        pass  # a digest not remembered is computed again next time
