@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _CHUNK = 1 << 22
-_PARTIAL_PREFIX = ".tmp-"  # as the model folder's own temporary copies are named
+_PARTIAL_PREFIX = ".tmp-"  # hidden: a listing of the folder skips a write in progress
 
 
 def read_json_object(path: Path) -> dict:
@@ -78,7 +78,7 @@ def remembered_sha256s(paths: Iterable[Path], memo: Path | None) -> dict[Path, s
         stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         entry = remembered.get(key)
         if not (isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items())
-                and isinstance(entry.get("sha256"), str)):
+                and isinstance(entry.get("sha256"), str) and entry["sha256"]):
             entry = remembered[key] = {**stamp, "sha256": file_sha256(path)}
             changed = True
         digests[path] = entry["sha256"]

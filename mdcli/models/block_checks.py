@@ -25,8 +25,8 @@ from importlib import metadata
 from pathlib import Path
 
 from mdcli import settings as settings_module
-from mdcli.cache_files import json_digest, read_json_object, replace_json
 from mdcli.backends.weights import gguf_blocks
+from mdcli.cache_files import json_digest, read_json_object, replace_json
 from mdcli.models.embedded import gguf_sha256
 from mdcli.models.prompt_identity import numerics_config
 
