@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from branch_step import step_weights  # noqa: E402
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.backends.weights import gguf_blocks  # noqa: E402
 from mdcli.bench.ask import Case, prompts_for  # noqa: E402
+from mdcli.bench.attention import abba  # noqa: E402
 from mdcli.bench.steppers import EngineStepper  # noqa: E402
 from mdcli.models.load import load_model  # noqa: E402
 
@@ -99,19 +101,14 @@ def cold_or_warm(lm, rows: tuple[int, ...], repeats: int = 9) -> list[str]:
         for w in weights:
             gguf_blocks.narrow_product(inputs[m][w.shape[1]], w, torch.empty(m, w.shape[0]))
 
-    cases = [(m, name) for m in rows for name in ("cold", "warm")]
-    times = {case: [] for case in cases}
-    for repeat in range(repeats):
-        for m, name in cases if repeat % 2 == 0 else cases[::-1]:
-            started = time.perf_counter()
-            run(layers if name == "cold" else warm, m)
-            times[(m, name)].append(time.perf_counter() - started)
+    measured = abba({(m, name): partial(run, layers if name == "cold" else warm, m)
+                     for m in rows for name in ("cold", "warm")}, repeats)
     stored = sum(w.nbytes for w in layers) / 1e6
     lines = [f"| rows | each layer's own blocks ({stored:.0f} MB) ms | the first layer's, {len(layers) // 4} times, ms | warm / cold |",
              "|---:|---:|---:|---:|"]
     for m in rows:
-        cold, warm_s = (statistics.median(times[(m, name)]) for name in ("cold", "warm"))
-        lines.append(f"| {m} | {1000 * cold:.1f} | {1000 * warm_s:.1f} | {warm_s / cold:.2f} |")
+        (cold, _), (warm_ms, _) = measured[(m, "cold")], measured[(m, "warm")]
+        lines.append(f"| {m} | {cold:.1f} | {warm_ms:.1f} | {warm_ms / cold:.2f} |")
     return lines
 
 
@@ -128,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = tuple(int(r) for r in args.rows.split(","))
     lines = [f"{cpu_line()}, one thread; `python benchmarks/products_in_place.py --steps {args.steps} --rows {args.rows}`",
              "", "In the step or replayed (medians):", "", *in_step_or_replayed(lm, (1, 8), args.steps),
-             "", "Cold or warm weights, the 120 layer products (medians of 9, alternating):", "",
+             "", "Cold or warm weights, the 120 layer products (medians of 9 rounds in alternating order, process CPU time):", "",
              *cold_or_warm(lm, rows)]
     text = "\n".join(lines) + "\n"
     print(text)
