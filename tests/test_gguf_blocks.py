@@ -251,7 +251,7 @@ def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embed
     forward = own_forward(embedded_float32.model)
     assert forward.blocks is not None and forward.blocks_reason is None
     assert torch.equal(dequantize(forward.block_head), embedded_float32.model.lm_head.weight)
-    assert "the .gguf's own Q4_1/Q8_0 blocks" in header(embedded_float32, verbose=True)
+    assert "the .gguf's own blocks (q/k/v Q4_1, o Q4_1, gate/up Q4_1, down Q4_1, head Q8_0)" in header(embedded_float32, verbose=True)
     assert "blocks" not in header(embedded_float32)  # the short header names model, device and dtype only
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
@@ -343,10 +343,11 @@ def test_blocks_that_would_not_fit_in_half_the_free_memory_are_not_read(tmp_path
 @needs_kernel
 def test_block_kinds_the_kernel_does_not_read_give_no_copy_and_say_which(tmp_path):
     model = tiny_model("llama", "sdpa")
-    gguf_backed(model, tmp_path / "llama.gguf", head_kind="Q5_0")
+    gguf_backed(model, tmp_path / "llama.gguf", head_kind="F32")
     forward = own_forward(model)
     assert forward.blocks is None and forward.blocks_reason == (
-        "token_embd.weight is type 6; mdcli's kernel reads Q4_1, Q8_0, Q4_0, F16, BF16")
+        "token_embd.weight is F32; mdcli's kernel reads Q4_1, Q8_0, Q4_0, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, "
+        "Q4_K, Q5_K, Q6_K")
 
 
 @needs_kernel

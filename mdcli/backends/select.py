@@ -127,6 +127,7 @@ class Plan:
     tiled_rows: int
     blocks: str | None  # the .gguf block kinds serving forwards of up to block_rows tokens, e.g. "Q4_1/Q8_0"
     blocks_reason: str | None  # why the blocks were looked for and not used
+    blocks_held: str  # what each matrix is held as, by type name ("q/k/v Q4_K or Q4_K+Q6_K, ..., head Q6_K"; "" without blocks)
     block_rows: int
     block_kernel_rows: int  # forwards on the blocks of up to this many tokens take the block kernel, wider ones its tiles and torch's GEMM
     on_blocks: bool  # every forward multiplies by the blocks: the model holds no float32 projections or head
@@ -167,10 +168,10 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     fits = _fits(model, host)
     packed = copies and (onednn or avx2) and fits(1)
     tiled = copies and tiled_host and fits(2 if packed else 1)
-    blocks, blocks_reason = _blocks(model, device, dtype, settings, host, own_reason)
+    blocks, blocks_reason, blocks_held = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
-    notes = [_blocks_note(blocks, on_blocks, block_kernel_rows)] if blocks else []
+    notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core, slower on an AVX-512 Xeon (whose
     # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
     fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
@@ -198,6 +199,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         tiled_rows=tiled_gemm.TILED_MAX_ROWS,
         blocks=blocks,
         blocks_reason=blocks_reason,
+        blocks_held=blocks_held,
         block_rows=gguf_blocks.max_rows(),
         block_kernel_rows=block_kernel_rows,
         on_blocks=on_blocks,
@@ -216,11 +218,11 @@ def _head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _blocks_note(blocks: str, on_blocks: bool, kernel_rows: int) -> str:
+def _blocks_note(held: str, on_blocks: bool, kernel_rows: int) -> str:
     if on_blocks:
-        return (f"every forward on the .gguf's own {blocks} blocks, no float32 copy (the same float32 weights); "
-                f"the block kernel up to {kernel_rows} tokens, wider tile by tile")
-    return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own {blocks} blocks (the same float32 weights)"
+        return (f"every forward on the file's own weights ({held}), widened to float32 in the kernel, "
+                f"never held in float32; the block kernel up to {kernel_rows} tokens, wider tile by tile")
+    return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own blocks ({held}), widened to float32 in the kernel"
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, settings: Settings, host: Host) -> KernelChoice:
@@ -266,19 +268,22 @@ def _tiled_host(device, dtype, settings: Settings, host: Host, avx2: bool) -> bo
     return host.tiled_kernel()
 
 
-def _blocks(model, device, dtype, settings: Settings, host: Host, own_reason: str | None) -> tuple[str | None, str | None]:
-    """The .gguf block kinds the own forward multiplies forwards of a few tokens by, or why not."""
+def _blocks(model, device, dtype, settings: Settings, host: Host,
+            own_reason: str | None) -> tuple[str | None, str | None, str]:
+    """(the .gguf block kinds the own forward multiplies forwards of a few tokens by, or None; why
+    not, where they were looked for; what each matrix is held as)."""
     if own_reason is not None or not settings.gguf_blocks or not gguf_blocks.source_known(model):
-        return None, None
+        return None, None, ""
     if has_int8_weights(model) or device.type != "cpu" or dtype != torch.float32:
-        return None, None
+        return None, None, ""
     if gguf_blocks.max_rows() == 0 or not host.block_kernel():
-        return None, None
+        return None, None, ""
     found = gguf_blocks.model_blocks(model, host.free_memory)
     if isinstance(found, str):
-        return None, found
+        return None, found, ""
     layers, head = found
-    return "/".join(sorted({weight.kind for weight in (*layers[0], head)})), None
+    kinds = {kind for weight in (*(w for layer in layers for w in layer), head) for kind in weight.kinds}
+    return "/".join(sorted(kinds)), None, gguf_blocks.held_as(layers, head, gguf_blocks.embedding_blocks(model))
 
 
 def _fits(model, host: Host) -> Callable[[int], bool]:

@@ -77,10 +77,12 @@ def _text(report: dict) -> str:
                                                   if plan["attention"] == "bmm" and plan["bmm_max_queries"] else ""),
             "weight copies: " + (", ".join(_copies(plan)) or "none (the model's own weights)"),
         ]
+        if plan["blocks_held"]:
+            lines.append(f"weights held as: {plan['blocks_held']}")
         if plan["blocks_reason"]:
             lines.append(f".gguf blocks not used: {plan['blocks_reason']}")
         if plan["float32_reason"]:
-            lines.append(f"float32 weights kept beside the blocks: {plan['float32_reason']}")
+            lines.append(f"float32 weights loaded, not the file's blocks: {plan['float32_reason']}")
         lines.append("weights held: " + ", ".join(f"{name} {size / 2**20:.0f} MiB"
                                                   for name, size in report["weight_bytes"].items()))
     return "\n".join(lines)

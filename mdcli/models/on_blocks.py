@@ -1,12 +1,13 @@
 """Load a .gguf model whose projections, head and embedding stay in the file's blocks: no float32 copy.
 
 Rule: a float32 CPU load of a .gguf (the embedded model is one) whose every projection, head and
-embedding the block kernel reads (Q4_0, Q4_1, Q8_0, F16, BF16), on a Llama-family model mdcli's own
+embedding the block kernel reads (mdcli.backends.weights.gguf_kinds: the legacy, K-quant and 16-bit
+types of the files users download), on a Llama-family model mdcli's own
 forward runs without a sliding window, is built on the meta device and only its norms, biases and
 rotary tables are made real. The projections and head are multiplied by the file's blocks at every
 width (mdcli.backends.weights.gguf_blocks), the embedding's rows read from its blocks, so the
 weights cost what the file costs instead of four bytes a weight (measured: notebook/memory.md). Anything else (another architecture, a
-K-quant, a window, `LoadOptions(keep_float32=True)`) loads as before, with the reason kept for the plan.
+type the kernel does not read (F32 matrices, the IQ types), a window, `LoadOptions(keep_float32=True)`) loads as before, with the reason kept for the plan.
 
 Exactness: every block matrix is checked bit for bit against the float32 weights transformers'
 own GGUF loader would have made of that tensor (gguf-py's dequantization, then the loader's own

@@ -1,4 +1,5 @@
-/* y = x @ W^T where W is stored as a GGUF file stores it: blocks of 32 weights, Q4_1, Q8_0 or Q4_0,
+/* y = x @ W^T where W is stored as a GGUF file stores it: blocks of 32 weights (Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0), super-blocks of 256 read 32 at a time (the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K),
  * or F16 / BF16 read 32 at a time.
  *
  * The weights a GGUF-loaded model holds in float32 are these blocks dequantized (gguf-py's
@@ -25,6 +26,15 @@
 #define Q8_0_BYTES 34 /* float16 d, 32 int8 codes */
 #define Q4_0_BYTES 18 /* float16 d, 16 bytes of codes as Q4_1's, each minus 8 */
 #define HALF_BYTES 64 /* F16 and BF16: 32 weights of two bytes, read as a block of 32 */
+#define Q5_0_BYTES 22 /* float16 d, 32 high bits (a little-endian uint32), 16 bytes of low nibbles as Q4_0's */
+#define Q5_1_BYTES 24 /* float16 d, float16 m, then as Q5_0 */
+/* K-quants: 256 weights a super-block, read as 8 sub-blocks of 32 (ggml's block_q*_K layouts) */
+#define SUPER 8
+#define Q2_K_BYTES 84  /* 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit codes, d, dmin */
+#define Q3_K_BYTES 110 /* 32 bytes of high bits, 64 of 2-bit codes, 12 of packed 6-bit scales, d */
+#define Q4_K_BYTES 144 /* d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes of nibbles */
+#define Q5_K_BYTES 176 /* as Q4_K, with 32 bytes of high bits before the nibbles */
+#define Q6_K_BYTES 210 /* 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d */
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -61,6 +71,19 @@ static inline void brains(const uint8_t *p, vec w[2]) { /* bf16: the high half o
         w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32 * j))), 16));
 }
+
+/* 16 bytes at p, each widened to an int32 lane */
+typedef __m512i ivec;
+static inline ivec ibytes(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#define iset1 _mm512_set1_epi32
+#define iand _mm512_and_si512
+#define ior _mm512_or_si512
+#define iadd _mm512_add_epi32
+#define isub _mm512_sub_epi32
+#define isrlv _mm512_srlv_epi32
+static inline ivec isrl(ivec a, int count) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(count)); }
+static inline ivec isll(ivec a, int count) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(count)); }
+static inline ivec lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 #else
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -104,6 +127,19 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
         w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j))), 16));
 }
+
+/* 8 bytes at p, each widened to an int32 lane */
+typedef __m256i ivec;
+static inline ivec ibytes(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#define iset1 _mm256_set1_epi32
+#define iand _mm256_and_si256
+#define ior _mm256_or_si256
+#define iadd _mm256_add_epi32
+#define isub _mm256_sub_epi32
+#define isrlv _mm256_srlv_epi32
+static inline ivec isrl(ivec a, int count) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(count)); }
+static inline ivec isll(ivec a, int count) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(count)); }
+static inline ivec lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 #endif
 
 #define PER (BLOCK / LANES) /* vectors per block */
@@ -142,15 +178,127 @@ static inline __attribute__((always_inline)) void weights_of(int kind, const uin
     }
 }
 
-/* Bytes per block of 32 weights of each kind. */
+/* The kinds beyond weights_of's: 5 = Q5_0, 6 = Q5_1 (blocks of 32), 7 = Q2_K, 8 = Q3_K, 9 = Q4_K,
+ * 10 = Q5_K, 11 = Q6_K (super-blocks of 256, read 32 weights at a time). Each is the float32 weight
+ * gguf-py's `dequantize` makes, bit for bit: every scale times a code is exact in float32 (at most
+ * 11 + 8 + 6 significant bits), so where gguf-py subtracts a minimum or adds an offset after the
+ * product, one fused multiply-add rounds the same once; where it multiplies three numbers, every
+ * order gives the same exact product. */
+#define IS_SUPER(kind) ((kind) >= 7)
+
+/* Bytes per block (32 weights) or super-block (256) of each kind. */
 static inline int64_t bytes_of(int kind) {
-    return kind == 0 ? Q4_1_BYTES : kind == 1 ? Q8_0_BYTES : kind == 2 ? Q4_0_BYTES : HALF_BYTES;
+    switch (kind) {
+    case 0: return Q4_1_BYTES;
+    case 1: return Q8_0_BYTES;
+    case 2: return Q4_0_BYTES;
+    case 5: return Q5_0_BYTES;
+    case 6: return Q5_1_BYTES;
+    case 7: return Q2_K_BYTES;
+    case 8: return Q3_K_BYTES;
+    case 9: return Q4_K_BYTES;
+    case 10: return Q5_K_BYTES;
+    case 11: return Q6_K_BYTES;
+    default: return HALF_BYTES;
+    }
 }
 
-/* One block's 32 weights written out as float32, by the code the products use. */
-static inline __attribute__((always_inline)) void block_out(int kind, const uint8_t *block, float *out) {
+/* Q5_0 (w = d * (q - 16)) and Q5_1 (w = d * q + m): q's low nibble as Q4_0's, its fifth bit bit i of
+ * a little-endian uint32 for weight i. */
+static inline __attribute__((always_inline)) void q5_weights(int with_min, const uint8_t *block, vec w[PER]) {
+    const vec d = vset1(half_at(block));
+    const uint8_t *high_bits = block + (with_min ? 4 : 2), *codes = high_bits + 4;
+    uint32_t high;
+    memcpy(&high, high_bits, 4);
+    const ivec bits = iset1((int)high), index = lane_index();
+    for (int j = 0; j < PER; j++) {
+        const int o = j * LANES; /* weights o .. o + LANES of the block */
+        const ivec low = o < 16 ? iand(ibytes(codes + o), iset1(15)) : isrl(ibytes(codes + o - 16), 4);
+        const ivec fifth = isll(iand(isrlv(bits, iadd(index, iset1(o))), iset1(1)), 4);
+        const ivec q = ior(low, fifth);
+        w[j] = with_min ? vfma(d, vfloat(q), vset1(half_at(block + 2))) : vmul(d, vfloat(isub(q, iset1(16))));
+    }
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block s, from their 12 packed bytes. */
+static inline void k_scale_min(const uint8_t *q, int s, int *scale, int *min) {
+    if (s < 4) {
+        *scale = q[s] & 63;
+        *min = q[s + 4] & 63;
+    } else {
+        *scale = (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
+        *min = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    }
+}
+
+/* Sub-block s (weights 32 s .. 32 s + 32) of the K-quant super-block at sb. */
+static inline __attribute__((always_inline)) void k_weights(int kind, const uint8_t *sb, int s, vec w[PER]) {
+    if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: w = (d * scale) * q - dmin * min */
+        int scale, min;
+        k_scale_min(sb + 4, s, &scale, &min);
+        const vec ds = vset1(half_at(sb) * (float)scale), dm = vset1(-(half_at(sb + 2) * (float)min));
+        const uint8_t *codes = sb + (kind == 9 ? 16 : 48) + 32 * (s / 2);
+        for (int j = 0; j < PER; j++) {
+            const int o = j * LANES;
+            ivec q = iand(isrl(ibytes(codes + o), 4 * (s % 2)), iset1(15));
+            if (kind == 10) /* the fifth bit: bit s of high byte o + lane */
+                q = ior(q, isll(iand(isrl(ibytes(sb + 16 + o), s), iset1(1)), 4));
+            w[j] = vfma(ds, vfloat(q), dm);
+        }
+    } else if (kind == 11) { /* Q6_K: w = (d * scale) * (q - 32), a scale every 16 weights */
+        const int h = s / 4, t = s % 4;
+        const float d = half_at(sb + 208);
+        for (int j = 0; j < PER; j++) {
+            const int o = j * LANES;
+            const ivec low = iand(isrl(ibytes(sb + h * 64 + 32 * (t % 2) + o), 4 * (t / 2)), iset1(15));
+            const ivec high = iand(isrl(ibytes(sb + 128 + h * 32 + o), 2 * t), iset1(3));
+            const ivec q = isub(ior(low, isll(high, 4)), iset1(32));
+            w[j] = vmul(vset1(d * (float)((const int8_t *)(sb + 192))[2 * s + o / 16]), vfloat(q));
+        }
+    } else if (kind == 7) { /* Q2_K: w = (d * scale) * q - dmin * min, a 4-bit scale and min every 16 */
+        const int h = s / 4, u = s % 4;
+        const float d = half_at(sb + 80), dmin = half_at(sb + 82);
+        for (int j = 0; j < PER; j++) {
+            const int o = j * LANES;
+            const uint8_t packed = sb[2 * s + o / 16];
+            const ivec q = iand(isrl(ibytes(sb + 16 + h * 32 + o), 2 * u), iset1(3));
+            w[j] = vfma(vset1(d * (float)(packed & 15)), vfloat(q), vset1(-(dmin * (float)(packed >> 4))));
+        }
+    } else { /* Q3_K: w = (d * (scale - 32)) * (q - 4 * (1 - high bit)), a 6-bit scale every 16 */
+        const int h = s / 4, u = s % 4;
+        const uint8_t *scales = sb + 96;
+        const float d = half_at(sb + 108);
+        for (int j = 0; j < PER; j++) {
+            const int o = j * LANES, which = 2 * s + o / 16;
+            const int low = which < 8 ? scales[which] & 15 : scales[which - 8] >> 4;
+            const int high = (scales[8 + which % 4] >> (2 * (which / 4))) & 3;
+            const ivec q2 = iand(isrl(ibytes(sb + 32 + h * 32 + o), 2 * u), iset1(3));
+            const ivec bit = iand(isrl(ibytes(sb + o), s), iset1(1));
+            const ivec q = isub(q2, isll(isub(iset1(1), bit), 2));
+            w[j] = vmul(vset1(d * (float)((low | (high << 4)) - 32)), vfloat(q));
+        }
+    }
+}
+
+/* The 32 weights b (counted in 32s from `base`, a row's or a whole matrix's first block) as PER vectors. */
+static inline __attribute__((always_inline)) void weights_at(int kind, const uint8_t *base, int64_t b, vec w[PER]) {
+    if (IS_SUPER(kind))
+        k_weights(kind, base + (b / SUPER) * bytes_of(kind), (int)(b % SUPER), w);
+    else if (kind == 5 || kind == 6)
+        q5_weights(kind == 6, base + b * bytes_of(kind), w);
+    else
+        weights_of(kind, base + b * bytes_of(kind), w);
+}
+
+/* Bytes of a weight row of k inputs. */
+static inline int64_t row_bytes_of(int kind, int64_t k) {
+    return (IS_SUPER(kind) ? k / (BLOCK * SUPER) : k / BLOCK) * bytes_of(kind);
+}
+
+/* The 32 weights b from `base` written out as float32, by the code the products use. */
+static inline __attribute__((always_inline)) void block_out(int kind, const uint8_t *base, int64_t b, float *out) {
     vec v[PER];
-    weights_of(kind, block, v);
+    weights_at(kind, base, b, v);
     for (int j = 0; j < PER; j++)
         vstore(out + j * LANES, v[j]);
 }
@@ -171,20 +319,19 @@ static inline void fetch(const uint8_t *p, int64_t bytes) {
         __builtin_prefetch(p + f, 0, 0);
 }
 
-/* Rows [0, R) of x (row stride ldx) times blocks [0, blocks) of one weight row -> y[r * ldy], added
+/* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of one weight row -> y[r * ldy], added
  * to it if `add`: each block turned into weights in registers once for the R rows, `chains`
  * multiply-add chains per row (2 in the passes of up to ROWS rows, 1 in the shared rebuilds). */
 static inline __attribute__((always_inline)) void pass(int kind, int R, int chains, const float *x, int64_t ldx,
-                                                       const uint8_t *row, int64_t blocks, float *y, int64_t ldy,
-                                                       int add) {
-    const int64_t size = bytes_of(kind);
+                                                       const uint8_t *row, int64_t b0, int64_t b1, float *y,
+                                                       int64_t ldy, int add) {
     vec acc[8][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         acc[r][0] = acc[r][1] = vzero();
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         vec w[PER];
-        weights_of(kind, row + b * size, w);
+        weights_at(kind, row, b, w);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const float *in = x + r * ldx + b * BLOCK;
@@ -202,20 +349,20 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
 
 #if ROWS == 8
 #define PASSES(kind) \
-    case 1: pass(kind, 1, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 2: pass(kind, 2, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 3: pass(kind, 3, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 4: pass(kind, 4, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 5: pass(kind, 5, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 6: pass(kind, 6, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 7: pass(kind, 7, 2, xr, k, row, blocks, yr, n, 0); break; \
-    default: pass(kind, 8, 2, xr, k, row, blocks, yr, n, 0); break;
+    case 1: pass(kind, 1, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 2: pass(kind, 2, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 3: pass(kind, 3, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 4: pass(kind, 4, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 5: pass(kind, 5, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 6: pass(kind, 6, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 7: pass(kind, 7, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    default: pass(kind, 8, 2, xr, k, row, 0, blocks, yr, ldy, 0); break;
 #else
 #define PASSES(kind) \
-    case 1: pass(kind, 1, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 2: pass(kind, 2, 2, xr, k, row, blocks, yr, n, 0); break; \
-    case 3: pass(kind, 3, 2, xr, k, row, blocks, yr, n, 0); break; \
-    default: pass(kind, 4, 2, xr, k, row, blocks, yr, n, 0); break;
+    case 1: pass(kind, 1, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 2: pass(kind, 2, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    case 3: pass(kind, 3, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
+    default: pass(kind, 4, 2, xr, k, row, 0, blocks, yr, ldy, 0); break;
 #endif
 
 
@@ -232,20 +379,20 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
 #endif
 
 #define SHARED_PASSES(kind) \
-    case 5: pass(kind, 5, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    case 6: pass(kind, 6, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    case 7: pass(kind, 7, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break; \
-    default: pass(kind, 8, 1, xr, k, row, b1 - b0, yr, n, b0 > 0); break;
+    case 5: pass(kind, 5, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
+    case 6: pass(kind, 6, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
+    case 7: pass(kind, 7, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
+    default: pass(kind, 8, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break;
 
 /* y = x @ W^T for ROWS < m <= ONE_REBUILD_ROWS, a span of inputs at a time. */
 #define SHARED_PRODUCT(kind)                                                                       \
     for (int64_t b0 = 0; b0 < blocks; b0 += SPAN) {                                                \
         const int64_t b1 = b0 + SPAN < blocks ? b0 + SPAN : blocks;                                \
-        const float *xr = x + b0 * BLOCK;                                                          \
+        const int64_t skip = row_bytes_of(kind, b0 * BLOCK), span = row_bytes_of(kind, (b1 - b0) * BLOCK); \
         for (int64_t j = 0; j < n; j++) {                                                          \
-            const uint8_t *row = w + j * row_bytes + b0 * bytes_of(kind);                          \
+            const uint8_t *row = w + j * row_bytes;                                                \
             if (j + AHEAD_ROWS < n)                                                                \
-                fetch(row + AHEAD_ROWS * row_bytes, (b1 - b0) * bytes_of(kind));                   \
+                fetch(row + AHEAD_ROWS * row_bytes + skip, span);                                  \
             float *yr = y + j;                                                                     \
             switch (m) { SHARED_PASSES(kind) }                                                     \
         }                                                                                          \
@@ -295,28 +442,28 @@ static inline __attribute__((always_inline)) void panel_pass(int R, int O, const
 
 #if WIDE_ROWS == 8
 #define PANEL_PASSES(O) \
-    case 1: panel_pass(1, O, xr, k, panel, k, yr, n); break; \
-    case 2: panel_pass(2, O, xr, k, panel, k, yr, n); break; \
-    case 3: panel_pass(3, O, xr, k, panel, k, yr, n); break; \
-    case 4: panel_pass(4, O, xr, k, panel, k, yr, n); break; \
-    case 5: panel_pass(5, O, xr, k, panel, k, yr, n); break; \
-    case 6: panel_pass(6, O, xr, k, panel, k, yr, n); break; \
-    case 7: panel_pass(7, O, xr, k, panel, k, yr, n); break; \
-    default: panel_pass(8, O, xr, k, panel, k, yr, n); break;
+    case 1: panel_pass(1, O, xr, k, panel, k, yr, ldy); break; \
+    case 2: panel_pass(2, O, xr, k, panel, k, yr, ldy); break; \
+    case 3: panel_pass(3, O, xr, k, panel, k, yr, ldy); break; \
+    case 4: panel_pass(4, O, xr, k, panel, k, yr, ldy); break; \
+    case 5: panel_pass(5, O, xr, k, panel, k, yr, ldy); break; \
+    case 6: panel_pass(6, O, xr, k, panel, k, yr, ldy); break; \
+    case 7: panel_pass(7, O, xr, k, panel, k, yr, ldy); break; \
+    default: panel_pass(8, O, xr, k, panel, k, yr, ldy); break;
 #else
 #define PANEL_PASSES(O) \
-    case 1: panel_pass(1, O, xr, k, panel, k, yr, n); break; \
-    case 2: panel_pass(2, O, xr, k, panel, k, yr, n); break; \
-    case 3: panel_pass(3, O, xr, k, panel, k, yr, n); break; \
-    default: panel_pass(4, O, xr, k, panel, k, yr, n); break;
+    case 1: panel_pass(1, O, xr, k, panel, k, yr, ldy); break; \
+    case 2: panel_pass(2, O, xr, k, panel, k, yr, ldy); break; \
+    case 3: panel_pass(3, O, xr, k, panel, k, yr, ldy); break; \
+    default: panel_pass(4, O, xr, k, panel, k, yr, ldy); break;
 #endif
 
-/* Every row of x [m, k] times O weight rows written out in `panel` -> y[:, 0:O] (row stride n). */
+/* Every row of x [m, k] times O weight rows written out in `panel` -> y[:, 0:O] (row stride ldy). */
 static inline __attribute__((always_inline)) void panel_rows_of(int O, const float *x, int64_t m, int64_t k,
-                                                                const float *panel, float *y, int64_t n) {
+                                                                const float *panel, float *y, int64_t ldy) {
     for (int64_t r0 = 0; r0 < m; r0 += WIDE_ROWS) {
         const float *xr = x + r0 * k;
-        float *yr = y + r0 * n;
+        float *yr = y + r0 * ldy;
         switch (m - r0) { PANEL_PASSES(O) }
     }
 }
@@ -324,16 +471,17 @@ static inline __attribute__((always_inline)) void panel_rows_of(int O, const flo
 /* Floats of scratch a product of inner size k needs (the caller's, one per thread). */
 int64_t scratch_floats(int64_t k) { return PANEL * k; }
 
-/* y[m][n] = sum_c x[m][c] * W[n][c]; x: [m, k] and y: [m, n] contiguous float32, W: n rows of k / 32
- * blocks; scratch: scratch_floats(k) floats. Up to ROWS rows: each weight row is read from memory
- * once and turned into weights in registers per pass (passes after the first over more rows of x
- * find it in the core's caches). Up to ONE_REBUILD_ROWS rows (AVX2): one rebuild in registers for
- * every row. More rows: PANEL weight rows at a time written out once into the scratch, then
- * multiplied by every row of x. */
+/* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32, y: m rows of stride ldy (>= n:
+ * a product may fill some columns of a wider output), W: n rows of k / 32 blocks (k / 256
+ * super-blocks for the K-quants); scratch: scratch_floats(k) floats. Up to ROWS rows: each weight
+ * row is read from memory once and turned into weights in registers per pass (passes after the
+ * first over more rows of x find it in the core's caches). Up to ONE_REBUILD_ROWS rows (AVX2): one
+ * rebuild in registers for every row. More rows: PANEL weight rows at a time written out once into
+ * the scratch, then multiplied by every row of x. */
 #define PRODUCT(name, kind)                                                                        \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
-              float *scratch) {                                                                    \
-        const int64_t blocks = k / BLOCK, row_bytes = blocks * bytes_of(kind);                    \
+              int64_t ldy, float *scratch) {                                                       \
+        const int64_t blocks = k / BLOCK, row_bytes = row_bytes_of(kind, k);                      \
         if (ROWS < ONE_REBUILD_ROWS && m > ROWS && m <= ONE_REBUILD_ROWS) {                       \
             SHARED_PRODUCT(kind)                                                                   \
             return;                                                                                \
@@ -344,13 +492,13 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
                 if (j + 2 * PANEL <= n)                                                            \
                     fetch(w + (j + PANEL) * row_bytes, PANEL * row_bytes);                         \
                 for (int64_t b = 0; b < PANEL * blocks; b++)                                       \
-                    block_out(kind, w + j * row_bytes + b * bytes_of(kind), scratch + b * BLOCK);  \
-                panel_rows_of(PANEL, x, m, k, scratch, y + j, n);                                  \
+                    block_out(kind, w + j * row_bytes, b, scratch + b * BLOCK);                    \
+                panel_rows_of(PANEL, x, m, k, scratch, y + j, ldy);                                \
             }                                                                                      \
             for (; j < n; j++) {                                                                   \
                 for (int64_t b = 0; b < blocks; b++)                                               \
-                    block_out(kind, w + j * row_bytes + b * bytes_of(kind), scratch + b * BLOCK);  \
-                panel_rows_of(1, x, m, k, scratch, y + j, n);                                      \
+                    block_out(kind, w + j * row_bytes, b, scratch + b * BLOCK);                    \
+                panel_rows_of(1, x, m, k, scratch, y + j, ldy);                                    \
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
@@ -368,7 +516,7 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
 #define DEQUANTIZE(name, kind)                                                                     \
     void name(const uint8_t *w, int64_t n, int64_t k, float *out) {                               \
         for (int64_t b = 0; b < n * (k / BLOCK); b++)                                              \
-            block_out(kind, w + b * bytes_of(kind), out + b * BLOCK);                              \
+            block_out(kind, w, b, out + b * BLOCK);                                                \
     }
 
 /* 1 if the weights are `expected` ([n][k] float32) bit for bit, else 0: the check before a copy is
@@ -377,7 +525,7 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
     int name(const uint8_t *w, int64_t n, int64_t k, const float *expected) {                     \
         float out[BLOCK];                                                                          \
         for (int64_t b = 0; b < n * (k / BLOCK); b++) {                                            \
-            block_out(kind, w + b * bytes_of(kind), out);                                          \
+            block_out(kind, w, b, out);                                                            \
             if (memcmp(out, expected + b * BLOCK, sizeof out) != 0)                                \
                 return 0;                                                                          \
         }                                                                                          \
@@ -392,3 +540,10 @@ KIND(q8_0, 1)
 KIND(q4_0, 2)
 KIND(f16, 3)
 KIND(bf16, 4)
+KIND(q5_0, 5)
+KIND(q5_1, 6)
+KIND(q2_k, 7)
+KIND(q3_k, 8)
+KIND(q4_k, 9)
+KIND(q5_k, 10)
+KIND(q6_k, 11)

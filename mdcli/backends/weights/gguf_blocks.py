@@ -27,10 +27,14 @@ MKL's or oneDNN's: logits agree with theirs to float32 rounding, the same kind o
 between those two, and nothing about the model changes (unlike `--cpu-weights int8`, which rounds
 weights and activations).
 
-Other .gguf files whose projections and head are Q8_0, Q4_0, F16 or BF16 (llama.cpp's common
-unmixed types) are read the same way: each kind's weights are rebuilt exactly (d * q, d * (q - 8),
-or the 16-bit number widened), so every one is the model's float32 weights bit for bit.
-K-quants (Q4_K, Q6_K: the mixed "Q4_K_M" files) and Q5 are not read: such a file gives no copy.
+Every type of the files users download is read the same way (mdcli.backends.weights.gguf_kinds):
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks of 32, the K-quants' super-blocks of 256 (Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K: the mixed Q3_K_M, Q4_K_M, Q5_K_M files) read 32 weights at a time, and F16/BF16 numbers
+widened. Each kind's weights are rebuilt exactly as gguf-py computes them (a scale times a code is
+exact in float32, and where gguf-py then adds or subtracts, one fused multiply-add rounds the same),
+so every one is the model's float32 weights bit for bit. Where a layer's q, k and v (or gate and
+up) are of different types, as in the "_M" mixes, their product is one JoinedBlocks, each part
+filling its own columns of the output.
 
 Before a copy is used it is checked: every matrix the kernel would read is dequantized by the
 kernel's own code and compared bit for bit with the model's float32 weight (`read_blocks`); a file
@@ -62,10 +66,10 @@ from gguf import GGMLQuantizationType, quants
 from mdcli.backends.host import available_memory_bytes
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_file import read_tensors
+from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, inner_of, random_blocks, whole_blocks
 
 SOURCE = Path(__file__).parent.parent / "native" / "gguf_blocks.c"
-BLOCK = 32  # weights per block, every kind (F16 and BF16 read 32 at a time)
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
+BLOCK = 32  # weights the kernel rebuilds at a time, every kind (a K-quant's super-block is 8 of them)
 # block_linear multiplies forwards of up to this many tokens by the block kernel, wider ones (a
 # prefill) tile by tile (TILE_ROWS). The kernel passes over ROWS rows of x at a time with each block
 # rebuilt in registers (8 on AVX-512, 4 on AVX2: its 16 registers); beyond that it writes 3 weight
@@ -102,9 +106,9 @@ _SCRATCH = threading.local()  # each thread's float32 scratch for the tiles of w
 
 @dataclass(frozen=True, slots=True)
 class BlockWeight:
-    """An [out, in] weight as GGUF blocks: data [out, in / 32 * bytes] uint8, each row its blocks."""
+    """An [out, in] weight as GGUF blocks: data [out, row bytes] uint8, each row its blocks."""
 
-    kind: str  # "Q4_1" or "Q8_0"
+    kind: str  # a name of gguf_kinds.KERNEL_KINDS: "Q4_1", "Q6_K", "BF16", ...
     data: torch.Tensor
     in_features: int
 
@@ -115,6 +119,31 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,)
+
+
+@dataclass(frozen=True, slots=True)
+class JoinedBlocks:
+    """Several weights of one input width multiplied as one [sum of outs, in] matrix, each in its
+    own kind: a K-quant file's q, k and v are often Q4_K, Q4_K and Q6_K (its "_M" mixes), which
+    mdcli fuses into one product (mdcli.backends.llama). Each part fills its columns of the output."""
+
+    parts: tuple[BlockWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(part.kind for part in self.parts)
 
 
 def max_rows() -> int:
@@ -154,6 +183,23 @@ def embedding_blocks(model) -> BlockWeight | None:
     return _EMBEDDINGS.get(model)
 
 
+ROLES = ("q/k/v", "o", "gate/up", "down")  # the fused matrices of a layer, in model_blocks' order
+
+
+def held_as(layers: list[tuple], head, embedding: BlockWeight | None = None) -> str:
+    """What each matrix is held as, by type name, over all layers: "q/k/v Q4_K or Q4_K+Q6_K, o Q4_K,
+    gate/up Q4_K, down Q4_K or Q6_K, head Q6_K" (a joined matrix's parts with "+"; the embedding
+    where it is read from blocks of its own)."""
+    def kinds(weights) -> str:
+        return " or ".join(dict.fromkeys("+".join(w.kinds) for w in weights))
+
+    held = [f"{role} {kinds(layer[index] for layer in layers)}" for index, role in enumerate(ROLES)]
+    held.append(f"head {kinds([head])}")
+    if embedding is not None and embedding is not head:
+        held.append(f"embedding {embedding.kind}")
+    return ", ".join(held)
+
+
 def embedded_rows(weight: BlockWeight, tokens: torch.Tensor) -> torch.Tensor:
     """[M, hidden] float32: the rows `tokens` [M] of an embedding in blocks, as the float32
     embedding holds them (each row's blocks gathered, then turned back into float32 by the
@@ -179,12 +225,13 @@ def source_known(model) -> bool:
     return model in _SOURCES
 
 
-def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None, *,
+def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torch.Tensor | None = None, *,
                  rows_on_kernel: int | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for W in blocks, any number of rows. x: [..., in] float32 CPU -> [..., out].
 
     Up to `rows_on_kernel` rows (the plan's block_kernel_rows; None: max_rows()) the block kernel
-    multiplies; wider inputs (a prefill) are multiplied tile by tile (`tiled_product`)."""
+    multiplies; wider inputs (a prefill) are multiplied tile by tile (`tiled_product`). A
+    JoinedBlocks multiplies part by part, each into its columns of the output."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
     if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
@@ -192,29 +239,33 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     if inner != flat.shape[1]:
         raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
-    if flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1):
-        tiled_product(flat, weight, out)
-    else:
-        narrow_product(flat, weight, out)
+    product = tiled_product if flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1) \
+        else narrow_product
+    start = 0
+    for part in weight.parts if isinstance(weight, JoinedBlocks) else (weight,):
+        product(flat, part, out[:, start:start + part.shape[0]])
+        start += part.shape[0]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
 
 
 def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
-    """out = flat @ W.T by the block kernel (flat [rows, in], out [rows, out], contiguous float32)."""
+    """out = flat @ W.T by the block kernel (flat [rows, in] contiguous float32; out [rows, out]
+    float32 with unit column stride: columns of a wider output may be filled)."""
     lib = library()
     rows = flat.shape[0]  # a lone row never reaches the wide panels, so needs no scratch
     scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr() if rows > 1 else None
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
-    product(flat.data_ptr(), rows, flat.shape[1], weight.data.data_ptr(), out.shape[1], out.data_ptr(), scratch)
+    product(flat.data_ptr(), rows, flat.shape[1], weight.data.data_ptr(), weight.shape[0], out.data_ptr(),
+            out.stride(0), scratch)
 
 
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int = TILE_ROWS) -> None:
-    """out = flat @ W.T (flat [rows, in], out [rows, out], contiguous float32), a tile of W's rows at
-    a time: the tile's weights written out as float32 by the kernel's own code (`*_dequantize`,
-    gguf-py's weights bit for bit) into this thread's scratch, then multiplied by torch's float32
-    GEMM into the tile's columns of `out`."""
+    """out = flat @ W.T (flat [rows, in] contiguous float32, out [rows, out] float32), a tile of
+    W's rows at a time: the tile's weights written out as float32 by the kernel's own code
+    (`*_dequantize`, gguf-py's weights bit for bit) into this thread's scratch, then multiplied by
+    torch's float32 GEMM into the tile's columns of `out`."""
     out_features, inner = weight.shape
     tile = tile_rows(out_features, most)
     scratch = _scratch(tile * inner)[: tile * inner].view(tile, inner)
@@ -267,12 +318,18 @@ def library() -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
-    for kind in BLOCK_BYTES:
+    for kind in KERNEL_KINDS:
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
-        product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, pointer], None
+        product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, size, pointer], None
         expand.argtypes, expand.restype = [pointer, size, size, pointer], None
         compare.argtypes, compare.restype = [pointer, size, size, pointer], ctypes.c_int
     return lib
+
+
+def reference_weights(weight: BlockWeight) -> torch.Tensor:
+    """[out, in] float32: gguf-py's dequantization of the blocks (what transformers' loader makes)."""
+    codes = weight.data.numpy().view(np.uint8)
+    return torch.from_numpy(quants.dequantize(codes, GGMLQuantizationType[weight.kind]).astype(np.float32))
 
 
 def rounded_to(values, kind: str) -> BlockWeight:
@@ -283,21 +340,20 @@ def rounded_to(values, kind: str) -> BlockWeight:
 
 @cache
 def blocks_work() -> bool:
-    """The kernel built here, writes gguf-py's weights bit for bit and multiplies as torch does."""
+    """The kernel built here writes gguf-py's weights bit for bit and multiplies as torch does, for
+    every kind it reads."""
     if library() is None:
         return False
     generator = np.random.default_rng(0)
-    values = generator.standard_normal((19, 96)).astype(np.float32)
-    for kind in BLOCK_BYTES:
-        weight = rounded_to(values, kind)
-        codes = weight.data.numpy().view(np.uint8)
-        expected = torch.from_numpy(quants.dequantize(codes, GGMLQuantizationType[kind]).astype(np.float32))  # [19, 96]
+    for kind in KERNEL_KINDS:
+        weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 19, 256, generator)), 256)
+        expected = reference_weights(weight)  # [19, 256]
         if not torch.equal(dequantize(weight), expected) or not matches(weight, expected):
             return False
         if matches(weight, torch.nextafter(expected, torch.tensor(np.inf))):  # one float32 step off
             return False
         for rows in (1, 3, 8, 11):
-            x = torch.from_numpy(generator.standard_normal((rows, 96)).astype(np.float32))
+            x = torch.from_numpy(generator.standard_normal((rows, 256)).astype(np.float32))
             if not torch.allclose(block_linear(x, weight), x @ expected.T, rtol=1e-5, atol=1e-5):
                 return False
     return True
@@ -366,7 +422,7 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
         q, k, v, o, gate, up, down = parts
         fused = (_joined([q, k, v]), o, _joined([gate, up]), down)
         if None in fused:
-            return f"layer {index} mixes block kinds in a matrix mdcli multiplies as one"
+            return f"layer {index} joins weights of different input widths"
         copies.append(fused)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = _tensor_blocks(tensors, head_name, None)
@@ -402,12 +458,12 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
     if tensor is None:
         return f"the .gguf has no tensor {name}"
     kind = tensor.kind
-    if kind not in BLOCK_BYTES:
-        return f"{name} is {kind}; mdcli's kernel reads {', '.join(BLOCK_BYTES)}"
-    if tensor.data.shape[1] % BLOCK_BYTES[kind]:
-        return f"{name}'s rows are not whole blocks of {BLOCK} weights"
-    data = torch.from_numpy(np.array(tensor.data))  # [out, in / 32 * bytes] uint8, copied out of the mapped file
-    inner = data.shape[1] // BLOCK_BYTES[kind] * BLOCK
+    if kind not in KERNEL_KINDS:
+        return f"{name} is {kind}; mdcli's kernel reads {', '.join(KERNEL_KINDS)}"
+    if not whole_blocks(kind, tensor.shape[-1]):
+        return f"{name}'s rows of {tensor.shape[-1]} weights are not whole passes of {BLOCK}"
+    data = torch.from_numpy(np.array(tensor.data))  # [out, row bytes] uint8, copied out of the mapped file
+    inner = inner_of(kind, data.shape[1])
     stored = BlockWeight(kind, data, inner)
     if heads is None or data.shape[0] % (2 * heads):
         return [stored]
@@ -415,12 +471,20 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
     return [stored, BlockWeight(kind, data[rows].contiguous(), inner)]
 
 
-def _joined(parts: list[BlockWeight]) -> BlockWeight | None:
-    """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses), or None if
-    their kinds differ."""
-    if len({(w.kind, w.in_features) for w in parts}) != 1:
+def _joined(parts: list[BlockWeight]) -> BlockWeight | JoinedBlocks | None:
+    """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses): one
+    BlockWeight where they share a kind, else a JoinedBlocks of runs of one kind each; None where
+    their input widths differ."""
+    if len({w.in_features for w in parts}) != 1:
         return None
-    return BlockWeight(parts[0].kind, torch.cat([w.data for w in parts]), parts[0].in_features)
+    runs: list[list[BlockWeight]] = []
+    for weight in parts:
+        if runs and runs[-1][0].kind == weight.kind:
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    joined = tuple(BlockWeight(run[0].kind, torch.cat([w.data for w in run]), run[0].in_features) for run in runs)
+    return joined[0] if len(joined) == 1 else JoinedBlocks(joined)
 
 
 def _chosen(name: str, candidates: list[BlockWeight], weight, known: Mapping[str, int] | None,

@@ -16,20 +16,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
+
+from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, block_shape, type_name
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by value type
-# ggml's type ids and block shapes (weights per block, bytes per block) for the types mdcli reads
-TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
-         30: ("BF16", 1, 2)}
+# ggml's type ids and block shapes (weights per block, bytes per block) for the types mdcli reads:
+# float32 (norms, biases) and every type the block kernel reads (mdcli.backends.weights.gguf_kinds)
+TYPES = {int(GGMLQuantizationType[name]): (name, *block_shape(name)) for name in ("F32", *KERNEL_KINDS)}
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    kind: str  # a name of TYPES ("Q4_1", "F16", ...), or ggml's number for a type mdcli does not read ("type 12")
+    kind: str  # ggml's name of its type ("Q4_1", "Q6_K", "F16", ...); `data` is None for a type not in TYPES
     shape: tuple[int, ...]  # torch's order: [rows, ..., inner]
     data: np.ndarray | None  # [rows, bytes per row] uint8, a view of the mapped file; None for another type
     mapped: mmap.mmap | None = None  # the mapping `data` views
@@ -83,7 +86,7 @@ def read_file(path: Path) -> tuple[dict[str, TensorEntry], str]:
     for name, dims, type_id, offset in infos:
         shape = tuple(reversed(dims))
         if type_id not in TYPES:
-            tensors[name] = TensorEntry(name, f"type {type_id}", shape, None)
+            tensors[name] = TensorEntry(name, type_name(type_id), shape, None)
             continue
         kind, per_block, block_bytes = TYPES[type_id]
         row_bytes = dims[0] // per_block * block_bytes

@@ -1,0 +1,139 @@
+"""The files users download, on their own bytes: K-quant (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K),
+Q5_0/Q5_1 and 16-bit .gguf files load on their blocks with no float32 copy, every matrix is
+transformers' own float32 load of the same file bit for bit, and every branch of a forest decodes
+`generate`'s tokens on that load. The files are written here with random codes
+(benchmarks/random_gguf.py, typed tensor by tensor as llama-quantize types them), small enough to
+run in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.random_gguf import MIXES, tensor_kind, write
+from mdcli.backends.select import select
+from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights.gguf_blocks import BlockWeight, JoinedBlocks, block_linear, dequantize, matches
+from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, random_blocks, type_name
+from mdcli.models.on_blocks import load_on_blocks
+from tests.reference import generate_alone
+from tests.test_engine_exactness import VOCAB, engine_for, greedy_forest, random_prompts
+from tests.test_gguf_blocks import needs_kernel, rounding_bound
+
+# (hidden, layers, intermediate, heads, kv heads): rows of 256 (whole super-blocks), and rows of
+# 320, which llama.cpp writes in Q5_0/Q5_1/Q8_0 instead (the down projection's 512 stay K-quants)
+WHOLE, FALLBACK = (256, 3, 512, 4, 2), (320, 2, 512, 5, 1)
+FILE_KINDS = [*MIXES, "Q5_0", "Q5_1", "F16", "BF16"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KERNEL_KINDS)
+def test_every_kind_is_rebuilt_into_gguf_pys_weights_bit_for_bit(kind):
+    """Random codes and scales in every field: a code read from the wrong nibble or bit plane, or a
+    scale from the wrong byte, would differ from gguf-py's dequantization somewhere."""
+    rng = np.random.default_rng(7)
+    weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 24, 512, rng)), 512)
+    expected = gguf_blocks.reference_weights(weight)
+    assert torch.equal(dequantize(weight), expected)
+    assert matches(weight, expected)
+    nudged = expected.clone()
+    nudged[23, 511] = torch.nextafter(nudged[23, 511], torch.tensor(np.inf))  # the very last weight
+    assert not matches(weight, nudged)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KERNEL_KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 17, 40])
+def test_products_of_every_kind_are_float32_products_of_its_weights(kind, rows):
+    """Every pass size (the narrow passes, the shared rebuilds, the wide panels and the tiles of a
+    prefill) over 768 inputs (three super-blocks; two spans of 24 blocks): within float32 rounding
+    of the float64 product."""
+    rng = np.random.default_rng(rows)
+    weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 37, 768, rng)), 768)
+    weights = gguf_blocks.reference_weights(weight)
+    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+    exact = x.double() @ weights.double().T
+    for rows_on_kernel in (16, 64):  # 17 and 40 rows: tile by tile, then on the kernel's panels
+        ours = block_linear(x, weight, rows_on_kernel=rows_on_kernel)
+        assert bool(((ours.double() - exact).abs() <= rounding_bound(x, weights)).all())
+
+
+@needs_kernel
+def test_a_matrix_joined_from_parts_of_different_kinds_fills_each_parts_columns():
+    """q, k and v of a Q4_K_M layer (Q4_K, Q4_K, Q6_K) multiplied as one: the same numbers as each
+    part alone, side by side, at a decode step's width and a prefill's."""
+    rng = np.random.default_rng(3)
+    parts = tuple(BlockWeight(kind, torch.from_numpy(random_blocks(kind, rows, 256, rng)), 256)
+                  for kind, rows in (("Q4_K", 64), ("Q6_K", 32), ("Q5_0", 32)))
+    joined = JoinedBlocks(parts)
+    assert joined.shape == (128, 256) and joined.kinds == ("Q4_K", "Q6_K", "Q5_0")
+    for rows in (1, 6, 100):
+        x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32))
+        alone = torch.cat([block_linear(x, part) for part in parts], dim=1)
+        assert torch.equal(block_linear(x, joined), alone)
+
+
+def written(kind: str, shape, folder: Path, seed: int = 0) -> Path:
+    return write(folder / f"{kind}.gguf", kind, shape, seed=seed, vocab=VOCAB)
+
+
+def transformers_load(path: Path):
+    """transformers' own float32 load of the file: gguf-py's dequantization of every tensor."""
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", FILE_KINDS)
+@pytest.mark.parametrize("shape", [WHOLE, FALLBACK], ids=["rows-of-256", "rows-of-320"])
+def test_a_downloaded_files_type_loads_on_its_blocks_and_decodes_generates_tokens(kind, shape, tmp_path):
+    """The file's every matrix stays in its own type (no float32 projection, head or embedding),
+    each one dequantized by the kernel is transformers' float32 weight bit for bit, and a forest
+    of branches (a prefill wider than the kernel's rows included) decodes to `generate` on
+    transformers' load, branch by branch."""
+    path = written(kind, shape, tmp_path)
+    reference = transformers_load(path)
+    model, why = load_on_blocks(path, reference.config, "sdpa")
+    assert why is None, why
+    assert model.model.layers[0].mlp.up_proj.weight.is_meta and model.model.embed_tokens.weight.is_meta
+    layers, head = gguf_blocks.model_blocks(model)
+    for layer, theirs in zip(layers, reference.model.layers):
+        attention, mlp = theirs.self_attn, theirs.mlp
+        for ours, linears in zip(layer, ([attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],
+                                         [mlp.gate_proj, mlp.up_proj], [mlp.down_proj])):
+            parts = ours.parts if isinstance(ours, JoinedBlocks) else (ours,)
+            rebuilt = torch.cat([dequantize(part) for part in parts])
+            assert torch.equal(rebuilt, torch.cat([linear.weight for linear in linears]))
+    assert torch.equal(dequantize(head), reference.lm_head.weight)
+    plan = select(model)
+    assert plan.on_blocks and "float32" not in plan.blocks_held and "type " not in plan.blocks_held
+    engine = engine_for(model)
+    prompts = random_prompts(20, [3, 6, 2, 5], seed=4)
+    for prompt, tokens in zip(prompts, greedy_forest(engine, prompts, steps=5)):
+        assert tokens == generate_alone(reference, prompt, len(tokens))
+    long = random_prompts(40, [30], seed=5)  # 70 tokens: a prefill past the kernel's rows, tile by tile
+    assert greedy_forest(engine_for(model), long, steps=4)[0] == generate_alone(reference, long[0], 4)
+
+
+def test_a_q4_k_m_file_is_typed_as_llama_quantize_types_it():
+    """Q6_K for the value and down projections of the first and last eighth of the layers and every
+    third between, Q4_K elsewhere, Q6_K for the head; Q5_0 (Q8_0 where Q6_K was due) for rows that
+    are not whole super-blocks."""
+    kinds = [tensor_kind("Q4_K_M", "ffn_down", layer, 16, 2048) for layer in range(16)]
+    assert [layer for layer, kind in enumerate(kinds) if kind == "Q6_K"] == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert tensor_kind("Q4_K_M", "attn_q", 4, 16, 2048) == "Q4_K"
+    assert tensor_kind("Q4_K_M", "token_embd", None, 16, 2048) == "Q6_K"
+    assert tensor_kind("Q4_K_M", "attn_q", 4, 16, 576) == "Q5_0"
+    assert tensor_kind("Q4_K_M", "attn_v", 0, 16, 576) == "Q8_0"
+
+
+def test_tensor_types_are_named_as_ggml_names_them():
+    assert [type_name(n) for n in (6, 7, 12, 14, 30)] == ["Q5_0", "Q5_1", "Q4_K", "Q6_K", "BF16"]
+    assert type_name(999) == "type 999"
