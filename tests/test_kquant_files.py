@@ -137,3 +137,61 @@ def test_a_q4_k_m_file_is_typed_as_llama_quantize_types_it():
 def test_tensor_types_are_named_as_ggml_names_them():
     assert [type_name(n) for n in (6, 7, 12, 14, 30)] == ["Q5_0", "Q5_1", "Q4_K", "Q6_K", "BF16"]
     assert type_name(999) == "type 999"
+
+
+def half_folder(arch: str, dtype: torch.dtype, folder: Path, *, tied: bool = True) -> Path:
+    """A tiny `arch` model saved as a Hugging Face folder in `dtype` (bf16 or f16), with a tokenizer."""
+    from tests.test_engine_exactness import tiny_config
+    from tests.tiny_models import tiny_tokenizer
+
+    config = tiny_config(arch)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch, dtype, tied", [("llama", torch.bfloat16, True), ("qwen2", torch.bfloat16, False),
+                                               ("llama", torch.float16, False)])
+def test_a_16_bit_folder_stays_16_bit_and_decodes_the_float32_loads_tokens(arch, dtype, tied, tmp_path):
+    """bf16 and f16 safetensors (Qwen2's biases, an untied head) are kept in their own 2 bytes and
+    widened in the kernel: no float32 projection, head or embedding exists, the weights held are
+    about the file's size, and every branch decodes `generate`'s tokens on transformers' float32
+    load of the same folder (the widening is exact)."""
+    from mdcli.models.load import load_model
+
+    folder = half_folder(arch, dtype, tmp_path / "model", tied=tied)
+    loaded = load_model(str(folder), quiet=True, prompt_cache="off")
+    plan = loaded.forward.plan
+    assert plan.on_blocks and plan.float32_reason == "", plan.float32_reason
+    kind = "BF16" if dtype == torch.bfloat16 else "F16"
+    assert plan.blocks == kind and f"head {kind}" in plan.blocks_held
+    assert all(p.is_meta for name, p in loaded.model.named_parameters() if name.endswith("proj.weight"))
+    held = sum(loaded.forward.weight_bytes().values())
+    assert held <= 1.05 * sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 0
+    prompts = random_prompts(20, [3, 6, 2, 5], seed=4)
+    for prompt, tokens in zip(prompts, greedy_forest(engine_for(loaded.model), prompts, steps=5)):
+        assert tokens == generate_alone(reference, prompt, len(tokens))
+
+
+def test_a_float32_folder_loads_as_before_and_gives_no_reason(tmp_path):
+    from mdcli.models.load import load_model
+
+    folder = half_folder("llama", torch.float32, tmp_path / "model")
+    plan = load_model(str(folder), quiet=True, prompt_cache="off").forward.plan
+    assert not plan.on_blocks and plan.float32_reason == ""
+
+
+@needs_kernel
+def test_a_16_bit_folder_keeps_float32_weights_when_asked_and_says_why(tmp_path):
+    from mdcli.models.load import load_model
+
+    folder = half_folder("llama", torch.bfloat16, tmp_path / "model")
+    plan = load_model(str(folder), quiet=True, prompt_cache="off", keep_float32=True).forward.plan
+    assert not plan.on_blocks and "keep" in plan.float32_reason

@@ -184,7 +184,7 @@ class FastForward:
             return (WeightFormat("int8", None, _int8_linear, self.layers, self.head),)
         formats = []
         if self.blocks:
-            formats.append(WeightFormat(".gguf blocks", None if self.on_blocks else self.block_rows,
+            formats.append(WeightFormat("file blocks", None if self.on_blocks else self.block_rows,
                                         partial(_block_linear, rows_on_kernel=self.block_kernel_rows),
                                         self.block_layers, self.block_head))
             if self.on_blocks:  # no float32 weights: the blocks serve every width

@@ -169,8 +169,10 @@ def _load_model(
         if progress is not None:
             progress(f"loading {source.name}...")
         placement = _placement(bits, torch_dtype, device_map, torch_device)
-        try:  # the projections and head left in the .gguf's blocks where mdcli.models.on_blocks covers it
-            hf_model, float32_reason = on_blocks.load_if_covered(source.blocks_from, config, attn, torch_device, torch_dtype,
+        # the projections and head left in the file's own blocks or 16-bit numbers where mdcli.models.on_blocks covers it
+        own_bytes = source.blocks_from or (None if source.is_hub_id else Path(source.location))
+        try:
+            hf_model, float32_reason = on_blocks.load_if_covered(own_bytes, config, attn, torch_device, torch_dtype,
                                                                  cpu_weights, placed=bool(placement), keep_float32=keep_float32)
         except _weight_errors() as exc:
             raise _load_error(source, exc) from exc

@@ -31,13 +31,15 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 
 from mdcli import settings as settings_module
 from mdcli.backends.forward_support import unsupported_reason
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_blocks, safetensors_file
 from mdcli.backends.weights.gguf_file import read_file
 from mdcli.models import block_checks
 from mdcli.models.architectures import sliding_window_layout
 
 # The projections whose weights the blocks replace (their float32 weights stay on the meta device).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HALF_DTYPES = ("BF16", "F16")  # safetensors' names of the 16-bit types the kernel widens (and its own)
+_KIND_OF = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str, keep_float32: bool = False) -> str | None:
@@ -60,13 +62,92 @@ def refusal(config, device: torch.device, dtype: torch.dtype, cpu_weights: str, 
 
 def load_if_covered(path: Path | None, config, attn: str, device: torch.device, dtype: torch.dtype, cpu_weights: str,
                     *, placed: bool = False, keep_float32: bool = False) -> tuple[torch.nn.Module | None, str | None]:
-    """(the model on its .gguf's blocks, None) where this module covers the load, else (None, why
-    its float32 weights are loaded: None for a model that is no .gguf). placed: a device map places
-    the weights."""
-    if path is None:
+    """(the model on its file's own weights, None) where this module covers the load, else (None, why
+    its float32 weights are loaded: None for a model that has no smaller form: no .gguf, no folder
+    of 16-bit safetensors). path: the .gguf, or the model's local folder. placed: a device map
+    places the weights."""
+    if path is None or (path.is_dir() and not half_precision_files(path)):
         return None, None
     why = "a device map places the weights" if placed else refusal(config, device, dtype, cpu_weights, keep_float32)
-    return (None, why) if why is not None else load_on_blocks(path, config, attn)
+    if why is not None:
+        return None, why
+    return load_half_folder(path, config, attn) if path.is_dir() else load_on_blocks(path, config, attn)
+
+
+def half_precision_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files where its projections are bf16 or f16 (read from the files'
+    headers, no weight read); [] for float32 weights or no safetensors."""
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        try:
+            table = safetensors_file.entries(file)
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        up = next((entry for name, entry in table.items() if name.endswith("mlp.up_proj.weight")), None)
+        if up is not None:
+            return files if up.dtype in HALF_DTYPES else []
+    return []
+
+
+def load_half_folder(folder: Path, config, attn: str) -> tuple[torch.nn.Module | None, str | None]:
+    """(the model with its projections, head and embedding kept in the folder's own bf16/f16
+    numbers, None), or (None, why not). Widening a 16-bit number to float32 is exact, so the
+    kernel multiplies by exactly the float32 weights `from_pretrained(dtype=float32)` makes
+    (each matrix's first rows are checked against torch's widening all the same)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    why = unsupported_reason(model)
+    if why is not None:
+        return None, f"mdcli's own forward does not run it ({why})"
+    wanted = dict(model.named_parameters())
+    held: dict[str, gguf_blocks.BlockWeight] = {}
+    try:
+        for file in half_precision_files(folder):
+            for name, tensor in safetensors_file.read_tensors(file, wanted):
+                if not _stays_on_blocks(name):
+                    _assign(model, name, tensor.to(torch.float32))
+                    continue
+                weight = _half_weight(name, tensor)
+                if isinstance(weight, str):
+                    return None, weight
+                held[name] = weight
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"{folder.name} could not be read: {exc}"
+    if "lm_head.weight" not in held and getattr(config, "tie_word_embeddings", False):
+        held["lm_head.weight"] = held.get("model.embed_tokens.weight")
+    missing = [name for name, p in model.named_parameters() if name not in held and p.is_meta]
+    if missing or None in held.values():
+        return None, f"the folder holds no {(missing or ['lm_head.weight'])[0]}"
+    with torch.device("cpu"):  # its tables are computed, not read: compute them for real
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    layers = []
+    for index in range(config.num_hidden_layers):
+        def part(name: str) -> gguf_blocks.BlockWeight:
+            return held.pop(f"model.layers.{index}.{name}.weight")
+
+        layers.append((gguf_blocks.join_parts([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")]),
+                       part("self_attn.o_proj"), gguf_blocks.join_parts([part("mlp.gate_proj"), part("mlp.up_proj")]),
+                       part("mlp.down_proj")))
+    gguf_blocks.adopt(model, folder, (layers, held["lm_head.weight"]), held["model.embed_tokens.weight"])
+    _give_back_the_heap()
+    model.eval()
+    model.requires_grad_(False)
+    return model, None
+
+
+def _half_weight(name: str, tensor: torch.Tensor) -> gguf_blocks.BlockWeight | str:
+    """A bf16/f16 [out, in] tensor as the block kernel reads it (its bytes, viewed), checked on its
+    first rows against torch's widening; or why not."""
+    kind = _KIND_OF.get(tensor.dtype)
+    if kind is None or tensor.dim() != 2:
+        return f"{name} is {tensor.dtype}, not bf16 or f16"
+    if tensor.shape[1] % gguf_blocks.BLOCK:
+        return f"{name}'s rows of {tensor.shape[1]} are not whole passes of {gguf_blocks.BLOCK}"
+    weight = gguf_blocks.BlockWeight(kind, tensor.contiguous().view(torch.uint8), tensor.shape[1])  # [out, in * 2]
+    spot = min(gguf_blocks.SPOT_ROWS, tensor.shape[0])
+    if not gguf_blocks.matches(gguf_blocks.BlockWeight(kind, weight.data[:spot], tensor.shape[1]), tensor[:spot].float()):
+        return f"{name}: the kernel's widening is not torch's"
+    return weight
 
 
 def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | None, str | None]:

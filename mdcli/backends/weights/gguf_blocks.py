@@ -420,7 +420,7 @@ def read_blocks(path: Path, model, free_memory=available_memory_bytes,
                 return f"blk.{index}.{name}.weight is not the model's float32 weight"
             parts.append(chosen)
         q, k, v, o, gate, up, down = parts
-        fused = (_joined([q, k, v]), o, _joined([gate, up]), down)
+        fused = (join_parts([q, k, v]), o, join_parts([gate, up]), down)
         if None in fused:
             return f"layer {index} joins weights of different input widths"
         copies.append(fused)
@@ -471,7 +471,7 @@ def _tensor_blocks(tensors: dict, name: str, heads: int | None) -> list[BlockWei
     return [stored, BlockWeight(kind, data[rows].contiguous(), inner)]
 
 
-def _joined(parts: list[BlockWeight]) -> BlockWeight | JoinedBlocks | None:
+def join_parts(parts: list[BlockWeight]) -> BlockWeight | JoinedBlocks | None:
     """One weight of the parts' rows in order (q/k/v, gate/up, as mdcli.backends.llama fuses): one
     BlockWeight where they share a kind, else a JoinedBlocks of runs of one kind each; None where
     their input widths differ."""
