@@ -89,10 +89,11 @@ def test_the_kernel_serves_head_sizes_its_value_chunks_divide():
     assert not fused.fused_serves(66)
 
 
-def test_the_plan_takes_the_kernel_on_avx2_only_hosts_where_it_serves_the_head_size():
-    """AVX2-only x86-64 hosts with the kernel: dense forwards of a few queries on it (measured faster
-    there); not on AVX-512 hosts (measured slower on a Xeon), with torch's stock kernels forced, off
-    x86, or where the kernel does not serve the head size."""
+def test_the_plan_takes_the_kernel_on_amd_hosts_where_it_serves_the_head_size():
+    """AMD x86-64 hosts with the kernel, AVX2-only (Zen 3) or AVX-512 (Zen 5): dense forwards of a
+    few queries on it (measured faster there); not on Intel's AVX-512 hosts (measured slower on a
+    Xeon), with torch's stock kernels forced, off x86, or where the kernel does not serve the head
+    size."""
     model = tiny_model("llama", "sdpa")
 
     def plan(host: Host, **settings):
@@ -108,8 +109,10 @@ def test_the_plan_takes_the_kernel_on_avx2_only_hosts_where_it_serves_the_head_s
     assert chosen.fused_attention and "attention on mdcli's kernel" in chosen.describe()
     assert not plan(with_kernel(avx2, False)).fused_attention
     assert not plan(with_kernel(avx2, True), cpu_kernels="torch").fused_attention
-    assert not plan(with_kernel(kind("AVX512", "AMD", 1), True)).fused_attention
+    assert plan(with_kernel(kind("AVX512", "AMD", 1), True)).fused_attention
+    assert plan(with_kernel(kind("AVX512", "AMD", 2), True)).fused_attention
     assert not plan(with_kernel(kind("AVX512", "Intel", 2), True)).fused_attention
+    assert not plan(with_kernel(kind("AVX512", "Intel", 1), True)).fused_attention
     assert not plan(with_kernel(kind("DEFAULT", "", 1, machine="aarch64"), True)).fused_attention
 
 

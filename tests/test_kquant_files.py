@@ -195,3 +195,24 @@ def test_a_16_bit_folder_keeps_float32_weights_when_asked_and_says_why(tmp_path)
     folder = half_folder("llama", torch.bfloat16, tmp_path / "model")
     plan = load_model(str(folder), quiet=True, prompt_cache="off", keep_float32=True).forward.plan
     assert not plan.on_blocks and "keep" in plan.float32_reason
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "BF16"])
+def test_products_are_the_same_numbers_on_any_thread_count(kind):
+    """With torch on several threads the kernel splits a product's weight rows among them, each run
+    by the same code into its own columns: bit for bit the one-thread product, at a decode step's
+    widths and a prefill's."""
+    rng = np.random.default_rng(11)
+    weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 301, 512, rng)), 512)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 8, 12, 40):
+            x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
+            torch.set_num_threads(1)
+            alone = block_linear(x, weight, rows_on_kernel=64)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(block_linear(x, weight, rows_on_kernel=64), alone), (rows, threads)
+    finally:
+        torch.set_num_threads(before)

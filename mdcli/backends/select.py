@@ -172,9 +172,11 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
     notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows)] if blocks else []
-    # measured faster than the bmm core on an AVX2-only Zen 3 core, slower on an AVX-512 Xeon (whose
-    # 2 MB of L2 a core and 300 MB of L3 keep a step's keys and values warm): AVX2-only hosts alone
-    fused_attention = own_reason is None and avx2 and host.attention_kernel(_head_dim(model))
+    # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
+    # slower on an AVX-512 Xeon (whose 2 MB of L2 a core and 300 MB of L3 keep a step's keys and
+    # values warm): AMD's x86-64 hosts alone (docs/performance.md, "The files users run")
+    amd_x86 = auto_x86 and host.vendor == "AMD" and host.onednn() and host.capability in ("AVX2", "AVX512")
+    fused_attention = own_reason is None and amd_x86 and host.attention_kernel(_head_dim(model))
     if fused_attention:
         notes.append(f"{fused.FUSED_MIN_QUERIES}-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
     if transposed and lone_blas_host:

@@ -24,7 +24,7 @@ from mdcli.backends.host import cpu_capability
 COMPILE_SECONDS = 120
 # The x86-64 kernels (the .gguf block kernel, the attention kernel) are built for the vector width
 # torch's own kernels dispatch to: AVX-512, else AVX2, with FMA and F16C either way.
-_X86_COMMON = ("-O3", "-mfma", "-mf16c")
+_X86_COMMON = ("-O3", "-mfma", "-mf16c", "-pthread")  # -pthread: the block kernel's worker threads
 X86_FLAGS = {"AVX512": (*_X86_COMMON, "-mavx512f"), "AVX2": (*_X86_COMMON, "-mavx2")}
 
 

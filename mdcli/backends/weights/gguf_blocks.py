@@ -252,8 +252,10 @@ def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torc
 
 def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
     """out = flat @ W.T by the block kernel (flat [rows, in] contiguous float32; out [rows, out]
-    float32 with unit column stride: columns of a wider output may be filled)."""
+    float32 with unit column stride: columns of a wider output may be filled), on as many threads
+    as torch is given, each on its run of W's rows (the same numbers at any count)."""
     lib = library()
+    _use_threads(lib, torch.get_num_threads())
     rows = flat.shape[0]  # a lone row never reaches the wide panels, so needs no scratch
     scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr() if rows > 1 else None
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
@@ -276,6 +278,17 @@ def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, mo
             rows = min(tile, out_features - start)
             expand(start_of + start * row_bytes, rows, inner, scratch.data_ptr())
             torch.mm(flat, scratch[:rows].t(), out=out[:, start:start + rows])
+
+
+_THREADS = {"in force": 1}  # the kernel's thread count, as last set
+
+
+def _use_threads(lib, threads: int) -> None:
+    """Split the kernel's products over `threads` threads (torch's count: the same cores its own
+    operations use between the products)."""
+    if threads != _THREADS["in force"]:
+        lib.set_threads(threads)
+        _THREADS["in force"] = threads
 
 
 def tile_rows(out_features: int, most: int = TILE_ROWS) -> int:
@@ -318,6 +331,7 @@ def library() -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
+    lib.set_threads.argtypes, lib.set_threads.restype = [ctypes.c_int], ctypes.c_int
     for kind in KERNEL_KINDS:
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
         product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, size, pointer], None
