@@ -102,10 +102,12 @@ def run_llama(binary: str, prompt_tokens: int, fitted: bool, workdir: Path, mode
     return result
 
 
-def measure(binary: str | None, repeats: int, workdir: Path,
-            model: Path | None = None) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+def measure(binary: str | None, repeats: int, workdir: Path, model: Path | None = None,
+            llama_model: Path | None = None) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
     """Every row `repeats` times, alternating the order; mdcli first, so the llama.cpp rows know
-    the prompt length mdcli built."""
+    the prompt length mdcli built. llama_model: llama.cpp's file where mdcli's is not one (a bf16
+    folder against its F16 .gguf); default `model`."""
+    llama_model = llama_model or model
     report = workdir / "report.txt"
     report.write_text(report_text(AutoTokenizer.from_pretrained(embedded_model_dir()), REPORT_TOKENS))
     names = ["mdcli"] + (["llama.cpp", "llama.cpp, model ctx"] if binary else [])
@@ -120,11 +122,11 @@ def measure(binary: str | None, repeats: int, workdir: Path,
                 runs[name].append(run_mdcli(report, workdir, model))
                 prompt_tokens = runs[name][-1]["longest_prompt_tokens"]
             else:
-                runs[name].append(run_llama(binary, prompt_tokens, name == "llama.cpp", workdir, model))
+                runs[name].append(run_llama(binary, prompt_tokens, name == "llama.cpp", workdir, llama_model))
     commands = {"mdcli": mdcli_command(Path("REPORT"), model)}
     if binary:
-        commands["llama.cpp"] = llama_command(binary, prompt_tokens, True, model)
-        commands["llama.cpp, model ctx"] = llama_command(binary, prompt_tokens, False, model)
+        commands["llama.cpp"] = llama_command(binary, prompt_tokens, True, llama_model)
+        commands["llama.cpp, model ctx"] = llama_command(binary, prompt_tokens, False, llama_model)
     return runs, commands
 
 

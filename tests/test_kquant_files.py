@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.random_gguf import MIXES, tensor_kind, write
 from mdcli.backends.select import select
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights.gguf_blocks import BlockWeight, JoinedBlocks, block_linear, dequantize, matches
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, random_blocks, type_name
 from mdcli.models.on_blocks import load_on_blocks
@@ -103,7 +103,7 @@ def test_a_downloaded_files_type_loads_on_its_blocks_and_decodes_generates_token
     model, why = load_on_blocks(path, reference.config, "sdpa")
     assert why is None, why
     assert model.model.layers[0].mlp.up_proj.weight.is_meta and model.model.embed_tokens.weight.is_meta
-    layers, head = gguf_blocks.model_blocks(model)
+    layers, head = gguf_reading.model_blocks(model)
     for layer, theirs in zip(layers, reference.model.layers):
         attention, mlp = theirs.self_attn, theirs.mlp
         for ours, linears in zip(layer, ([attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],

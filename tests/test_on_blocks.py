@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from mdcli.backends.forward import ModelForward, causal_mask
 from mdcli.backends.select import select
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_reading
 from mdcli.models import block_checks
 from mdcli.models.load import LoadOptions, load_model
 from mdcli.models.on_blocks import load_on_blocks, refusal
@@ -166,16 +166,16 @@ def records_in(cache: Path) -> list[Path]:
 
 
 def loaded_counting_checks(path: Path, config, monkeypatch) -> tuple[torch.nn.Module | None, str | None, list[str]]:
-    """load_on_blocks, and the tensors the whole bit-for-bit check ran on (gguf_blocks._matching)."""
-    checked, whole_check = [], gguf_blocks._matching
+    """load_on_blocks, and the tensors the whole bit-for-bit check ran on (gguf_reading._matching)."""
+    checked, whole_check = [], gguf_reading._matching
 
     def counted(candidates, weight):
         checked.append(candidates[0].shape)
         return whole_check(candidates, weight)
 
-    monkeypatch.setattr(gguf_blocks, "_matching", counted)
+    monkeypatch.setattr(gguf_reading, "_matching", counted)
     model, why = load_on_blocks(path, config, "sdpa")
-    monkeypatch.setattr(gguf_blocks, "_matching", whole_check)
+    monkeypatch.setattr(gguf_reading, "_matching", whole_check)
     return model, why, checked
 
 
@@ -194,7 +194,7 @@ def test_a_passed_check_is_recorded_and_the_next_load_of_the_file_skips_it_with_
     assert layouts["blk.0.attn_q.weight"] == 1 and layouts["blk.0.attn_v.weight"] == 0
     second, why, checked_second = loaded_counting_checks(path, reference.config, monkeypatch)
     assert why is None and checked_second == []
-    for mine, theirs in zip(gguf_blocks.model_blocks(second)[0][0], gguf_blocks.model_blocks(first)[0][0]):
+    for mine, theirs in zip(gguf_reading.model_blocks(second)[0][0], gguf_reading.model_blocks(first)[0][0]):
         assert mine.kind == theirs.kind and torch.equal(mine.data, theirs.data)
     prompts = random_prompts(30, [4, 7, 2, 9], seed=5)
     for prompt, tokens in zip(prompts, greedy_forest(engine_for(second), prompts, steps=5)):

@@ -57,7 +57,7 @@ from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attent
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.select import Plan
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights.blas import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.backends.weights.gguf_blocks import block_linear
@@ -207,7 +207,7 @@ class FastForward:
         else None, the reason kept."""
         if not gguf_blocks.source_known(model) or gguf_blocks.max_rows() == 0 or not gguf_blocks.blocks_work():
             return None
-        found = gguf_blocks.model_blocks(model)
+        found = gguf_reading.model_blocks(model)
         if isinstance(found, str):
             self.blocks_reason = found
             return None

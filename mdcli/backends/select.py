@@ -13,9 +13,10 @@ measured on):
   multiply mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
   oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on
-  AVX2-only hosts a dense forward of 1 to 64 queries attends on mdcli's own kernel where it builds
-  and serves the head size (`fused_attention`; measured: notebook/attention.md, "One kernel for a
-  few queries' attention");
+  AMD's x86-64 hosts (AVX2-only Zen 3, AVX-512 Zen 5) a dense forward of 1 to 64 queries attends on
+  mdcli's own kernel where it builds and serves the head size (`fused_attention`; measured:
+  notebook/attention.md, "One kernel for a few queries' attention", and docs/performance.md, "The
+  files users run");
 * a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
   serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
   serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
@@ -45,7 +46,7 @@ from mdcli.backends.attention.gemm import onednn_linear_works
 from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512
 from mdcli.backends.forward_support import unsupported_reason
 from mdcli.backends.host import available_memory_bytes, cpu_capability, cpu_vendor
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import tiled as tiled_gemm
 from mdcli.backends.weights.blas import openblas_works
 from mdcli.backends.weights.int8 import has_int8_weights
@@ -280,7 +281,7 @@ def _blocks(model, device, dtype, settings: Settings, host: Host,
         return None, None, ""
     if gguf_blocks.max_rows() == 0 or not host.block_kernel():
         return None, None, ""
-    found = gguf_blocks.model_blocks(model, host.free_memory)
+    found = gguf_reading.model_blocks(model, host.free_memory)
     if isinstance(found, str):
         return None, found, ""
     layers, head = found

@@ -31,7 +31,7 @@ from mdcli.backends.attention.gemm import (
     onednn_linear_works,
     routed_linear,
 )
-from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights.packed import pack, packed_linear
 from mdcli.bench.margins import machine
 from mdcli.models.load import LoadOptions, load_model
@@ -121,7 +121,7 @@ def layer_weights() -> tuple[list[torch.Tensor], list, bool]:
     mdcli.backends.llama fuses them) and as its .gguf's blocks, and whether its plan packs copies
     (the model loaded with its float32 weights kept: the default load holds none)."""
     lm = load_model(LoadOptions(quiet=True, keep_float32=True))
-    blocks = gguf_blocks.model_blocks(lm.model)
+    blocks = gguf_reading.model_blocks(lm.model)
     if isinstance(blocks, str):
         raise SystemExit(f"no .gguf blocks: {blocks}")
     attention, mlp = lm.model.model.layers[0].self_attn, lm.model.model.layers[0].mlp

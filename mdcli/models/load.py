@@ -169,22 +169,15 @@ def _load_model(
         if progress is not None:
             progress(f"loading {source.name}...")
         placement = _placement(bits, torch_dtype, device_map, torch_device)
-        # the projections and head left in the file's own blocks or 16-bit numbers where mdcli.models.on_blocks covers it
-        own_bytes = source.blocks_from or (None if source.is_hub_id else Path(source.location))
+        own_bytes = source.blocks_from or (None if source.is_hub_id else Path(source.location))  # mdcli.models.on_blocks
         try:
             hf_model, float32_reason = on_blocks.load_if_covered(own_bytes, config, attn, torch_device, torch_dtype,
                                                                  cpu_weights, placed=bool(placement), keep_float32=keep_float32)
         except _weight_errors() as exc:
             raise _load_error(source, exc) from exc
         if hf_model is None:
-            hf_model = _load_weights(
-                source,
-                torch_device,
-                dtype=torch_dtype,
-                attn_implementation=attn,
-                trust_remote_code=trust_remote_code,
-                **placement,
-            )
+            hf_model = _load_weights(source, torch_device, dtype=torch_dtype, attn_implementation=attn,
+                                     trust_remote_code=trust_remote_code, **placement)
             if source.blocks_from is not None:
                 remember_source(hf_model, source.blocks_from)
         tokenizer = _load_tokenizer(source, trust_remote_code)

@@ -31,7 +31,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 
 from mdcli import settings as settings_module
 from mdcli.backends.forward_support import unsupported_reason
-from mdcli.backends.weights import gguf_blocks, safetensors_file
+from mdcli.backends.weights import gguf_blocks, gguf_reading, safetensors_file
 from mdcli.backends.weights.gguf_file import read_file
 from mdcli.models import block_checks
 from mdcli.models.architectures import sliding_window_layout
@@ -125,8 +125,8 @@ def load_half_folder(folder: Path, config, attn: str) -> tuple[torch.nn.Module |
         def part(name: str) -> gguf_blocks.BlockWeight:
             return held.pop(f"model.layers.{index}.{name}.weight")
 
-        layers.append((gguf_blocks.join_parts([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")]),
-                       part("self_attn.o_proj"), gguf_blocks.join_parts([part("mlp.gate_proj"), part("mlp.up_proj")]),
+        layers.append((gguf_reading.join_parts([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")]),
+                       part("self_attn.o_proj"), gguf_reading.join_parts([part("mlp.gate_proj"), part("mlp.up_proj")]),
                        part("mlp.down_proj")))
     gguf_blocks.adopt(model, folder, (layers, held["lm_head.weight"]), held["model.embed_tokens.weight"])
     _give_back_the_heap()
@@ -187,11 +187,11 @@ def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | Non
         return None, why
     record = block_checks.record_path(path, config)
     known, layouts = block_checks.read(record), {}
-    found = gguf_blocks.read_blocks(path, model, reference=reference, known=known, layouts=layouts)
+    found = gguf_reading.read_blocks(path, model, reference=reference, known=known, layouts=layouts)
     if isinstance(found, str):
         return None, found
     tied_head = "output.weight" not in tensors  # the head reads the embedding's blocks
-    embedding = found[1] if tied_head else gguf_blocks.read_embedding(path, reference, known=known, layouts=layouts)
+    embedding = found[1] if tied_head else gguf_reading.read_embedding(path, reference, known=known, layouts=layouts)
     if isinstance(embedding, str):
         return None, embedding
     if layouts != known:

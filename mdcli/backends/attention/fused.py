@@ -1,9 +1,10 @@
 """Dense attention of a few queries on mdcli's own C kernel: scores, softmax and values in one call per layer.
 
-Rule: on AVX2-only x86-64 hosts, float32 on the CPU, a dense forward of 1 to FUSED_MAX_QUERIES
-queries on the bmm core attends with `fused_attention` (mdcli/backends/native/attention.c) where the
-kernel builds here and serves the head size (`fused_serves`; the plan decides, mdcli.backends.select).
-AVX-512 hosts keep the bmm core: on an Intel Xeon it was faster.
+Rule: on AMD's x86-64 hosts (AVX2-only Zen 3, AVX-512 Zen 5), float32 on the CPU, a dense forward
+of 1 to FUSED_MAX_QUERIES queries on the bmm core attends with `fused_attention`
+(mdcli/backends/native/attention.c) where the kernel builds here and serves the head size
+(`fused_serves`; the plan decides, mdcli.backends.select). Intel's AVX-512 hosts keep the bmm core:
+on a Xeon it was faster.
 torch's bmm core runs two batched products, an add, a softmax and their temporaries per layer; the
 kernel reads each key and each value once for all the group's query rows, keeps the scores in the
 core's second cache, and runs the softmax down the keys across rows (measured: notebook/attention.md,
