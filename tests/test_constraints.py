@@ -154,6 +154,40 @@ def test_concise_schema_is_an_object_with_every_field_required():
     }
 
 
+def reads(constraint: Constraint, text: str) -> bool:
+    """Whether the constraint's grammar takes this text as a complete answer (byte tokens, no model)."""
+    import llguidance
+
+    from mdcli.constraints.spec import _byte_tokenizer
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), constraint.grammar(), log_level=0)
+    return matcher.consume_tokens(list(text.encode())) and not matcher.is_error() and matcher.is_accepting()
+
+
+PLAIN_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confident": {"type": "boolean"}},
+                "required": ["answer", "confident"]}
+
+
+def test_a_schema_object_is_closed_unless_the_schema_says_otherwise():
+    closed = Constraint(schema=PLAIN_SCHEMA)
+    assert reads(closed, '{"answer": "Mara", "confident": true}')
+    assert not reads(closed, '{"answer": "Mara", "confident": true, "source": "the text"}')
+    nested = Constraint(schema={"type": "object", "properties": {"who": {"type": "object", "properties": {"name": {"type": "string"}}}}})
+    assert not reads(nested, '{"who": {"name": "Mara", "age": 3}}')
+    opened = Constraint(schema={**PLAIN_SCHEMA, "additionalProperties": True})
+    assert reads(opened, '{"answer": "Mara", "confident": true, "source": "the text"}')
+    assert closed.json_schema == PLAIN_SCHEMA  # the schema as given is kept (recipes save it back)
+
+
+def test_schema_answers_are_one_line_with_one_space_after_each_comma_and_colon():
+    schema = Constraint(schema=PLAIN_SCHEMA)
+    assert reads(schema, '{"answer": "Mara", "confident": true}')
+    assert not reads(schema, '{"answer": "Mara",\n\n"confident": true}')
+    assert not reads(schema, '{ "answer": "Mara", "confident": true }')
+    flexible = Constraint(schema={**PLAIN_SCHEMA, "x-guidance": {"whitespace_flexible": True}})
+    assert reads(flexible, '{\n  "answer": "Mara",\n  "confident": true\n}')  # the schema's own layout wins
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mdcli", *args], capture_output=True, text=True, timeout=300)
 
@@ -178,6 +212,17 @@ def test_schema_answers_print_as_one_json_document_per_line(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and all(set(json.loads(line)) == {"name"} for line in lines)
+
+
+def test_a_plain_json_schema_gives_every_question_a_closed_answer_within_48_tokens():
+    # issue 53: without closed objects and bounded whitespace the embedded model padded each
+    # object with invented properties and blank lines until -n 48 cut it (0 of 3 parsed)
+    done = cli("ask-many", "tests/data/rag/lighthouse.txt", "-q", "Who keeps the lighthouse?", "-q", "What is the cat called?",
+               "-q", "What brings bread?", "-n", "48", "--schema", json.dumps(PLAIN_SCHEMA), "--json", "--prompt-cache", "off")
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)["answers"]
+    assert [a["finish_reason"] for a in answers] == ["stop"] * 3
+    assert all(set(a["parsed"]) == {"answer", "confident"} for a in answers)
 
 
 def test_think_votes_with_paths_decoded_under_the_answer_pattern_each_equal_to_its_run_alone(embedded):

@@ -92,7 +92,10 @@ class Constraint(BaseModel):
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.json_schema))
+        own = self.json_schema.get("x-guidance")
+        own_layout = isinstance(own, dict) and any(key in own for key in ("whitespace_flexible", "whitespace_pattern"))
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_schema(self.json_schema)),
+                                                             defaults=None if own_layout else JSON_LAYOUT)
 
     def _shown(self) -> str:
         if self.choices is not None:
@@ -109,6 +112,51 @@ class Constraint(BaseModel):
     def recipe_value(self) -> dict[str, Any]:
         """The YAML form (`constraint:` in a recipe), which loads back to an equal model."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# How an answer under a schema is written: on one line, with no whitespace but the one space after
+# each ',' and ':' (json.dumps' own layout). Unlimited whitespace let a small model pad an object
+# with blank lines until -n cut it. A schema's own "x-guidance" options win; one that sets its own
+# whitespace gets llguidance's layout with it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# Where a JSON Schema keeps the schemas inside it: keyword -> how they are held.
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+               "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any) -> Any:
+    """The schema as the grammar reads it: every object that lists `properties` and does not say
+    `additionalProperties` (or `unevaluatedProperties`) gets `additionalProperties: false`, so an
+    answer ends after the properties the schema names, as OpenAI's strict mode, llm and ollama
+    users expect. An object schema without properties stays open (closed it could only be {}), and
+    so do the members of an `allOf`, whose properties add up. The schema given is not changed."""
+    return _closed(schema, close=True)
+
+
+def _closed(schema: Any, close: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key], True)
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _closed(out["additionalProperties"], True)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(member, True) for member in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_closed(member, False) for member in out["allOf"]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(member, True) for name, member in out[key].items()}
+    if close and isinstance(out.get("properties"), dict) and out["properties"] \
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def schema_from_text(text: str) -> dict[str, Any]:
