@@ -54,7 +54,8 @@ import torch
 NATIVE = Path(__file__).resolve().parent.parent / "mdcli" / "backends" / "native"
 SOURCE = NATIVE / "gguf_blocks.c"
 ATTENTION = NATIVE / "attention.c"
-FLAGS = {"AVX2": ["-O3", "-mfma", "-mf16c", "-mavx2"], "AVX512": ["-O3", "-mfma", "-mf16c", "-mavx512f"]}
+FLAGS = {"AVX2": ["-O3", "-mfma", "-mf16c", "-pthread", "-mavx2"],
+         "AVX512": ["-O3", "-mfma", "-mf16c", "-pthread", "-mavx512f"]}
 BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "F16": 64, "BF16": 64}
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -85,9 +86,13 @@ def build(flags: list[str], folder: Path, source: Path = SOURCE, defines: tuple[
         lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
     else:  # a version from before the wide panels: no scratch (the extra argument is ignored)
         lib.scratch_floats = lambda k: 1
+    # from the K-quants on, a product takes its output's row stride (it may fill some columns of a
+    # wider output) and runs on set_threads' threads (1 here)
+    lib.strided = hasattr(lib, "set_threads")
     for kind in BYTES:
         gemm, expand = getattr(lib, f"{kind.lower()}_gemm"), getattr(lib, f"{kind.lower()}_dequantize")
-        gemm.argtypes, gemm.restype = [pointer, size, size, pointer, size, pointer, pointer], None
+        gemm.argtypes = [pointer, size, size, pointer, size, pointer, *([size] if lib.strided else []), pointer]
+        gemm.restype = None
         expand.argtypes, expand.restype = [pointer, size, size, pointer], None
     return lib
 
@@ -130,8 +135,9 @@ def formula(kind: str, blocks: np.ndarray, k: int) -> np.ndarray:
 def gemm(lib, kind: str, x: torch.Tensor, blocks: np.ndarray, n: int) -> torch.Tensor:
     out = torch.empty(x.shape[0], n)
     scratch = torch.empty(lib.scratch_floats(x.shape[1]))
+    stride = (n,) if lib.strided else ()
     getattr(lib, f"{kind.lower()}_gemm")(x.data_ptr(), x.shape[0], x.shape[1], blocks.ctypes.data, n,
-                                         out.data_ptr(), scratch.data_ptr())
+                                         out.data_ptr(), *stride, scratch.data_ptr())
     return out
 
 

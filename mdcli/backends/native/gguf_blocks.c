@@ -88,6 +88,11 @@ static inline ivec ibytes(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_lo
 static inline ivec isrl(ivec a, int count) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(count)); }
 static inline ivec isll(ivec a, int count) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(count)); }
 static inline ivec lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* 0, 1, ..., 15 as floats: a 4-bit code's values. With 16 lanes, the 16 weights a block's codes
+ * stand for (scale times code, plus an offset) fit in one register, made with the multiply-add the
+ * weights would each have had, and every weight is then one lookup (vpermps) instead of a
+ * conversion and a multiply-add: the same numbers, fewer instructions. */
+static inline vec code_values(void) { return vfloat(lane_index()); }
 #else
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -166,6 +171,15 @@ static inline __attribute__((always_inline)) void weights_of(int kind, const uin
         return;
     }
     const vec d = vset1(half_at(block));
+#if defined(__AVX512F__)
+    if (kind == 2 || kind == 0) { /* a table of the 16 weights a code stands for, each weight looked up */
+        const vec table = kind == 2 ? vmul(d, vadd(code_values(), vset1(-8.0f))) : vfma(d, code_values(), vset1(half_at(block + 2)));
+        const ivec bytes = ibytes(block + (kind == 2 ? 2 : 4));
+        w[0] = _mm512_permutexvar_ps(bytes, table); /* vpermps reads each index's low 4 bits: the low nibble */
+        w[1] = _mm512_permutexvar_ps(isrl(bytes, 4), table);
+        return;
+    }
+#endif
     if (kind == 2) {
         q4_codes(block + 2, w);
         for (int j = 0; j < PER; j++)
@@ -235,13 +249,62 @@ static inline void k_scale_min(const uint8_t *q, int s, int *scale, int *min) {
     }
 }
 
-/* Sub-block s (weights 32 s .. 32 s + 32) of the K-quant super-block at sb. */
-static inline __attribute__((always_inline)) void k_weights(int kind, const uint8_t *sb, int s, vec w[PER]) {
+/* A K-quant super-block's scales, decoded once for its 8 sub-blocks: for each group of 16 weights
+ * (a sub-block's two groups alike for Q4_K and Q5_K), the float32 scale its codes are multiplied by
+ * and the offset added after (0 where the kind has none). Each is exact in float32: a float16 times
+ * a code of at most 8 bits. */
+struct k_scales {
+    float scale[16], offset[16];
+};
+
+static inline __attribute__((always_inline)) void k_scales_of(int kind, const uint8_t *sb, struct k_scales *k) {
+    if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: d * scale, -(dmin * min) per sub-block */
+        const float d = half_at(sb), dmin = half_at(sb + 2);
+        for (int s = 0; s < SUPER; s++) {
+            int scale, min;
+            k_scale_min(sb + 4, s, &scale, &min);
+            k->scale[2 * s] = k->scale[2 * s + 1] = d * (float)scale;
+            k->offset[2 * s] = k->offset[2 * s + 1] = -(dmin * (float)min);
+        }
+    } else if (kind == 11) { /* Q6_K: d * an int8 scale per 16 */
+        const float d = half_at(sb + 208);
+        for (int g = 0; g < 16; g++) {
+            k->scale[g] = d * (float)((const int8_t *)(sb + 192))[g];
+            k->offset[g] = 0.0f;
+        }
+    } else if (kind == 7) { /* Q2_K: d * a 4-bit scale, -(dmin * a 4-bit min) per 16 */
+        const float d = half_at(sb + 80), dmin = half_at(sb + 82);
+        for (int g = 0; g < 16; g++) {
+            k->scale[g] = d * (float)(sb[g] & 15);
+            k->offset[g] = -(dmin * (float)(sb[g] >> 4));
+        }
+    } else { /* Q3_K: d * (a 6-bit scale - 32) per 16, its low 4 bits and high 2 bits packed apart */
+        const uint8_t *scales = sb + 96;
+        const float d = half_at(sb + 108);
+        for (int g = 0; g < 16; g++) {
+            const int low = g < 8 ? scales[g] & 15 : scales[g - 8] >> 4;
+            const int high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+            k->scale[g] = d * (float)((low | (high << 4)) - 32);
+            k->offset[g] = 0.0f;
+        }
+    }
+}
+
+/* Sub-block s (weights 32 s .. 32 s + 32) of the K-quant super-block at sb, its scales decoded in k.
+ * Vector j holds weights o .. o + LANES (o = j * LANES) of the sub-block: group 2 s + o / 16. */
+static inline __attribute__((always_inline)) void k_weights(int kind, const uint8_t *sb, int s,
+                                                            const struct k_scales *k, vec w[PER]) {
     if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: w = (d * scale) * q - dmin * min */
-        int scale, min;
-        k_scale_min(sb + 4, s, &scale, &min);
-        const vec ds = vset1(half_at(sb) * (float)scale), dm = vset1(-(half_at(sb + 2) * (float)min));
+        const vec ds = vset1(k->scale[2 * s]), dm = vset1(k->offset[2 * s]);
         const uint8_t *codes = sb + (kind == 9 ? 16 : 48) + 32 * (s / 2);
+#if defined(__AVX512F__)
+        if (kind == 9) { /* Q4_K: a table of the 16 weights a code stands for (code_values) */
+            const vec table = vfma(ds, code_values(), dm);
+            for (int j = 0; j < PER; j++)
+                w[j] = _mm512_permutexvar_ps(isrl(ibytes(codes + j * LANES), 4 * (s % 2)), table);
+            return;
+        }
+#endif
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES;
             ivec q = iand(isrl(ibytes(codes + o), 4 * (s % 2)), iset1(15));
@@ -251,60 +314,74 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         }
     } else if (kind == 11) { /* Q6_K: w = (d * scale) * (q - 32), a scale every 16 weights */
         const int h = s / 4, t = s % 4;
-        const float d = half_at(sb + 208);
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES;
             const ivec low = iand(isrl(ibytes(sb + h * 64 + 32 * (t % 2) + o), 4 * (t / 2)), iset1(15));
             const ivec high = iand(isrl(ibytes(sb + 128 + h * 32 + o), 2 * t), iset1(3));
             const ivec q = isub(ior(low, isll(high, 4)), iset1(32));
-            w[j] = vmul(vset1(d * (float)((const int8_t *)(sb + 192))[2 * s + o / 16]), vfloat(q));
+            w[j] = vmul(vset1(k->scale[2 * s + o / 16]), vfloat(q));
         }
     } else if (kind == 7) { /* Q2_K: w = (d * scale) * q - dmin * min, a 4-bit scale and min every 16 */
         const int h = s / 4, u = s % 4;
-        const float d = half_at(sb + 80), dmin = half_at(sb + 82);
         for (int j = 0; j < PER; j++) {
-            const int o = j * LANES;
-            const uint8_t packed = sb[2 * s + o / 16];
+            const int o = j * LANES, g = 2 * s + o / 16;
             const ivec q = iand(isrl(ibytes(sb + 16 + h * 32 + o), 2 * u), iset1(3));
-            w[j] = vfma(vset1(d * (float)(packed & 15)), vfloat(q), vset1(-(dmin * (float)(packed >> 4))));
+            w[j] = vfma(vset1(k->scale[g]), vfloat(q), vset1(k->offset[g]));
         }
     } else { /* Q3_K: w = (d * (scale - 32)) * (q - 4 * (1 - high bit)), a 6-bit scale every 16 */
         const int h = s / 4, u = s % 4;
-        const uint8_t *scales = sb + 96;
-        const float d = half_at(sb + 108);
         for (int j = 0; j < PER; j++) {
-            const int o = j * LANES, which = 2 * s + o / 16;
-            const int low = which < 8 ? scales[which] & 15 : scales[which - 8] >> 4;
-            const int high = (scales[8 + which % 4] >> (2 * (which / 4))) & 3;
+            const int o = j * LANES;
             const ivec q2 = iand(isrl(ibytes(sb + 32 + h * 32 + o), 2 * u), iset1(3));
             const ivec bit = iand(isrl(ibytes(sb + o), s), iset1(1));
             const ivec q = isub(q2, isll(isub(iset1(1), bit), 2));
-            w[j] = vmul(vset1(d * (float)((low | (high << 4)) - 32)), vfloat(q));
+            w[j] = vmul(vset1(k->scale[2 * s + o / 16]), vfloat(q));
         }
     }
 }
 
-/* The 32 weights b (counted in 32s from `base`, a row's or a whole matrix's first block) as PER vectors. */
-static inline __attribute__((always_inline)) void weights_at(int kind, const uint8_t *base, int64_t b, vec w[PER]) {
-    if (IS_SUPER(kind))
-        k_weights(kind, base + (b / SUPER) * bytes_of(kind), (int)(b % SUPER), w);
-    else if (kind == 5 || kind == 6)
-        q5_weights(kind == 6, base + b * bytes_of(kind), w);
-    else
-        weights_of(kind, base + b * bytes_of(kind), w);
-}
+/* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block)
+ * passed to body(b, w) one block of 32 at a time, w its PER vectors; a K-quant's scales decoded once
+ * per super-block (b and count whole super-blocks for those). */
+#define EACH_BLOCK(kind, base, first, count, body)                                                  \
+    do {                                                                                          \
+        if (IS_SUPER(kind)) {                                                                     \
+            for (int64_t B_ = (first) / SUPER; B_ < ((first) + (count)) / SUPER; B_++) {          \
+                const uint8_t *sb_ = (base) + B_ * bytes_of(kind);                                \
+                struct k_scales k_;                                                               \
+                k_scales_of(kind, sb_, &k_);                                                      \
+                for (int s_ = 0; s_ < SUPER; s_++) {                                              \
+                    vec w_[PER];                                                                  \
+                    k_weights(kind, sb_, s_, &k_, w_);                                            \
+                    body(B_ * SUPER + s_, w_);                                                    \
+                }                                                                                 \
+            }                                                                                     \
+        } else {                                                                                  \
+            for (int64_t b_ = (first); b_ < (first) + (count); b_++) {                            \
+                vec w_[PER];                                                                      \
+                if (kind == 5 || kind == 6)                                                       \
+                    q5_weights(kind == 6, (base) + b_ * bytes_of(kind), w_);                      \
+                else                                                                              \
+                    weights_of(kind, (base) + b_ * bytes_of(kind), w_);                           \
+                body(b_, w_);                                                                     \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
 
 /* Bytes of a weight row of k inputs. */
 static inline int64_t row_bytes_of(int kind, int64_t k) {
     return (IS_SUPER(kind) ? k / (BLOCK * SUPER) : k / BLOCK) * bytes_of(kind);
 }
 
-/* The 32 weights b from `base` written out as float32, by the code the products use. */
-static inline __attribute__((always_inline)) void block_out(int kind, const uint8_t *base, int64_t b, float *out) {
-    vec v[PER];
-    weights_at(kind, base, b, v);
-    for (int j = 0; j < PER; j++)
-        vstore(out + j * LANES, v[j]);
+/* Weights [first, first + count) in 32s from `base` written out as float32 at out[32 (b - first)],
+ * by the code the products use. */
+#define STORE_BLOCK(b, w)                                   \
+    for (int j_ = 0; j_ < PER; j_++)                        \
+        vstore(out + ((b) - first) * BLOCK + j_ * LANES, (w)[j_]);
+
+static inline __attribute__((always_inline)) void blocks_out(int kind, const uint8_t *base, int64_t first,
+                                                             int64_t count, float *out) {
+    EACH_BLOCK(kind, base, first, count, STORE_BLOCK);
 }
 
 /* While one weight row is multiplied, the row AHEAD_ROWS on (the next panel, in the panels) is asked
@@ -333,17 +410,14 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         acc[r][0] = acc[r][1] = vzero();
-    for (int64_t b = b0; b < b1; b++) {
-        vec w[PER];
-        weights_at(kind, row, b, w);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const float *in = x + r * ldx + b * BLOCK;
-#pragma GCC unroll 4
-            for (int j = 0; j < PER; j++)
-                acc[r][j % chains] = vfma(vload(in + j * LANES), w[j], acc[r][j % chains]);
-        }
+#define ACCUMULATE(b, w)                                                                   \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+        const float *in = x + r * ldx + (b) * BLOCK;                                       \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PER; j++)                              \
+            acc[r][j % chains] = vfma(vload(in + j * LANES), (w)[j], acc[r][j % chains]);  \
     }
+    EACH_BLOCK(kind, row, b0, b1 - b0, ACCUMULATE);
+#undef ACCUMULATE
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const float total = vsum(chains == 2 ? vadd(acc[r][0], acc[r][1]) : acc[r][0]);
@@ -495,13 +569,11 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
             for (; j + PANEL <= n; j += PANEL) {                                                   \
                 if (j + 2 * PANEL <= n)                                                            \
                     fetch(w + (j + PANEL) * row_bytes, PANEL * row_bytes);                         \
-                for (int64_t b = 0; b < PANEL * blocks; b++)                                       \
-                    block_out(kind, w + j * row_bytes, b, scratch + b * BLOCK);                    \
+                blocks_out(kind, w + j * row_bytes, 0, PANEL * blocks, scratch);                  \
                 panel_rows_of(PANEL, x, m, k, scratch, y + j, ldy);                                \
             }                                                                                      \
             for (; j < n; j++) {                                                                   \
-                for (int64_t b = 0; b < blocks; b++)                                               \
-                    block_out(kind, w + j * row_bytes, b, scratch + b * BLOCK);                    \
+                blocks_out(kind, w + j * row_bytes, 0, blocks, scratch);                          \
                 panel_rows_of(1, x, m, k, scratch, y + j, ldy);                                    \
             }                                                                                      \
             return;                                                                                \
@@ -669,18 +741,18 @@ static void parallel(rows_fn fn, const float *x, int64_t m, int64_t k, const uin
 /* out[n][k] = the weights, float32, computed as the products above compute them. */
 #define DEQUANTIZE(name, kind)                                                                     \
     void name(const uint8_t *w, int64_t n, int64_t k, float *out) {                               \
-        for (int64_t b = 0; b < n * (k / BLOCK); b++)                                              \
-            block_out(kind, w, b, out + b * BLOCK);                                                \
+        blocks_out(kind, w, 0, n * (k / BLOCK), out);                                              \
     }
 
 /* 1 if the weights are `expected` ([n][k] float32) bit for bit, else 0: the check before a copy is
  * used, without writing the weights out. */
 #define MATCHES(name, kind)                                                                        \
     int name(const uint8_t *w, int64_t n, int64_t k, const float *expected) {                     \
-        float out[BLOCK];                                                                          \
-        for (int64_t b = 0; b < n * (k / BLOCK); b++) {                                            \
-            block_out(kind, w, b, out);                                                            \
-            if (memcmp(out, expected + b * BLOCK, sizeof out) != 0)                                \
+        float out[BLOCK * SUPER];                                                                  \
+        const int64_t step = IS_SUPER(kind) ? SUPER : 1; /* a super-block at a time for K-quants */ \
+        for (int64_t b = 0; b < n * (k / BLOCK); b += step) {                                      \
+            blocks_out(kind, w, b, step, out);                                                     \
+            if (memcmp(out, expected + b * BLOCK, step * BLOCK * sizeof(float)) != 0)              \
                 return 0;                                                                          \
         }                                                                                          \
         return 1;                                                                                  \
