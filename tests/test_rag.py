@@ -97,6 +97,26 @@ def test_a_context_too_long_for_the_model_is_refused_before_the_run_starts(embed
     assert "retrieve" in message and "margins" in message
 
 
+def test_the_over_long_refusal_suggests_only_a_margins_layout_that_fits(embedded):
+    # issue 53: the refusal said "or mdcli margins", whose default layout for one document (chain)
+    # reads it whole by the last segment and was refused in turn
+    from mdcli.documents.inputs import Document
+    from mdcli.strategies.margins import Margins, check_fits
+
+    document = "The committee met again and read the minutes aloud. " * 1800
+    with pytest.raises(UsageError) as refused:
+        ask_many(embedded, AskMany(documents=[Document("report.txt", document)], questions=["What happened?"]))
+    message = str(refused.value)
+    assert "the document and the question make a prompt of" in message
+    assert "mdcli margins --context independent" in message
+    independent = Margins(documents=[document], questions=["What happened?"], layout="independent")
+    segments = independent.segments(embedded.tokenizer)
+    check_fits(embedded, independent, segments, independent.margin_specs(embedded.tokenizer, segments))
+    chain = Margins(documents=[document], questions=["What happened?"])  # margins' default for one document
+    with pytest.raises(UsageError, match="use .*layout.* independent"):
+        check_fits(embedded, chain, segments, chain.margin_specs(embedded.tokenizer, segments))
+
+
 # -- the command line ------------------------------------------------------------------------
 
 

@@ -84,7 +84,7 @@ def ask_many(
     """Ask many questions about one document or many: every answer decodes at once over the shared cache.
 
     Several documents (files, folders, globs) are read in order as one context, each under a
-    "# path" line; a context longer than the model's is refused (use --retrieve K or mdcli margins).
+    "# path" line; a context longer than the model's is refused (use --retrieve K, or mdcli margins --context independent).
     --retrieve K gives each question its K best passages (BM25, --chunk-tokens each), in corpus
     order, each tagged "[n] path:first-last"; the answer lists them as its Sources.
 

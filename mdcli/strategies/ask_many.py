@@ -103,7 +103,8 @@ class AskMany(Job):
 
 def check_context_fits(specs: list[BranchSpec], context_length: int | None, documents: int = 1) -> None:
     """Refuse prompts the model cannot read whole (each needs room for one new token), naming the
-    count against the limit and the two ways to read less: retrieval, or margins."""
+    count against the limit and the two ways to read less: retrieval, or margins with each segment
+    read alone."""
     if context_length is None or not specs:
         return
     longest = max(len(spec.prompt_ids) for spec in specs)
@@ -111,8 +112,11 @@ def check_context_fits(specs: list[BranchSpec], context_length: int | None, docu
         return
     what = f"the {documents} documents" if documents > 1 else "the document"
     over = longest - context_length + 1  # a prompt needs room for one new token
+    # margins' default layout for one document (chain) reads it whole by its last segment, which
+    # is as long as this prompt: only the independent layout is a way out
     raise FieldError(
-        f"{what} with the question make a prompt of {longest:,} tokens, {over:,} more than the model's context of "
+        f"{what} and the question make a prompt of {longest:,} tokens, {over:,} more than the model's context of "
         f"{context_length} allows",
-        fix="use {retrieve} K to read only each question's K best passages, or mdcli margins to read it in segments",
+        fix="use {retrieve} K to read only each question's K best passages, or mdcli margins --context independent "
+            "to read it one segment at a time",
     )
