@@ -198,7 +198,7 @@ def test_jsonl_shows_candidates_as_forks_losers_as_scored_prunes_and_the_answer_
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--k", "0"], "--k 0"),
+        (["--k", "0"], "--candidates 0"),
         (["--k", "2", "--keep", "3"], "--keep 3"),
         (["--chunk-tokens", "0"], "--chunk-tokens 0"),
         (["--score", "vibes"], "--score 'vibes'"),

@@ -292,8 +292,32 @@ def test_top_level_help_groups_commands_and_cuts_no_summary():
 
 
 def test_minus_k_is_explore_candidates_only():
-    assert "-k, --k" in runner.invoke(app, ["explore", "--help"]).stdout
+    assert "-k, --candidates, --k" in runner.invoke(app, ["explore", "--help"], env={"COLUMNS": "120"}).stdout
     assert not re.search(r"(^|[\s,])-k\b", runner.invoke(app, ["think", "--help"]).stdout)
+
+
+@pytest.mark.parametrize("command", ["ask-many", "beam", "margins"])
+def test_every_command_that_takes_questions_spells_them_question(command):
+    assert "-q, --question" in runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"}).stdout
+
+
+def test_margins_takes_question_and_its_old_spelling_query_alike(tmp_path, story):
+    saved = {}
+    for spelling in ("--question", "--query", "-q"):
+        recipe = tmp_path / f"{spelling.strip('-')}.yaml"
+        # the recipe is written before the model loads; the missing model path then stops the run
+        result = runner.invoke(app, ["margins", str(story), spelling, "Who is it about?", "--save-recipe", str(recipe),
+                                     "-m", "/nonexistent/model"])
+        assert "model path '/nonexistent/model' does not exist" in result.stderr, result.output
+        saved[spelling] = recipe.read_text()
+    assert saved["--question"] == saved["--query"] == saved["-q"] and "Who is it about?" in saved["-q"]
+
+
+@pytest.mark.parametrize("spelling", ["--candidates", "-k", "--k"])
+def test_explore_candidates_has_a_name_and_keeps_its_old_spellings(spelling):
+    result = runner.invoke(app, ["explore", "Why?", spelling, "0", "-m", "/nonexistent/model"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("mdcli: error: --candidates 0: explore needs at least 1 candidate per step")
 
 
 def test_the_summary_line_counts_steps_with_or_without_drafts():

@@ -20,8 +20,11 @@ def explore(
     prompt: Annotated[
         str, typer.Argument(help="The prompt: text, a file holding it, or - for stdin.", show_default=False)
     ],
-    k: Annotated[int, typer.Option("--k", "-k", help="Candidates sampled per kept path at each step.")] = 4,
-    keep: Annotated[int, typer.Option("--keep", help="Paths kept after each step (at most --k).")] = 1,
+    k: Annotated[
+        int, typer.Option("--candidates", "-k", "--k", help="Candidates sampled per kept path at each step (--k is its "
+                          "old spelling).")
+    ] = 4,
+    keep: Annotated[int, typer.Option("--keep", help="Paths kept after each step (at most --candidates).")] = 1,
     chunk_tokens: Annotated[
         Optional[int],
         typer.Option(
@@ -77,12 +80,12 @@ def explore(
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Step-level search: at each step (a sentence or line, or --chunk-tokens) --k sampled
+    """Step-level search: at each step (a sentence or line, or --chunk-tokens) -k sampled
     candidates decode together in one forest; the best --keep by --score go on, the rest leave
     the cache; until EOS or -n.
 
     Every candidate's tokens are what sampling its prompt (the prompt + the steps chosen so far)
-    alone gives with candidate i's own generator, seeded from --seed and i. With --k 1 the answer
+    alone gives with candidate i's own generator, seeded from --seed and i. With -k 1 the answer
     is plain decoding of the prompt (with -t 0: model.generate's greedy answer). JSONL: each
     candidate is a fork ending in a prune whose reason holds its score and rank; the answer is the
     final finish.

@@ -17,6 +17,8 @@ FLAGS = {
     "layout": "--context",  # margins: chain | independent
     "path_instructions": "--path-instruction",  # think: repeatable, one per flag
     "questions": '-q "..." or --questions-file FILE',  # ask-many: where questions come from
+    "query": "--question",  # margins: the question (--query, its old spelling, still works)
+    "k": "--candidates",  # explore: candidates per kept path (--k, its old spelling, still works)
 }
 
 

@@ -49,7 +49,8 @@ def margins(
     query: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--query", "-q", help="A question (repeatable: every question's margins share one cache).",
+            "--question", "-q", "--query",
+            help="A question (repeatable: every question's margins share one cache; --query is its old spelling).",
             show_default=False,
         ),
     ] = None,
