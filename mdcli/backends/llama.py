@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention import fused
-from mdcli.backends.attention.gemm import read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.attention.gemm import onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.select import Plan
@@ -185,7 +185,8 @@ class FastForward:
         formats = []
         if self.blocks:
             formats.append(WeightFormat("file blocks", None if self.on_blocks else self.block_rows,
-                                        partial(_block_linear, rows_on_kernel=self.block_kernel_rows),
+                                        partial(_block_linear, rows_on_kernel=self.block_kernel_rows,
+                                                tile_matmul=onednn_matmul_t if self.onednn else None),
                                         self.block_layers, self.block_head))
             if self.on_blocks:  # no float32 weights: the blocks serve every width
                 return tuple(formats)
@@ -362,8 +363,8 @@ def _int8_linear(x, weight, bias=None):
     return int8_linear(x, weight, bias)
 
 
-def _block_linear(x, weight, bias=None, *, rows_on_kernel=None):
-    return block_linear(x, weight, bias, rows_on_kernel=rows_on_kernel)
+def _block_linear(x, weight, bias=None, *, rows_on_kernel=None, tile_matmul=None):
+    return block_linear(x, weight, bias, rows_on_kernel=rows_on_kernel, tile_matmul=tile_matmul)
 
 
 def _routed_linear(x, weight, bias=None):
