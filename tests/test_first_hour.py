@@ -331,6 +331,26 @@ def test_the_summary_line_counts_steps_with_or_without_drafts():
     assert "forwards" not in plain + drafted
 
 
+def test_the_summary_line_says_the_rate_is_per_decode_second_and_splits_the_seconds():
+    # issue 53: "21 tokens ... 20.9 s · 21.7 tok/s" set a decode-only rate beside the whole run's seconds
+    from mdcli.render.base import BranchBook
+
+    stats = Stats(prompt_tokens=900, prefill_tokens=900, generated_tokens=21, steps=20, seconds=20.9,
+                  prefill_seconds=19.9, decode_seconds=0.97, peak_cache_tokens=921, final_cache_tokens=921, compactions=0)
+    assert "20.9 s (prefill 19.9 s, decode 1.0 s at 21.6 tok/s)" in summary_line(BranchBook(), stats)
+
+
+def test_the_summary_line_of_answers_read_off_the_prefill_shows_no_rate():
+    # issue 53: a --choices run printed "2 tokens in 0 steps · 298.5 tok/s"
+    from mdcli.render.base import BranchBook
+
+    stats = Stats(prompt_tokens=300, prefill_tokens=160, generated_tokens=2, steps=0, seconds=0.34, prefill_seconds=0.33,
+                  decode_seconds=0.0067, peak_cache_tokens=160, final_cache_tokens=160, compactions=0)
+    line = summary_line(BranchBook(), stats)
+    assert "2 tokens from the prefill, no decode step · 0.3 s (prefill 0.3 s) ·" in line
+    assert "tok/s" not in line and "0 steps" not in line
+
+
 # -- 10. the first seconds -------------------------------------------------------------------------------
 
 

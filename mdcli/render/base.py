@@ -300,9 +300,12 @@ def sources_line(sources: tuple[Source, ...]) -> str:
 
 
 def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -> str:
-    """One line of run statistics, e.g.
-    ``8 branches · 412 tokens in 37 steps · 5.2 s · 79.1 tok/s · cache peak 1,912 tokens · peak RSS 612 MiB``
-    (the process's resident peak, load included; left out where the platform does not say)."""
+    """One line of run statistics, e.g. ``8 branches · 412 tokens in 37 steps · 5.2 s (prefill 0.0 s,
+    decode 5.2 s at 79.1 tok/s) · cache peak 1,912 tokens · peak RSS 612 MiB``: the run's seconds,
+    then how many of them prefill and decode took, the rate being generated tokens per decode
+    second; the process's resident peak, load included, left out where the platform does not say.
+    A run whose tokens all came off the prefill's logits (one-token answers) has no decode and
+    shows no rate."""
     pruned = len(book.with_status("pruned"))
     branches = f"{len(book)} branch" + ("" if len(book) == 1 else "es")
     if pruned:
@@ -310,8 +313,7 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
     parts = [
         branches,
         _tokens_part(stats),
-        f"{stats.seconds:.1f} s",
-        f"{stats.tokens_per_second:.1f} tok/s",
+        _seconds_part(stats),
         f"cache peak {stats.peak_cache_tokens:,} tokens",
     ]
     if stats.cached_tokens:
@@ -323,10 +325,26 @@ def summary_line(book: BranchBook, stats: Stats, *, interrupted: bool = False) -
     return " · ".join(parts)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def _seconds_part(stats: Stats) -> str:
+    """``5.2 s (prefill 0.4 s, decode 4.8 s at 85.8 tok/s)``; without a decode step,
+    ``0.3 s (prefill 0.3 s)``."""
+    if not stats.steps:
+        return f"{stats.seconds:.1f} s (prefill {stats.prefill_seconds:.1f} s)"
+    return (f"{stats.seconds:.1f} s (prefill {stats.prefill_seconds:.1f} s, decode {stats.decode_seconds:.1f} s "
+            f"at {stats.tokens_per_second:.1f} tok/s)")
+
+
 def _tokens_part(stats: Stats) -> str:
     """``N tokens in S steps``; with speculative drafts, ``N tokens in S steps (A% of drafts
-    accepted)``. A step is one decode forward over every live branch, drafts or not."""
-    steps = f"{stats.generated_tokens:,} tokens in {stats.steps:,} steps"
+    accepted)``. A step is one decode forward over every live branch, drafts or not. Without a
+    step, every token came off the prefill's logits: ``2 tokens from the prefill, no decode step``."""
+    if not stats.steps:
+        return _count(stats.generated_tokens, "token") + " from the prefill, no decode step"
+    steps = f"{_count(stats.generated_tokens, 'token')} in {_count(stats.steps, 'step')}"
     if not stats.draft_tokens:
         return steps
     accepted = 100 * stats.accepted_tokens / stats.draft_tokens
