@@ -637,6 +637,18 @@ def test_live_prints_every_full_answer_after_done_and_the_summary_on_stderr(live
     )
 
 
+def test_live_into_a_pipe_ends_its_final_frame_before_the_answers():
+    # issue 53: `-o live | cat` printed "... lp -5.09## Who owns the bakery?"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    pipe = Console(file=stdout, force_terminal=False, width=80, color_system=None)
+    renderer = LiveRenderer(pipe, Console(file=stderr, force_terminal=False, width=80), header="tiny · cpu")
+    for event in [start("a", "b"), finish(0, "a", "short", 1), finish(1, "b", "long", 1), done(generated=2)]:
+        renderer.handle(event)
+    lines = stdout.getvalue().splitlines()
+    assert "## a" in lines and "## b" in lines  # each heading on a line of its own
+    assert lines.index("## a") == 3  # the header and the two status lines, then the answers
+
+
 def test_live_interrupted_prints_partial_answers_and_says_interrupted(live):
     renderer, stdout, stderr = live()
     for event in [start("a", "b"), token(0, "half an ans"), finish(1, "b", "whole")]:

@@ -188,7 +188,16 @@ class LiveRenderer:
         self._progress.stop()
         if self._started and not self._stopped:
             self._live.stop()
+            # rich ends the last frame with a newline on a terminal only: into a pipe or a file
+            # (`-o live | cat`) the answers would start on the frame's last line
+            on_a_screen = self._console.is_terminal and not self._console.is_dumb_terminal
+            if not on_a_screen and self._frame_has_lines():
+                self._console.line()
         self._stopped = True
+
+    def _frame_has_lines(self) -> bool:
+        with self._lock:
+            return bool(self._header_lines() or (self._final and self._answers()))
 
     def refresh(self) -> None:
         """Redraw now, rather than at the next tick: used when branches appear, end or vanish,
