@@ -215,3 +215,36 @@ def test_explain_a_margins_recipe_with_two_questions_shows_one_copy_of_each_segm
     for segment in job.segments(tokenizer):  # every segment's text is in the cache exactly once
         cached = tokenizer.decode(layout.token_ids)
         assert cached.count(segment.text.strip()[:40]) == 1
+
+
+# -- into a pipe -----------------------------------------------------------------------------------
+
+
+def explain_into(stdout, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "mdcli", "explain", "follow-ups", "--input", "examples/story.txt", *args],
+                          stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+def test_explain_into_a_pipe_writes_each_line_whole_instead_of_wrapping_at_80_columns():
+    import subprocess
+
+    done = explain_into(subprocess.PIPE)
+    assert done.returncode == 0, done.stderr
+    title = done.stdout.splitlines()[0]
+    assert len(title) > 80 and title.endswith("(104 saved by sharing)")
+
+
+@pytest.mark.parametrize("tokens", [[], ["--tokens"]])
+def test_explain_into_a_closed_pipe_exits_0_quietly_like_every_command(tokens):
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # what `| head -2` leaves once head has its lines
+    try:
+        done = explain_into(write, *tokens)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")

@@ -104,7 +104,7 @@ def explain(
         else:
             roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
         layout = api.plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
-        console = make_console(sys.stdout, color=not color_disabled(False))
+        console = make_console(sys.stdout, color=not color_disabled(False), wrap_off_a_terminal=False)
         api.render_explanation(
             console, roots, layout, lambda token: tokenizer.decode([token]),
             title=title, tokens=tokens,

@@ -11,6 +11,7 @@ cropping, and the scrollback holds each answer once.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import threading
@@ -53,15 +54,33 @@ _CONTROL_PICTURES = {
 } | {0x7F: 0x2421}
 
 
-def make_console(file: TextIO, *, color: bool) -> Console:
+class _Console(Console):
+    """rich's Console, but a closed pipe (`| head`) is the BrokenPipeError every other write of
+    mdcli's raises, which the command turns into a quiet exit 0; rich's own answer is exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more goes to the closed file, not even on the way out
+        raise BrokenPipeError(errno.EPIPE, "the output was closed")
+
+
+PIPED_WIDTH = 100_000
+"""The width of a console whose file is not a terminal when it is told not to wrap: no line of
+mdcli's is that long, so nothing is cut to rich's default 80 columns in a pipe or a file."""
+
+
+def make_console(file: TextIO, *, color: bool, wrap_off_a_terminal: bool = True) -> Console:
     """A console on `file`. Without color it emits no styling codes at all (not even bold),
-    which is what people who set NO_COLOR expect of a program's output."""
-    return Console(
+    which is what people who set NO_COLOR expect of a program's output. `wrap_off_a_terminal`
+    False: into a pipe or a file, lines are as long as their text (`mdcli explain | less -S`)."""
+    console = _Console(
         file=file,
         color_system="auto" if color else None,
         no_color=not color,
         highlight=False,
     )
+    if not wrap_off_a_terminal and not console.is_terminal:
+        console.width = PIPED_WIDTH
+    return console
 
 
 @dataclass(frozen=True)
