@@ -298,3 +298,19 @@ def test_cli_progress_leaves_stdout_and_jsonl_stdout_unchanged(story):
             assert [r for r in strip if r["type"] != "done"] == [r for r in plain_records if r["type"] != "done"]
         else:
             assert with_progress.stdout == plain.stdout
+
+
+def test_without_a_terminal_or_progress_no_loading_line_goes_to_stderr(story):
+    # issue 53: the loader said "loading ..." into a log file, where docs/cli.md promises no progress
+    base = ["ask-many", str(story), "-q", "Who?", "-n", "1"]
+    plain = runner.invoke(app, base + ["--plain"])
+    assert plain.exit_code == 0, plain.stderr
+    assert not any(line.startswith("mdcli: loading") for line in plain.stderr.splitlines())
+    asked = runner.invoke(app, base + ["--plain", "--progress"])
+    assert sum(line.startswith("mdcli: loading ") for line in asked.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["--json", "--jsonl"])
+def test_json_and_jsonl_leave_the_header_and_summary_to_the_stream(story, mode):
+    result = runner.invoke(app, ["ask-many", str(story), "-q", "Who?", "-n", "1", mode])
+    assert result.exit_code == 0 and result.stderr == ""

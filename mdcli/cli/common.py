@@ -166,9 +166,9 @@ def output_mode(output: Output, *, jsonl: bool = False, plain: bool = False, jso
 def announce_loading(model: str | None, quiet: bool, progress: bool = False) -> bool:
     """On a terminal (or with --progress), say which model loads before torch and transformers are
     imported (about 3 s on a CPU host: docs/performance.md#start-up), so the first seconds are not
-    silent; returns whether it did. Elsewhere the loader says it when it starts, so that a usage
-    error found before then stays the only line. `load_options(..., announced=True)` then drops
-    the loader's own line about the same model."""
+    silent; returns whether it did. A command that does not call this has the loader say it, on a
+    terminal or with --progress only. `load_options(..., announced=True)` drops the loader's own
+    line about the same model."""
     if quiet or not (progress or _is_terminal(sys.stderr)):
         return False
     stderr_line(f"loading {model or EMBEDDED_NAME}...")
@@ -287,7 +287,10 @@ def load_options(params: dict, **overrides):
     fields = {name: params[name] for name in names if name in params}
     quiet = overrides.pop("quiet", params.get("quiet", False))
     announced = overrides.pop("announced", False)  # announce_loading said it: drop the loader's own line
-    progress = _without_loading_line if announced else stderr_line
+    # the loading line is progress: on a terminal or with --progress only (docs/cli.md); the loader's
+    # other lines (the embedded model's one-time conversion) always show
+    says_loading = not announced and (params.get("progress", False) or _is_terminal(sys.stderr))
+    progress = stderr_line if says_loading else _without_loading_line
     return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else progress)
 
 
