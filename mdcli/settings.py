@@ -6,6 +6,10 @@ turns the settings and the host into a plan at load, and the rest of mdcli is ha
 needs. Tests and benchmarks switch backends by passing a changed `Settings` to the selector
 (`current().changed(cpu_kernels="torch")`), never by setting variables.
 
+MDCLI_MODEL is the one variable read elsewhere as well: the command line's -m option takes it
+as its default (typer's `envvar`, which keeps `mdcli --help` free of this module's imports);
+it is declared here so that the README's table and `mdcli info` name it like every other.
+
 On/off variables take 1/0, on/off, true/false or yes/no. A value outside a variable's choices is
 a usage error (exit 2) that names the variable and what it accepts. The README's table is
 `markdown_table()` (tests/test_settings.py keeps them equal).
@@ -37,6 +41,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=PREFIX, case_sensitive=False, frozen=True, populate_by_name=True,
                                       extra="ignore", env_ignore_empty=True)
 
+    model: str | None = Field(
+        None, description="The model -m/--model defaults to: a Hugging Face id, a local folder or a .gguf file (unset: the embedded SmolLM2-135M-Instruct).")
     device: str = Field(
         "auto", description="What --device auto means: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.")
     cache_dir: Path | None = Field(

@@ -98,3 +98,19 @@ def test_a_bad_variable_stops_a_command_with_exit_2_and_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("mdcli: error: MDCLI_SPARSE_ATTENTION='sometimes' is not valid")
     assert "Traceback" not in result.stderr
+
+
+def test_every_variable_a_command_option_reads_is_in_the_registry():
+    # issue 53: -m read MDCLI_MODEL, which every --help named and the README's table did not
+    import click
+    import typer
+
+    from mdcli.cli.app import app
+
+    def options(command: click.Command):
+        yield from command.params
+        for sub in getattr(command, "commands", {}).values():
+            yield from options(sub)
+
+    read = {option.envvar for option in options(typer.main.get_command(app)) if option.envvar}
+    assert read and read <= {variable(field) for field in Settings.model_fields}
