@@ -106,3 +106,16 @@ def test_token_events_concatenate_to_the_finished_text(embedded):
         streamed = "".join(e.text for e in events if e.type == "token" and e.branch == finish.branch)
         assert streamed == finish.text
         assert "Petrel" not in finish.text
+
+
+def test_a_stop_string_is_cut_with_the_whitespace_before_it_and_the_stream_agrees(embedded):
+    # issue 53: --stop Plumb left "Harriet " with its trailing space
+    from mdcli.core.detok import StreamingDetokenizer
+
+    for text, stop, answer in [("Harriet Plumb keeps the shop.", "Plumb", "Harriet"),
+                               ("One.\n\nTwo.", "\n\nTwo", "One."),
+                               ("Harriet  is here ", "Plumb", "Harriet  is here ")]:  # no stop: every space kept
+        detok = StreamingDetokenizer(embedded.tokenizer, stop=(stop,))
+        streamed = "".join(detok.add(token) for token in embedded.tokenizer.encode(text))
+        streamed += detok.finish()
+        assert streamed == detok.final_text == answer

@@ -69,7 +69,7 @@ MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop 
 SeedOpt = Annotated[
     Optional[int], typer.Option("--seed", help="Sampling seed; each branch gets its own stream from it.")
 ]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop a branch at this text (repeatable).")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop a branch at this text, cut from the answer with the whitespace before it (repeatable).")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System prompt.")]
 NoChatOpt = Annotated[
     bool, typer.Option("--no-chat-template", help="Feed plain text even if the model has a chat template.")

@@ -4,6 +4,10 @@ Token-by-token decoding would split multi-byte characters and BPE word pieces; i
 generated sequence is decoded and only the new, settled part is released. Text is held back while
 it ends in an incomplete UTF-8 character (U+FFFD) or could still turn into a stop string, so the
 concatenated `Token.text` of a branch always equals its final `Finish.text`.
+
+A stop string is cut from the answer with the whitespace before it ("Harriet Plumb" stopped at
+"Plumb" is "Harriet", not "Harriet "), so with stop strings trailing whitespace is held back too
+until something else follows it or the branch ends.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class StreamingDetokenizer:
 
     @property
     def final_text(self) -> str:
-        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+        return self.text if self.stopped_at is None else self.text[: self.stopped_at].rstrip()
 
     def _find_stop(self) -> int | None:
         # a stop string can only have been completed by the text added since the last check
@@ -48,6 +52,8 @@ class StreamingDetokenizer:
             if self.text.endswith("\ufffd"):
                 end = len(self.text.rstrip("\ufffd"))
             end = min(end, len(self.text) - self._possible_stop_prefix())
+            if self.stop:  # whitespace that a stop string may yet follow
+                end = len(self.text[:end].rstrip())
         chunk = self.final_text[self.released : max(end, self.released)]
         self.released += len(chunk)
         return chunk
