@@ -216,6 +216,16 @@ def test_beam_headings_carry_score_and_finish_reason_and_whitespace_is_drawn():
     assert visible_trailing_whitespace("Le chat dort.\n") == "Le chat dort.⏎"
 
 
+def test_beam_hypotheses_cut_by_n_are_marked_and_named_like_every_cut_answer():
+    # issue 53: the README's " …" and stderr note were missing for beam alone
+    result = mdcli("beam", "Translate to French: The cat sleeps.", "--width", "2", "--num-return", "2", "-n", "3",
+                   "--plain")
+    assert result.exit_code == 0, result.stderr
+    blocks = [block.split("\n", 1)[1].strip("\n") for block in result.stdout.split("## ")[1:]]
+    assert len(blocks) == 2 and all(block.endswith(" …") for block in blocks)
+    assert "2 answers stopped at -n 3 (cut short, marked …)" in result.stderr
+
+
 # -- 7. errors that teach -----------------------------------------------------------------------------
 
 

@@ -171,7 +171,7 @@ class PlainRenderer:
                 self._stdout.write(json.dumps(branch.parsed, ensure_ascii=False) + "\n")
         else:
             text = visible_trailing_whitespace(branch.text) if facts is not None and headered else branch.text
-            cut = was_cut(branch) and facts is None  # a beam's finish reason is in its heading
+            cut = was_cut(branch)  # a beam hypothesis too, though its heading says "length" as well
             if cut:
                 self._cut.append(branch)
             self._stdout.write(
