@@ -33,7 +33,7 @@ def cache_views(groups: int, n: int, dim: int, generator, spare: int = 37):
 
 @needs_kernel
 @pytest.mark.parametrize("heads, groups", [(9, 3), (4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("queries", [2, 3, 8, 17, 64])
+@pytest.mark.parametrize("queries", [1, 2, 3, 8, 17, 64])
 @pytest.mark.parametrize("slots", [1, 5, 130, 1027])
 @pytest.mark.parametrize("dim", [64, 128, 16])
 def test_the_kernel_gives_torchs_attention_for_every_step_shape(heads, groups, queries, slots, dim):

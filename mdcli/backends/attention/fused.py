@@ -10,6 +10,11 @@ kernel reads each key and each value once for all the group's query rows, keeps 
 core's second cache, and runs the softmax down the keys across rows (measured: notebook/attention.md,
 "One kernel for a few queries' attention").
 
+Where a group stacks at most 4 query rows (a lone branch: SmolLM2's 3 heads a group), the AVX-512
+build lays the head's dimensions across the lanes instead of the rows, so a lone branch's attention
+no longer fills 3 of 16 lanes (Zen 5, the embedded model's one-branch step at 1,819 tokens: 13.8 ->
+11.3 ms; docs/performance.md, "The files users run").
+
 Exact to float32 rounding: the same scores, softmax and weighted sum in another order of float sums,
 exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_fused_attention.py).
 """

@@ -259,6 +259,99 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
     }
 }
 
+#if defined(__AVX512F__)
+/* ---- A few rows: the head's dimensions across the lanes ---------------------------------------
+ * With one or two queries a group stacks 1-4 rows (H/G heads x M queries: 3 for SmolLM2's lone
+ * branch), so the layout above fills 3 of a vector's 16 lanes and broadcasts every element of every
+ * key. Here a key's D floats are loaded as D / 16 vectors and multiplied by each row's query held in
+ * registers; the 16 keys' sums of a row are then added across lanes at once (sum_lanes), the softmax
+ * runs along each row's scores, and the values are summed with D across the lanes, a row's weight
+ * broadcast. The same scores, softmax and weighted sums, summed in another order. */
+#define FEW_ROWS 4
+
+/* out lane i = the sum of a[i]'s lanes: 16 vectors added across in a tree of in-register transposes. */
+static inline vec sum_lanes(const vec a[LANES]) {
+    vec x[8], y[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        x[i] = vadd(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per block: the block's sum of vectors 4i .. 4i + 3 */
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+        y[i] = vadd(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    /* the four blocks of each y added: block j of the result is y[j]'s */
+    const vec u01 = vadd(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+    const vec u23 = vadd(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+    return vadd(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
+
+/* One group's rows (R <= FEW_ROWS) of queries q[r] (D floats each, D a multiple of LANES) over keys
+ * and values [n][D]; mask_t [n][mask_stride] additive (row r at column r) or NULL -> out[r] (D floats),
+ * normalized. work: FEW_ROWS * (n rounded up to LANES) floats. */
+static void few_rows(int R, const float *const *q, int64_t D, const float *k, const float *v, int64_t n,
+                     const float *mask_t, int64_t mask_stride, float scale, float *const *out, float *work) {
+    const int64_t padded = (n + LANES - 1) / LANES * LANES, C = D / LANES;
+    float *s = work; /* s[r * padded + p] */
+    vec dots[FEW_ROWS][LANES];
+    for (int64_t p0 = 0; p0 < padded; p0 += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            const int64_t p = p0 + j;
+            if (p >= n) {
+                for (int r = 0; r < R; r++)
+                    dots[r][j] = vzero();
+                continue;
+            }
+            const float *key = k + p * D;
+            if (j == 0)
+                fetch_keys(key + KEYS_AHEAD * D, LANES * D); /* a hint past the end never faults */
+            vec acc[FEW_ROWS];
+            for (int r = 0; r < R; r++)
+                acc[r] = vzero();
+            for (int64_t c = 0; c < C; c++) {
+                const vec kc = vload(key + c * LANES);
+                for (int r = 0; r < R; r++)
+                    acc[r] = vfma(kc, vload(q[r] + c * LANES), acc[r]);
+            }
+            for (int r = 0; r < R; r++)
+                dots[r][j] = acc[r];
+        }
+        for (int r = 0; r < R; r++)
+            vstore(s + r * padded + p0, vmul(sum_lanes(dots[r]), vset1(scale)));
+    }
+    for (int r = 0; r < R; r++) {
+        float *row = s + r * padded;
+        if (mask_t)
+            for (int64_t p = 0; p < n; p++)
+                row[p] += mask_t[p * mask_stride + r];
+        for (int64_t p = n; p < padded; p++)
+            row[p] = -__builtin_inff(); /* beyond the keys: weight 0 */
+        vec top = vset1(-__builtin_inff());
+        for (int64_t p = 0; p < padded; p += LANES)
+            top = vmax(top, vload(row + p));
+        const vec peak = vset1(_mm512_reduce_max_ps(top));
+        vec total = vzero();
+        for (int64_t p = 0; p < padded; p += LANES) {
+            const vec e = vexp(vsub(vload(row + p), peak));
+            vstore(row + p, e);
+            total = vadd(total, e);
+        }
+        const float inverse = 1.0f / _mm512_reduce_add_ps(total);
+        for (int64_t c0 = 0; c0 < C; c0 += 4) { /* 4 vectors of the value's D at a time */
+            const int width = C - c0 < 4 ? (int)(C - c0) : 4;
+            vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+            for (int64_t p = 0; p < n; p++) {
+                const vec weight = vset1(row[p]);
+                const float *value = v + p * D + c0 * LANES;
+                for (int c = 0; c < width; c++)
+                    acc[c] = vfma(weight, vload(value + c * LANES), acc[c]);
+            }
+            for (int c = 0; c < width; c++)
+                vstore(out[r] + (c0 + c) * LANES, vmul(acc[c], vset1(inverse)));
+        }
+    }
+}
+#endif
+
 /* Rows a group's heads stack: H/G heads x M queries, padded to a whole number of vectors (the
  * mask's rows, mask_t [N][R]). */
 int64_t attention_rows(int64_t per_group, int64_t M) { return (per_group * M + LANES - 1) / LANES * LANES; }
@@ -266,7 +359,9 @@ int64_t attention_rows(int64_t per_group, int64_t M) { return (per_group * M + L
 /* Floats of scratch `attention` needs for n slots, H/G = per_group heads a group, M queries, head size D. */
 int64_t attention_scratch_floats(int64_t n, int64_t per_group, int64_t M, int64_t D) {
     const int64_t R = attention_rows(per_group, M);
-    return 2 * D * R + n * R + 2 * R; /* qt, ot, the scores, the exp sums, the maxima */
+    const int64_t few = 4 * (n + 16); /* the few-rows path's scores: FEW_ROWS rows of n rounded up */
+    const int64_t rows = 2 * D * R + n * R + 2 * R; /* qt, ot, the scores, the exp sums, the maxima */
+    return rows > few ? rows : few;
 }
 
 /* D must be a multiple of this. */
@@ -280,6 +375,22 @@ void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64
                const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
                float *out, float *scratch) {
     const int64_t per_group = H / G, R = attention_rows(per_group, M);
+#if defined(__AVX512F__)
+    if (per_group * M <= FEW_ROWS && D % LANES == 0) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *rows_q[FEW_ROWS];
+            float *rows_out[FEW_ROWS];
+            for (int64_t h = 0; h < per_group; h++)
+                for (int64_t m = 0; m < M; m++) { /* row r = h * M + m, as the mask's columns */
+                    rows_q[h * M + m] = q + (g * per_group + h) * q_head + m * q_query;
+                    rows_out[h * M + m] = out + m * H * D + (g * per_group + h) * D;
+                }
+            few_rows((int)(per_group * M), rows_q, D, k + g * group_stride, v + g * group_stride, n, mask_t, R, scale,
+                     rows_out, scratch);
+        }
+        return;
+    }
+#endif
     float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
     memset(qt, 0, (size_t)(D * R) * sizeof(float)); /* the padding rows: zero queries */
     for (int64_t g = 0; g < G; g++) {
