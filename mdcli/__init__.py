@@ -1,13 +1,26 @@
 """mdcli: MultiDecode for Hugging Face models, exact parallel decoding in one shared KV cache.
 
-The Python API is mdcli/api.py; its main entry points are also here, as `mdcli.ask_many` etc.
+The Python API is mdcli/api.py; every name it exports is also here (`from mdcli import
+read_inputs`), imported on first use.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "ask_many", "beam_search", "explore", "load_model", "load_tokenizer", "margins", "run_specs", "think"]
+# Every name mdcli.api exports (tests/test_structure.py keeps the two lists equal), most used first.
+__all__ = [
+    "__version__",
+    "load_model", "load_tokenizer", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
+    "LoadedModel", "LoadOptions", "host_report", "changed_settings",
+    "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins",
+    "MarginsPrompts", "SamplingParams", "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
+    "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
+    "MIN_SEGMENT_TOKENS",
+    "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
+    "Document", "Inputs", "Skipped", "joined_text", "named_text", "read_inputs",
+    "ForestLayout", "plan_layout", "render_explanation", "describe_step", "first_verified_step",
+]
 
 
 def __getattr__(name: str):

@@ -263,7 +263,7 @@ from mdcli.strategies.margins import (  # noqa: E402
     MarginsPrompts,
 )
 from mdcli.strategies.think import Think  # noqa: E402
-from mdcli.documents.inputs import Document, Inputs, joined_text, named_text, read_inputs  # noqa: E402
+from mdcli.documents.inputs import Document, Inputs, Skipped, joined_text, named_text, read_inputs  # noqa: E402
 
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
@@ -280,7 +280,7 @@ __all__ = [
     # the prompt cache on disk (mdcli cache list / clear)
     "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
     # many inputs: files, folders, globs and stdin read as documents with their paths
-    "Document", "Inputs", "joined_text", "named_text", "read_inputs",
+    "Document", "Inputs", "Skipped", "joined_text", "named_text", "read_inputs",
     # describing a run without running it
     "ForestLayout", "plan_layout", "render_explanation",
     # one speculative step of a run, watched and drawn (mdcli explain --speculate)

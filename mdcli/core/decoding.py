@@ -8,10 +8,12 @@ children; `Decoder` runs it over a Run (mdcli/core/run.py), one phase per `annou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from mdcli.core.constraint import TokenConstraint
+from mdcli.errors import UsageError
 from mdcli.core.engine import Engine
 from mdcli.core.forest import common_prefix_length
 from mdcli.core.run import Run, prefill_prompts
@@ -43,6 +45,46 @@ class BranchSpec:
     ignore_eos: bool = False  # never choose EOS (like generate's min_new_tokens): equal-length benchmarks
     sources: tuple[Source, ...] = ()  # the passages its prompt holds (announced on its BranchInfo)
     constraint: TokenConstraint | None = None  # the answer's shape (mdcli/core/constraint.py)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = token_id_list(self.prompt_ids, f"BranchSpec {self.label!r}: prompt_ids")
+
+
+def token_id_list(ids: object, what: str) -> list[int]:
+    """`ids` as a list of token ids: a list or tuple of ints (numpy's and 0-d tensors' too) or a
+    1-D tensor or array. Anything else, text or a tokenizer's BatchEncoding above all, is one
+    UsageError line saying what to pass instead, rather than a crash deep inside the run."""
+    if type(ids) is list and all(type(token) is int for token in ids):
+        return ids  # the common case, as the strategies build it: no copy
+    if isinstance(ids, (str, bytes)):
+        raise UsageError(f"{what} is text ({_shown(ids)}), not token ids",
+                         fix="pass tokenizer(text)['input_ids'] or tokenizer.encode(text)")
+    if isinstance(ids, Mapping):  # transformers' BatchEncoding is one (a UserDict)
+        raise UsageError(f"{what} is a {type(ids).__name__} (keys {', '.join(map(str, ids))}), not token ids",
+                         fix="pass its ['input_ids'], or call apply_chat_template(..., tokenize=True, return_dict=False)")
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) != 1:
+        raise UsageError(f"{what} has {ids.ndim} dimensions, not 1", fix="pass one prompt's ids, e.g. ids[0]")
+    listed = ids.tolist() if hasattr(ids, "tolist") else ids
+    if not isinstance(listed, (list, tuple)):
+        raise UsageError(f"{what} is of type {type(ids).__name__}, not a list of token ids", fix="pass a list of ints")
+    tokens = []
+    for index, token in enumerate(listed):
+        if isinstance(token, (list, tuple)):
+            raise UsageError(f"{what} is a batch of {len(listed)} prompts, not one",
+                             fix="give each prompt its own BranchSpec (e.g. prompt_ids=ids[0])")
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            tokens.append(operator.index(token))
+        except TypeError:
+            raise UsageError(f"{what}[{index}] is {_shown(token)}, not a token id",
+                             fix="pass a list of ints") from None
+    return tokens
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class Independent(Policy):
