@@ -24,6 +24,17 @@ class MdcliError(Exception):
         self.fix = fix
         super().__init__(message if fix is None else f"{message} ({fix})")
 
+    def line(self) -> str:
+        """The error as the command line prints it after "mdcli: error: ": "problem; fix". A
+        problem that ends a sentence of its own (a library's message quoted in it) loses its
+        period before the fix, so the line never reads ".;"."""
+        if self.fix is None:
+            return self.problem
+        problem = self.problem.rstrip()
+        if problem.endswith(".") and not problem.endswith(".."):
+            problem = problem[:-1]
+        return f"{problem}; {self.fix}"
+
 
 class UsageError(MdcliError):
     """Bad input: an option, a file, a document, a question. Exit 2."""

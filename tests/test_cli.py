@@ -246,3 +246,18 @@ def test_the_command_line_leaves_its_objects_out_of_the_interpreters_last_collec
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == code, done.stderr
     assert done.stdout.splitlines()[-1] == "frozen True"
+
+
+def test_an_error_quoting_a_sentence_reads_without_a_stray_period_before_its_fix(capsys):
+    # issue 53: "... couldn't find them in the cached files.; check the id and the network"
+    import typer
+
+    from mdcli.cli.common import errors
+    from mdcli.errors import MdcliError
+
+    with pytest.raises(typer.Exit):
+        with errors(debug=False):
+            raise MdcliError("could not load 'a/b': couldn't find them in the cached files.", fix="check the network")
+    assert capsys.readouterr().err == (
+        "mdcli: error: could not load 'a/b': couldn't find them in the cached files; check the network\n")
+    assert MdcliError("it stopped...", fix="wait").line() == "it stopped...; wait"

@@ -375,8 +375,7 @@ class errors:
         if self.debug:
             return False
         if isinstance(error, MdcliError):
-            message = error.problem if error.fix is None else f"{error.problem}; {error.fix}"
-            print(f"mdcli: error: {message}", file=sys.stderr)
+            print(f"mdcli: error: {error.line()}", file=sys.stderr)
             raise typer.Exit(error.exit_code)
         print(f"mdcli: error: {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)", file=sys.stderr)
         raise typer.Exit(1)

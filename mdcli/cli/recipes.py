@@ -66,7 +66,7 @@ def validate(
                 recipe = load_recipe(file)
             except RecipeError as error:
                 bad += 1
-                message = error.problem if error.fix is None else f"{error.problem}; {error.fix}"
+                message = error.line()
                 print(f"mdcli: error: {message}", file=sys.stderr)
                 continue
             typer.echo(f"ok: {recipe.source} ({recipe.strategy})")
