@@ -25,6 +25,7 @@ from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
 from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
+from mdcli.strategies.memory import check_forest_fits, trie_tokens
 from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
@@ -44,7 +45,33 @@ def run_specs(
     """Decode independent branches (with optional follow-up children) in one shared cache.
     `speculate`: "off" (default here; the command line's is "auto") | "auto" | N draft tokens per
     branch per step (mdcli/speculative/planner.py);
-    the tokens are the same either way."""
+    the tokens are the same either way. A forest too large for the device's free memory is
+    refused when this is called, before any event (strategies/memory.py)."""
+    check_specs_fit(model, specs)
+    return _run_specs(model, specs, strategy=strategy, seed=seed, max_forward_tokens=max_forward_tokens,
+                      compact_ratio=compact_ratio, speculate=speculate)
+
+
+def check_specs_fit(model: LoadedModel, specs: list[BranchSpec]) -> None:
+    """The memory estimate of strategies/memory.py for these branches and their follow-ups: the
+    roots' prompts as one trie, each follow-up's own prompt, every branch's new tokens."""
+    everything, pending = [], list(specs)
+    while pending:
+        spec = pending.pop()
+        everything.append(spec)
+        pending.extend(spec.children)
+    if not everything:
+        return
+    follow_ups = sum(len(spec.prompt_ids) for spec in everything) - sum(len(spec.prompt_ids) for spec in specs)
+    check_forest_fits(
+        model, prompt_tokens=trie_tokens([spec.prompt_ids for spec in specs]) + follow_ups, branches=len(everything),
+        new_tokens=max(spec.max_new_tokens for spec in everything), what=f"a forest of {len(everything):,} branches",
+        fix="run fewer branches at once, or lower their max_new_tokens (-n)",
+    )
+
+
+def _run_specs(model: LoadedModel, specs: list[BranchSpec], *, strategy: str, seed: int | None,
+               max_forward_tokens: int, compact_ratio: float, speculate: str) -> Iterator[Event]:
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
     decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
     branches = decoder.announce(specs)

@@ -57,3 +57,12 @@ def test_the_run_specs_example_of_the_docs_runs_as_written(capsys):
     (example,) = [block for block in blocks if "run_specs(" in block]
     exec(compile(example, str(DOCS), "exec"), {})
     assert capsys.readouterr().out.strip() in ("yes/no -> yes", "yes/no -> no")
+
+
+def test_run_specs_refuses_a_forest_too_large_for_memory_when_called(embedded):
+    # issue 53: a memory estimate before any forest, whatever the command (ask-many and recipes run here)
+    specs = [api.BranchSpec(label=str(i), prompt_ids=[1, 2, 3], max_new_tokens=256) for i in range(100_000)]
+    with pytest.raises(UsageError, match=r"a forest of 100,000 branches needs about [\d,.]+ GiB .* is free on cpu"):
+        api.run_specs(embedded, specs, strategy="test")  # raised by the call, not by the first next()
+    events = list(api.run_specs(embedded, specs[:2], strategy="test"))
+    assert events[0].type == "start" and events[-1].type == "done"

@@ -649,6 +649,37 @@ def test_live_into_a_pipe_ends_its_final_frame_before_the_answers():
     assert lines.index("## a") == 3  # the header and the two status lines, then the answers
 
 
+def test_the_cut_note_names_a_few_answers_and_counts_the_rest():
+    # issue 53: 2,000 paths cut by -n 2 were all named, on one ~25 KB line
+    from mdcli.render.base import cut_note
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    renderer = PlainRenderer(stdout, stderr)
+    labels = [f"path {i}" for i in range(1, 2001)]
+    for event in [start(*labels), *(finish(i, label, "x", 2, "length") for i, label in enumerate(labels)), done(4000)]:
+        renderer.handle(event)
+    [note] = [line for line in stderr.getvalue().splitlines() if line.startswith("note: ")]
+    assert note == ("note: 2,000 answers stopped at -n 2 (cut short, marked …): 'path 1', 'path 2', 'path 3', "
+                    "'path 4', 'path 5', 'path 6' and 1,994 more; raise -n for more")
+    assert cut_note([]) is None
+
+
+def test_quiet_leaves_out_the_cut_note_and_keeps_the_mark_on_stdout():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    renderer = PlainRenderer(stdout, stderr, quiet=True)
+    for event in [start("a"), finish(0, "a", "half", 2, "length"), done(2)]:
+        renderer.handle(event)
+    assert (stdout.getvalue(), stderr.getvalue()) == ("half …\n", "")
+    for quiet in (True, False):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        shown = choose_renderer("live", stdout=stdout, stderr=stderr, quiet=quiet, no_color=True)
+        for event in [start("a"), finish(0, "a", "half", 2, "length"), done(2)]:
+            shown.handle(event)
+        shown.close()
+        assert stdout.getvalue().endswith("half …\n")
+        assert ("stopped at -n 2" in stderr.getvalue()) is not quiet
+
+
 def test_live_interrupted_prints_partial_answers_and_says_interrupted(live):
     renderer, stdout, stderr = live()
     for event in [start("a", "b"), token(0, "half an ans"), finish(1, "b", "whole")]:

@@ -401,3 +401,10 @@ def test_cli_vote_without_answers_says_so_on_stderr_and_still_shows_the_paths(ti
     assert vote["data"]["winner"] is None and vote["data"]["answers"] == {"path 1": None, "path 2": None}
     assert "no path gave an extractable answer" in result.stderr
     assert len([e for e in events if e["type"] == "finish"]) == 2
+
+
+def test_cli_refuses_paths_too_many_for_memory_before_running_as_beam_refuses_a_width():
+    # issue 53: --paths 100000 -n 2 was killed by the kernel (exit 137, 23 GiB)
+    result = mdcli("What is 2+2?", "--paths", "100000", "-n", "2", "--jsonl", "--quiet")
+    assert_one_line_error(result, "--paths 100000 needs about", "GiB", "lower --paths")
+    assert result.stdout == ""  # not even a start event

@@ -10,7 +10,7 @@ its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -233,10 +233,21 @@ def cut_note(branches: list[BranchState]) -> str | None:
     if len(branches) == 1:
         return f"note: '{branches[0].label}' stopped at -n {branches[0].token_count} (cut short, marked …); raise -n for more"
     if len(counts) == 1:
-        names = ", ".join(f"'{branch.label}'" for branch in branches)
-        return f"note: {len(branches)} answers stopped at -n {counts.pop()} (cut short, marked …): {names}; raise -n for more"
-    names = ", ".join(f"'{branch.label}' at {branch.token_count}" for branch in branches)
-    return f"note: {len(branches)} answers stopped at their -n (cut short, marked …): {names}; raise -n for more"
+        names = _some(f"'{branch.label}'" for branch in branches)
+        return f"note: {len(branches):,} answers stopped at -n {counts.pop()} (cut short, marked …): {names}; raise -n for more"
+    names = _some(f"'{branch.label}' at {branch.token_count}" for branch in branches)
+    return f"note: {len(branches):,} answers stopped at their -n (cut short, marked …): {names}; raise -n for more"
+
+
+NAMES_IN_A_NOTE = 6
+"""A note names at most this many branches, then says how many more: a run of 2,000 paths must not
+write a 25 KB line."""
+
+
+def _some(names: Iterable[str]) -> str:
+    names = list(names)
+    shown = ", ".join(names[:NAMES_IN_A_NOTE])
+    return shown if len(names) <= NAMES_IN_A_NOTE else f"{shown} and {len(names) - NAMES_IN_A_NOTE:,} more"
 
 
 def scored_facts(branch: BranchState) -> str | None:

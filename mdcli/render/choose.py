@@ -51,5 +51,6 @@ def choose_renderer(
         header=header,
         progress=status,
         # the same answers on stdout as plain output (notes: the live display shows its own)
-        answers=lambda out, err: PlainRenderer(out, err, quiet=True, show_margins=show_margins, notes=False),
+        answers=lambda out, err: PlainRenderer(out, err, quiet=True, show_margins=show_margins, notes=False,
+                                               cut_note=not quiet),
     )

@@ -32,8 +32,10 @@ from mdcli.render.progress import ProgressDisplay, ProgressFeed
 class PlainRenderer:
     """Prints each finished branch as ``## label`` + text, or the bare text for a single branch.
 
-    `quiet` drops the header and summary lines; notes and interruption marks still go to
-    stderr because they change what the answers mean. `progress` (see progress.py) shows how
+    `quiet` drops the header and summary lines and the note naming the answers cut by -n (each
+    still ends in " …" on stdout); the strategy's notes and interruption marks still go to stderr
+    because they change what the answers mean. `cut_note` overrides `quiet` for that note (the
+    live display's answers are printed by a quiet PlainRenderer). `progress` (see progress.py) shows how
     far the run has got; it is cleared before anything else is written. `notes=False` leaves
     the strategy's notes out of stderr (the live display shows them its own way).
 
@@ -54,9 +56,11 @@ class PlainRenderer:
         progress: ProgressDisplay | None = None,
         show_margins: bool = False,
         notes: bool = True,
+        cut_note: bool | None = None,
     ) -> None:
         self._stdout = stdout
         self._notes = notes
+        self._cut_note = not quiet if cut_note is None else cut_note
         self._vote: Note | None = None
         self._cut: list[BranchState] = []
         self._show_margins = show_margins
@@ -147,7 +151,7 @@ class PlainRenderer:
         self._stdout.flush()
 
     def _say_cut(self) -> None:
-        line = cut_note(self._cut)
+        line = cut_note(self._cut) if self._cut_note else None
         if line is not None:
             self._chrome(line)
 

@@ -45,6 +45,7 @@ from mdcli.core.run import Run
 from mdcli.core.steps import StepLoop
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.strategies.memory import check_forest_fits
 from mdcli.strategies.think.job import CONCLUSION_SEED_KEY, Think
 from mdcli.strategies.think.text import (
     ATTEND_INSTRUCTION,
@@ -56,6 +57,10 @@ from mdcli.strategies.think.text import (
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
+
+
+PLAN_ITEM_TOKENS = 64
+"""A plan item's text and the template around it in a path's prompt, for the memory estimate (generous)."""
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -99,6 +104,7 @@ class ThinkRun:
 
     def events(self) -> Iterator[Event]:
         self._check_question_fits()
+        self._check_paths_fit()
         plan_text, paths = yield from self._map()
         yield from self._decode_paths(paths)
         if self.job.vote:
@@ -121,6 +127,23 @@ class ThinkRun:
                 f"model's context of {limit} allows",
                 fix="shorten the question, or use a model with a longer context",
             )
+
+    def _check_paths_fit(self) -> None:
+        """Refuse, before any prompt of a path is built, paths whose cache and scores cannot fit
+        (as beam refuses a width): the paths share their question's tokens; each adds its own
+        instruction (or its plan item, after a plan of up to plan_tokens) and its new tokens."""
+        job = self.job
+        question = job.plan_prompt_ids(self.tokenizer) if job.plan else job.path_prompt_ids(self.tokenizer, 0)
+        own = max((len(job.path_prompt_ids(self.tokenizer, i)) - len(question)
+                   for i in range(min(len(job.path_instructions), job.paths))), default=0)
+        paths = max(job.paths, job.max_paths) if job.plan else job.paths
+        if job.plan:
+            own = max(own, 0) + job.plan_tokens + PLAN_ITEM_TOKENS
+        check_forest_fits(
+            self.model, prompt_tokens=len(question) + paths * max(own, 0), branches=paths,
+            new_tokens=job.max_new_tokens, what=f"{{paths}} {job.paths}" + (" (or {max_paths})" if job.plan else ""),
+            fix="lower {paths} or {max_new_tokens}" + (" or {max_paths}" if job.plan else ""),
+        )
 
     def _map(self) -> Iterator[Event]:
         """Announce the paths: straight from the question, or one per item of a plan."""
