@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""A decode step's products on a file's own blocks: every matrix of a loaded model, as the step multiplies them.
+
+    python benchmarks/file_products.py -m FILE [--rows 1,8] [--threads 1,2] [--rounds 6]
+    python benchmarks/file_products.py -m FILE --baseline OLD_gguf_blocks.c     # A/B two builds, one thread
+
+Loads FILE (a .gguf, or a bf16/f16 folder) as mdcli does, on its blocks, and times the step's products
+(each layer's fused q/k/v, o, fused gate/up, down, and the head: gguf_reading.model_blocks) for
+forwards of each `--rows`, on each `--threads` count, in alternating rounds: the median ms per
+step and the bytes read per second. With `--baseline`, that source and today's are built with the
+kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, one thread, alternating,
+their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
+files users run").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
+
+from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.backends.native.build import X86_FLAGS, x86_capability  # noqa: E402
+from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
+from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402
+from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS  # noqa: E402
+from mdcli.models.load import load_model  # noqa: E402
+
+
+def matrices(path: str) -> list:
+    """Every block matrix one decode step multiplies by, a JoinedBlocks' parts one by one."""
+    lm = load_model(path, quiet=True, prompt_cache="off")
+    layers, head = gguf_reading.model_blocks(lm.model)
+    found = []
+    for weight in [w for layer in layers for w in layer] + [head]:
+        found.extend(weight.parts if isinstance(weight, JoinedBlocks) else [weight])
+    return found
+
+
+def alternating(cases: dict, rounds: int) -> dict:
+    """Median seconds of each case (a callable), the cases taken in turn, every other round reversed."""
+    times = {name: [] for name in cases}
+    for index in range(rounds):
+        for name in list(cases) if index % 2 == 0 else list(cases)[::-1]:
+            started = time.perf_counter()
+            cases[name]()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def step_with(weights: list, rows: int, threads: int):
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+    def step():
+        torch.set_num_threads(threads)
+        for weight in weights:
+            gguf_blocks.block_linear(inputs[weight.shape[1]], weight, rows_on_kernel=64)
+    return step
+
+
+def built(source: Path, folder: Path) -> ctypes.CDLL:
+    """`source` built with the kernels' flags for this CPU, its products typed (strided or not)."""
+    target = folder / f"{source.stem}-{abs(hash(str(source)))}.so"
+    subprocess.run(["cc", *X86_FLAGS[x86_capability()], "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.strided = hasattr(lib, "set_threads")  # from the K-quants on: the output's row stride, then the scratch
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for kind in KERNEL_KINDS:
+        if hasattr(lib, f"{kind.lower()}_gemm"):
+            product = getattr(lib, f"{kind.lower()}_gemm")
+            product.argtypes = [pointer, size, size, pointer, size, pointer, *([size] if lib.strided else []), pointer]
+            product.restype = None
+    return lib
+
+
+def direct_step(lib: ctypes.CDLL, weights: list, rows: int):
+    """The step's products through `lib`'s entry points, one thread."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    outputs = [torch.empty(rows, w.shape[0]) for w in weights]
+    scratch = torch.empty(3 * max(w.shape[1] for w in weights))
+    calls = []
+    for weight, out in zip(weights, outputs):
+        product = getattr(lib, f"{weight.kind.lower()}_gemm")
+        x = inputs[weight.shape[1]]
+        stride = (out.shape[1],) if lib.strided else ()
+        calls.append((product, (x.data_ptr(), rows, x.shape[1], weight.data.data_ptr(), weight.shape[0],
+                                out.data_ptr(), *stride, scratch.data_ptr())))
+
+    def step():
+        held = (inputs, outputs, scratch)  # the memory the calls' pointers point into, alive while they run
+        for product, arguments in calls:
+            product(*arguments)
+        return held
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--threads", default="1")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--baseline", type=Path, default=None, help="an older gguf_blocks.c to A/B against today's")
+    args = parser.parse_args()
+    weights = matrices(args.model)
+    megabytes = sum(w.nbytes for w in weights) / 1e6
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{cpu_line()}; {args.model}: {len(weights)} matrices, {megabytes:,.0f} MB of blocks")
+    if args.baseline:
+        with tempfile.TemporaryDirectory() as folder:
+            libs = {"baseline": built(args.baseline, Path(folder)), "today": built(gguf_blocks.SOURCE, Path(folder))}
+            torch.set_num_threads(1)
+            for count in rows:
+                medians = alternating({name: direct_step(lib, weights, count) for name, lib in libs.items()},
+                                      args.rounds)
+                print(f"{count} rows: baseline {medians['baseline'] * 1e3:.1f} ms, today {medians['today'] * 1e3:.1f} ms, "
+                      f"today / baseline {medians['today'] / medians['baseline']:.2f}")
+        return
+    cases = {(count, threads): step_with(weights, count, threads)
+             for count in rows for threads in (int(t) for t in args.threads.split(","))}
+    for (count, threads), seconds in alternating(cases, args.rounds).items():
+        print(f"{count} rows, {threads} thread(s): {seconds * 1e3:.1f} ms, {megabytes / 1e3 / seconds:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
