@@ -216,3 +216,12 @@ def test_products_are_the_same_numbers_on_any_thread_count(kind):
                 assert torch.equal(block_linear(x, weight, rows_on_kernel=64), alone), (rows, threads)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_16_bit_folder_loaded_in_bf16_keeps_transformers_weights_and_says_nothing_of_float32(tmp_path):
+    from mdcli.models.load import load_model
+
+    folder = half_folder("llama", torch.bfloat16, tmp_path / "model")
+    loaded = load_model(str(folder), quiet=True, prompt_cache="off", dtype="bfloat16")
+    assert not loaded.forward.plan.on_blocks and loaded.forward.plan.float32_reason == ""
+    assert loaded.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16

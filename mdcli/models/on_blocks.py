@@ -68,6 +68,8 @@ def load_if_covered(path: Path | None, config, attn: str, device: torch.device, 
     places the weights."""
     if path is None or (path.is_dir() and not half_precision_files(path)):
         return None, None
+    if path.is_dir() and (device.type != "cpu" or dtype != torch.float32):  # a 16-bit GPU load: nothing to say
+        return None, None
     why = "a device map places the weights" if placed else refusal(config, device, dtype, cpu_weights, keep_float32)
     if why is not None:
         return None, why
