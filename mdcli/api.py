@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,10 +18,10 @@ from mdcli.prompt_cache import listing
 from mdcli.prompt_cache.key import cache_folder
 from mdcli.prompt_cache.listing import Entry as PromptCacheEntry
 from mdcli.core.decoding import BranchSpec, Decoder
-from mdcli.events import Event
+from mdcli.events import Event, Note
 from mdcli.core.run import Run, start_event
 from mdcli.core.sampling import SamplingParams
-from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany, unretrieved_notes
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
 from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
@@ -41,15 +41,18 @@ def run_specs(
     max_forward_tokens: int = 1024,
     compact_ratio: float = 0.25,
     speculate: str = "off",
+    notes: Sequence[Note] = (),
 ) -> Iterator[Event]:
     """Decode independent branches (with optional follow-up children) in one shared cache.
+    `notes` follow the start event (facts about how the branches were built, e.g. a question
+    that retrieved no passage).
     `speculate`: "off" (default here; the command line's is "auto") | "auto" | N draft tokens per
     branch per step (mdcli/speculative/planner.py);
     the tokens are the same either way. A forest too large for the device's free memory is
     refused when this is called, before any event (strategies/memory.py)."""
     check_specs_fit(model, specs)
     return _run_specs(model, specs, strategy=strategy, seed=seed, max_forward_tokens=max_forward_tokens,
-                      compact_ratio=compact_ratio, speculate=speculate)
+                      compact_ratio=compact_ratio, speculate=speculate, notes=tuple(notes))
 
 
 def check_specs_fit(model: LoadedModel, specs: list[BranchSpec]) -> None:
@@ -71,11 +74,12 @@ def check_specs_fit(model: LoadedModel, specs: list[BranchSpec]) -> None:
 
 
 def _run_specs(model: LoadedModel, specs: list[BranchSpec], *, strategy: str, seed: int | None,
-               max_forward_tokens: int, compact_ratio: float, speculate: str) -> Iterator[Event]:
+               max_forward_tokens: int, compact_ratio: float, speculate: str, notes: tuple[Note, ...]) -> Iterator[Event]:
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
     decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
     branches = decoder.announce(specs)
     yield run.start(strategy, seed, branches)
+    yield from notes
     yield from decoder.decode()
     yield run.done()
 
@@ -101,7 +105,8 @@ def ask_many(
                 del options[name]
         job = AskMany(document=document, questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
     specs = job.branches(model.tokenizer, model.context_length)
-    return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, **engine_options)
+    notes = unretrieved_notes(specs) if job.retrieve is not None else []
+    return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, notes=notes, **engine_options)
 
 
 def margins(
@@ -300,7 +305,7 @@ __all__ = [
     # what `mdcli info` reports: the host, the settings that differ from their defaults
     "host_report", "changed_settings",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded
-    "ASK_MANY_TEMPLATE", "AskMany", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
+    "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
     "MIN_SEGMENT_TOKENS",

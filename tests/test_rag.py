@@ -241,7 +241,8 @@ def test_explain_retrieve_draws_the_passages_questions_share(tmp_path):
     )
     result = mdcli("explain", str(recipe_file), "--retrieve", "4", "--chunk-tokens", "32")
     assert result.exit_code == 0, result.output
-    assert "2 branches" in result.stdout and "docs/" in result.stdout
+    # each question's own run starts with its first passage's tag, "[n] docs/..."
+    assert "2 branches" in result.stdout and "] docs" in result.stdout
     refused = mdcli("explain", "follow-ups", "--retrieve", "2")
     assert refused.exit_code == 2 and "--retrieve applies to an ask-many recipe" in refused.stderr
 
@@ -281,3 +282,19 @@ def test_a_margins_recipe_over_several_inputs_gives_each_document_its_segment_gr
     job = margins_job(load_recipe("margins"), input_text=documents)
     assert (job.documents, job.names) == (["Alpha.\n", "Bravo.\n"], ["a.txt", "notes/b.md"])
     assert margins_job(load_recipe("margins"), input_text=documents[:1]).documents == ["Alpha.\n"]
+
+
+def test_a_question_that_retrieves_nothing_gets_a_note_in_every_output(tmp_path):
+    # issue 53: it got no Sources line and no note, and the model invented an answer
+    question, unrelated = "How often should the chain be oiled?", "Who is Zorblax?"
+    args = ["ask-many", str(CORPUS), "-q", question, "-q", unrelated, "--retrieve", "2", "-n", "4"]
+    plain = mdcli(*args, "-o", "plain")
+    assert plain.exit_code == 0, plain.output
+    notes = [line for line in plain.stderr.splitlines() if line.startswith("retrieval: ")]
+    assert len(notes) == 1 and "'Who is Zorblax?' shares no word with the documents" in notes[0]
+    records = [json.loads(line) for line in mdcli(*args, "--jsonl").stdout.splitlines()]
+    assert [r["data"] for r in records if r["type"] == "note" and r["kind"] == "retrieval"] == [
+        {"question": unrelated, "passages": 0}]
+    recipe = tmp_path / "saved.yaml"
+    saved = mdcli(*args, "-o", "plain", "--save-recipe", str(recipe))  # the recipe's run says it too
+    assert [line for line in saved.stderr.splitlines() if line.startswith("retrieval: ")] == notes

@@ -183,7 +183,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     specs = compile_recipe(plan, lm.tokenizer, input_text=documents)
     events = api.run_specs(
         lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
-        speculate=speculation,
+        speculate=speculation, notes=api.unretrieved_notes(specs) if plan.retrieve is not None else (),
     )
     render(events, mode, p["quiet"], header=header(lm, p["verbose"]), progress=p["progress"])
 

@@ -1,6 +1,9 @@
 """BM25 over a corpus' chunks (bm25s): each question's top K chunks, laid out in corpus order.
 
-Words are lowercased runs of letters and digits, minus bm25s' English stopwords; no stemmer.
+Words are lowercased runs of letters and digits, minus English stop words (bm25s' fuller list,
+STOPWORDS_EN_PLUS: question words such as "who" and "how" included, which its 33-word Lucene list
+leaves in, so "Who conducts the choir?" no longer retrieves a passage for its "who won"); no
+stemmer.
 A question's context is its K best chunks by BM25 score (ties: the earlier chunk), among the
 chunks that share a word with it (a chunk scoring 0 is unrelated: passing it to the model as a
 source only misleads it, so a question may get fewer than K), then put back in corpus order (file, then position), each under its tag `[n] path:first-last`. Corpus order is
@@ -29,9 +32,9 @@ CHUNK_SEPARATOR = "\n\n"
 def _stopwords() -> frozenset[str]:
     # bm25s is imported only when retrieval is asked for: where jax is installed, importing bm25s
     # imports jax and runs a jax op, which takes seconds and, on a GPU machine, most of the GPU's memory
-    from bm25s.stopwords import STOPWORDS_EN
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
 
-    return frozenset(STOPWORDS_EN)
+    return frozenset(STOPWORDS_EN_PLUS)
 
 
 def words(text: str) -> list[str]:

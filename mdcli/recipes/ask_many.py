@@ -9,15 +9,17 @@ each question's $context is its K best passages of the context's documents (as `
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from mdcli import api
 from mdcli.constraints import compile_for
 from mdcli.core.decoding import BranchSpec
 from mdcli.documents.chunks import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_documents
 from mdcli.documents.inputs import Document
 from mdcli.documents.retrieve import ChunkIndex, context_text
+from mdcli.strategies.ask_many import unretrieved_notes
 from mdcli.strategies.segmenting import token_counter
 from mdcli.strategies.prompts import prompt_token_ids
 from mdcli.recipes.branches import BranchesRecipe, branch_spec
@@ -25,6 +27,11 @@ from mdcli.recipes.checks import check_branch_list, check_questions, question_si
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import Branch, TemplateSite
 from mdcli.recipes.templates import ask_many_default_template, fill
+
+if TYPE_CHECKING:
+    from mdcli.events import Event
+    from mdcli.models.load import LoadedModel
+    from mdcli.speculative.planner import Speculate
 
 
 class AskManyRecipe(BranchesRecipe):
@@ -80,6 +87,17 @@ class AskManyRecipe(BranchesRecipe):
             spec.sources = tuple(hit.source() for hit in hits)
             specs.append(spec)
         return specs
+
+    def events(
+        self, model: LoadedModel, values: dict[str, str], context: str | None, *,
+        max_forward_tokens: int, speculation: Speculate | None,
+    ) -> Iterator[Event]:
+        """run_specs, with a note for each question that retrieved nothing (`retrieve:` only)."""
+        specs = self.specs(model.tokenizer, values)
+        return api.run_specs(
+            model, specs, strategy=self.strategy_name(), seed=self.sampling.seed, max_forward_tokens=max_forward_tokens,
+            speculate=speculation, notes=unretrieved_notes(specs) if self.retrieve is not None else (),
+        )
 
     def _index(self, tokenizer, values: dict[str, str]) -> ChunkIndex:
         """The BM25 index of the context's passages (compile.ContextText knows its documents)."""

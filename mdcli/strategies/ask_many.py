@@ -20,6 +20,7 @@ from mdcli.documents.chunks import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk
 from mdcli.documents.inputs import Document, joined_text
 from mdcli.documents.retrieve import ChunkIndex, context_text
 from mdcli.errors import UsageError
+from mdcli.events import Note
 from mdcli.strategies.job import FieldError, Job
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 from mdcli.strategies.segmenting import token_counter
@@ -99,6 +100,18 @@ class AskMany(Job):
             label=question, prompt_ids=ids, sampling=self.sampling, max_new_tokens=self.max_new_tokens, stop=self.stop,
             constraint=constraint,
         )
+
+
+def unretrieved_notes(specs: list[BranchSpec]) -> list[Note]:
+    """A `retrieval` note for each question that retrieved no passage (no word of it, stop words
+    aside, is in the documents): its answer has no source to stand on, and says only what the
+    model makes of the question alone."""
+    return [
+        Note(kind="retrieval", message=f"'{spec.label}' shares no word with the documents: no passage retrieved, so "
+             "it is answered without sources; reword it with the documents' words, or drop --retrieve",
+             data={"question": spec.label, "passages": 0})
+        for spec in specs if not spec.sources
+    ]
 
 
 def check_context_fits(specs: list[BranchSpec], context_length: int | None, documents: int = 1) -> None:
