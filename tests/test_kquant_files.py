@@ -225,3 +225,17 @@ def test_a_16_bit_folder_loaded_in_bf16_keeps_transformers_weights_and_says_noth
     loaded = load_model(str(folder), quiet=True, prompt_cache="off", dtype="bfloat16")
     assert not loaded.forward.plan.on_blocks and loaded.forward.plan.float32_reason == ""
     assert loaded.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_mdcli_info_names_what_each_matrix_of_a_q4_k_m_file_is_held_as(tmp_path):
+    """The plan a user reads: each matrix by ggml's type name, the file's own bytes, no float32."""
+    from typer.testing import CliRunner
+
+    from mdcli.cli.app import app
+
+    path = write(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M", WHOLE)  # with the embedded model's tokenizer
+    result = CliRunner().invoke(app, ["info", "-m", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "weights held as: q/k/v Q4_K or Q4_K+Q6_K, o Q4_K, gate/up Q4_K, down Q4_K or Q6_K, head Q6_K" in result.output
+    assert "type " not in result.output and "float32 weights loaded" not in result.output
