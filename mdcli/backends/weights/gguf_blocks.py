@@ -5,9 +5,11 @@ block kernel builds here, `block_linear` multiplies by the blocks at any width: 
 tokens (16: MAX_ROWS_BY_CAPABILITY; 64 with torch on one AVX2 thread: ONE_THREAD_ROWS_BY_CAPABILITY)
 the block kernel rebuilds each weight once, in registers or, past a pass's rows, into a panel of
 three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to
-TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by torch's
-float32 GEMM: level with `F.linear` on the float32 weights, 0.86-1.03x of the packed oneDNN copy, on
-one Zen 3 thread (measured: notebook/gguf-blocks.md, "Wide forwards on the blocks"). The selector
+TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by the
+plan's float32 GEMM (oneDNN's where linears run on it, else torch's): level with `F.linear` on the
+float32 weights, 0.86-1.03x of the packed oneDNN copy, on one Zen 3 thread (measured:
+notebook/gguf-blocks.md, "Wide forwards on the blocks"). The kernel splits a product's weight rows
+over torch's threads (`narrow_product`). The selector
 (mdcli.backends.select) decides which forwards take the blocks and, from torch's threads, up to how
 many tokens the kernel multiplies (Plan.block_kernel_rows); `MDCLI_GGUF_BLOCKS=0` turns them off.
 
@@ -26,6 +28,9 @@ products are float32 products of the model's own float32 weights, summed in anot
 MKL's or oneDNN's: logits agree with theirs to float32 rounding, the same kind of difference as
 between those two, and nothing about the model changes (unlike `--cpu-weights int8`, which rounds
 weights and activations).
+
+A bf16/f16 safetensors folder is held the same way (mdcli.models.on_blocks): its 2-byte numbers are
+F16/BF16 "blocks" of 32, widened exactly.
 
 Every type of the files users download is read the same way (mdcli.backends.weights.gguf_kinds):
 Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks of 32, the K-quants' super-blocks of 256 (Q2_K, Q3_K, Q4_K,
