@@ -587,4 +587,26 @@ def test_cli_save_recipe_round_trips_several_questions_to_the_same_tokens(tiny_d
     two = tmp_path / "two.txt"
     two.write_text(PASSAGES[0])
     refused = cli(str(document), str(two), "-q", QUERY, "-m", model, "--save-recipe", str(tmp_path / "x.yaml"))
-    assert refused.exit_code == 2 and "one document" in refused.stderr
+    assert refused.exit_code == 2 and "names several documents by their paths" in refused.stderr
+
+
+def test_cli_save_recipe_over_a_folder_runs_again_on_it_to_the_same_tokens(tiny_dir, tmp_path):
+    # issue 53: --save-recipe was refused for a folder
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(REPORT)
+    (folder / "b.txt").write_text(PASSAGES[0])
+    saved, model = tmp_path / "m.yaml", str(tiny_dir("llama"))
+    first = cli(str(folder), "-q", QUERY, "-m", model, "--segment-tokens", "64", "-n", "3", "--classify-tokens", "2",
+                "--answer-tokens", "3", "--speculate", "off", "--save-recipe", str(saved), "--jsonl")
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(app, ["run", str(saved), "--input", str(folder), "-m", model, "--jsonl"],
+                          env={"HF_HUB_OFFLINE": "1"})
+    assert again.exit_code == 0, again.output
+
+    def finishes(stdout):
+        return {e["branch"]: (e["label"], e["token_ids"])
+                for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"}
+
+    assert finishes(again.stdout) == finishes(first.stdout)
+    assert any(f"({folder}/b.txt)" in label for label, _ in finishes(first.stdout).values())

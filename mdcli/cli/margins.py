@@ -17,6 +17,7 @@ from mdcli.cli.common import (
     VerboseOpt,
 )
 from mdcli.cli.flags import in_flags
+from mdcli.errors import UsageError
 
 # The job model's defaults (strategies.margins: DEFAULT_*_TOKENS, for the help text), as literals:
 # importing them would load the decoding stack on `mdcli --help`. tests/test_recipes.py and
@@ -67,7 +68,8 @@ def margins(
     save_recipe: Annotated[
         Optional[Path],
         typer.Option(
-            "--save-recipe", help="Write these settings as a recipe YAML (one document), then run as usual.",
+            "--save-recipe", help="Write these settings as a recipe YAML (its context the run's --input), then run "
+            "as usual.",
             show_default=False,
         ),
     ] = None,
@@ -174,7 +176,8 @@ def margins(
     kept). --json gives the answers in question order; JSONL adds the margin and "classification
     N/M" branches, a "classification" note per margin and an "answer-sources" note per answer,
     each naming its question.
-    --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC` gives the same tokens.
+    --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC...` on the same
+    documents gives the same tokens.
     """
     with errors(debug), in_flags():
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
@@ -182,7 +185,7 @@ def margins(
 
         questions = list(query or []) + read_questions_file(questions_file)
         speculation = speculate_setting(speculate)
-        texts, names = read_documents(documents)
+        texts, names, paths = read_documents(documents)
         job = api.Margins(
             documents=texts,
             questions=questions,
@@ -204,6 +207,12 @@ def margins(
         )
         job.validate()  # before the model loads
         if save_recipe is not None:
+            if len(texts) > 1 and names != paths:  # a recipe's run names each document by its path
+                raise UsageError(
+                    "--save-recipe: a saved recipe names several documents by their paths, and here "
+                    f"{', '.join(n for n, p in zip(names, paths) if n != p)} would be named by file name only",
+                    fix="give the files as a folder or a glob, or from their own folder, then run the recipe on them",
+                )
             # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
             from mdcli.cli.ask_many import write_recipe
             from mdcli.recipes import margins_recipe_text
@@ -219,12 +228,13 @@ def margins(
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
 
 
-def read_documents(sources: list[str]) -> tuple[list[str], list[str]]:
-    """Every document's text and name: files, folders, globs and '-' (read once). A file named
-    on the command line is called by its file name, one found in a folder or by a glob by its
-    path, "stdin" for '-'."""
+def read_documents(sources: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Every document's text, name and path: files, folders, globs and '-' (read once). A file
+    named on the command line is called by its file name, one found in a folder or by a glob by
+    its path, "stdin" for '-'."""
     documents = read_inputs(sources)
-    return [d.text for d in documents], [Path(d.path).name if d.path in sources else d.path for d in documents]
+    names = [Path(d.path).name if d.path in sources else d.path for d in documents]
+    return [d.text for d in documents], names, [d.path for d in documents]
 
 
 def prompts_with(prompts, margin: str | None, classification: str | None, answer: str | None):

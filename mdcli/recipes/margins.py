@@ -123,12 +123,9 @@ def margins_job(recipe: MarginsRecipe, *, input_text: str | None = None, vars: d
 
 
 def margins_recipe_data(job: Margins, *, given_layout: bool) -> dict[str, Any]:
-    """The margins recipe (as plain data, to validate) equivalent to a `mdcli margins` job."""
-    if len(job.documents) != 1:
-        raise UsageError(
-            f"--save-recipe: a margins recipe reads one document (its context), and {len(job.documents)} were given",
-            fix="save the recipe with one document, then run it on each with `mdcli run FILE --input DOC`",
-        )
+    """The margins recipe (as plain data, to validate) equivalent to a `mdcli margins` job. Its
+    context is the run's input: run on the same documents (`mdcli run FILE --input DOC...`, several
+    each its own segment group, named by its path) it gives the job's tokens."""
     questions = [escape_dollars(q) for q in job.all_questions()]
     data: dict[str, Any] = {
         "version": RECIPE_VERSION,
