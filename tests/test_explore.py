@@ -264,3 +264,19 @@ def test_a_recipe_keep_above_k_is_refused_naming_the_field():
 
     with pytest.raises(RecipeError, match="keep"):
         load_recipe_text("version: 1\nstrategy: explore\nprompt: hi\nk: 2\nkeep: 3\n")
+
+
+def test_save_recipe_then_run_gives_the_same_tokens(tiny_dir, tmp_path):
+    # issue 53: --save-recipe existed only on ask-many and margins
+    saved, model = tmp_path / "explore.yaml", str(tiny_dir("llama"))
+    first = mdcli("Costs in $5?", "-m", model, "-k", "3", "--keep", "2", "--chunk-tokens", "3", "-n", "6", "--seed", "1",
+                  "--save-recipe", str(saved), "--jsonl")
+    assert first.exit_code == 0, first.stderr
+    again = runner.invoke(app, ["run", str(saved), "-m", model, "--jsonl"], env={"HF_HUB_OFFLINE": "1"})
+    assert again.exit_code == 0, again.stderr
+
+    def tokens(stdout):
+        return [(e["branch"], e["token_id"]) for e in map(json.loads, stdout.splitlines()) if e["type"] == "token"]
+
+    assert tokens(again.stdout) == tokens(first.stdout) and tokens(first.stdout)
+    assert "Costs in $$5?" in saved.read_text()

@@ -76,6 +76,11 @@ def explore(
     plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
+    save_recipe: Annotated[
+        Optional[Path],
+        typer.Option("--save-recipe", help="Write these settings as a recipe YAML, then run as usual.",
+                     show_default=False),
+    ] = None,
     max_forward_tokens: ChunkOpt = 1024,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
@@ -88,7 +93,8 @@ def explore(
     alone gives with candidate i's own generator, seeded from --seed and i. With -k 1 the answer
     is plain decoding of the prompt (with -t 0: model.generate's greedy answer). JSONL: each
     candidate is a fork ending in a prune whose reason holds its score and rank; the answer is the
-    final finish.
+    final finish. --save-recipe FILE writes the equivalent recipe; `mdcli run FILE` gives the same
+    tokens.
     """
     with errors(debug), in_flags():
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
@@ -109,6 +115,12 @@ def explore(
             constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # bad input exits 2 before the model loads
+        if save_recipe is not None:
+            # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
+            from mdcli.cli.ask_many import write_recipe
+            from mdcli.recipes import explore_recipe_text
+
+            write_recipe(save_recipe, explore_recipe_text(job))
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         lm = load(load_options(locals(), announced=announced))

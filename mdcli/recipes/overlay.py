@@ -6,6 +6,7 @@
     parse_vars           `--var name=value` flags
     ask_many_recipe      the recipe equivalent to `mdcli ask-many` flags (--save-recipe, --recipe)
     margins_recipe_text  the recipe equivalent to a `mdcli margins` job (--save-recipe)
+    explore_recipe_text  the recipe equivalent to a `mdcli explore` job (--save-recipe)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mdcli.recipes.templates import (
     is_identifier,
     names_or_none,
 )
+from mdcli.strategies.explore import Explore
 from mdcli.strategies.margins.job import Margins
 
 
@@ -184,3 +186,29 @@ def margins_recipe_text(job: Margins, *, given_layout: bool, speculate: str | in
         data["speculate"] = speculate
     recipe = validate_recipe_data(data, source="margins flags")
     return dump_recipe(recipe)
+
+
+def explore_recipe_text(job: Explore) -> str:
+    """The recipe's YAML for a `mdcli explore` job: the prompt as literal text (`$` escaped), every
+    setting stated, so `mdcli run FILE` gives the same tokens; checked by `mdcli run`'s validator."""
+    sampling = job.sampling
+    data: dict[str, Any] = {
+        "version": RECIPE_VERSION,
+        "description": "Saved from mdcli explore.",
+        "strategy": "explore",
+        "prompt": escape_dollars(job.prompt),
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                     "min_p": sampling.min_p, "max_new_tokens": job.max_new_tokens},
+        "k": job.k, "keep": job.keep, "score": job.score,
+    }
+    if sampling.seed is not None:
+        data["sampling"]["seed"] = sampling.seed
+    if job.chunk_tokens is not None:
+        data["chunk_tokens"] = job.chunk_tokens
+    if job.system is not None:
+        data["system"] = job.system
+    if not job.chat_template:
+        data["chat_template"] = False
+    if job.constraint is not None:
+        data["constraint"] = job.constraint.recipe_value()
+    return dump_recipe(validate_recipe_data(data, source="explore flags"))
