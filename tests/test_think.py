@@ -408,3 +408,23 @@ def test_cli_refuses_paths_too_many_for_memory_before_running_as_beam_refuses_a_
     result = mdcli("What is 2+2?", "--paths", "100000", "-n", "2", "--jsonl", "--quiet")
     assert_one_line_error(result, "--paths 100000 needs about", "GiB", "lower --paths")
     assert result.stdout == ""  # not even a start event
+
+
+def test_cli_save_recipe_then_run_gives_the_same_tokens_and_context_is_refused(tiny_dir, tmp_path):
+    # issue 53: --save-recipe existed only on ask-many and margins
+    saved, model = tmp_path / "think.yaml", str(tiny_dir("llama"))
+    first = mdcli("What costs $5?", "-m", model, "--paths", "3", "--path-instruction", "Be $hort.", "-n", "5",
+                  "--conclusion-tokens", "4", "--seed", "3", "--save-recipe", str(saved), "--jsonl")
+    assert first.exit_code == 0, first.stderr
+    again = runner.invoke(app, ["run", str(saved), "-m", model, "--jsonl"], env={"HF_HUB_OFFLINE": "1"})
+    assert again.exit_code == 0, again.stderr
+
+    def finishes(stdout):
+        return {e["branch"]: (e["label"], e["token_ids"])
+                for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish"}
+
+    assert finishes(again.stdout) == finishes(first.stdout) and len(finishes(first.stdout)) == 4
+    story = tmp_path / "story.txt"
+    story.write_text("Mara keeps the lighthouse.")
+    refused = mdcli("Who?", "--context", str(story), "--save-recipe", str(tmp_path / "x.yaml"), "-m", model)
+    assert_one_line_error(refused, "a think recipe reads no documents")

@@ -140,6 +140,11 @@ def think(
     plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
+    save_recipe: Annotated[
+        Optional[Path],
+        typer.Option("--save-recipe", help="Write these settings as a recipe YAML (not with --context), then run as "
+                     "usual.", show_default=False),
+    ] = None,
     max_forward_tokens: ChunkOpt = 1024,
     speculate: SpeculateOpt = "auto",
     verbose: VerboseOpt = False,
@@ -160,6 +165,7 @@ def think(
     decoding every path, and the reencode conclusion, is token for token what the model writes
     for that prompt alone; seeded sampling is reproducible path by path. A --vote that finds no
     answer says so and still exits 0: the paths were produced; there was just nothing to count.
+    --save-recipe FILE writes the equivalent recipe; `mdcli run FILE` gives the same tokens.
     """
     with errors(debug), in_flags():
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
@@ -191,6 +197,12 @@ def think(
         job = job.model_copy(update={"sampling": paths_sampling(job.sampling, temperature, greedy, top_p, top_k,
                                                                  min_p, seed)})
         job.validate()  # before the model loads
+        if save_recipe is not None:
+            # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
+            from mdcli.cli.ask_many import write_recipe
+            from mdcli.recipes import think_recipe_text
+
+            write_recipe(save_recipe, think_recipe_text(job, speculate=speculation.recipe_value()))
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         lm = load(load_options(locals(), announced=announced))

@@ -7,6 +7,7 @@
     ask_many_recipe      the recipe equivalent to `mdcli ask-many` flags (--save-recipe, --recipe)
     margins_recipe_text  the recipe equivalent to a `mdcli margins` job (--save-recipe)
     explore_recipe_text  the recipe equivalent to a `mdcli explore` job (--save-recipe)
+    think_recipe_text    the recipe equivalent to a `mdcli think` job without documents (--save-recipe)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from mdcli.recipes.templates import (
     names_or_none,
 )
 from mdcli.strategies.explore import Explore
+from mdcli.strategies.think import Think, ThinkOptions
 from mdcli.strategies.margins.job import Margins
 
 
@@ -212,3 +214,37 @@ def explore_recipe_text(job: Explore) -> str:
     if job.constraint is not None:
         data["constraint"] = job.constraint.recipe_value()
     return dump_recipe(validate_recipe_data(data, source="explore flags"))
+
+
+def think_recipe_text(job: Think, *, speculate: str | int | None = None) -> str:
+    """The recipe's YAML for a `mdcli think` job: the question as literal text (`$` escaped), the
+    paths' sampling and every setting stated (each phase limit as the job resolved it), so
+    `mdcli run FILE` gives the same tokens. A think recipe reads no documents: a job with some
+    (--context) is refused."""
+    if job.documents:
+        raise UsageError("--save-recipe: a think recipe reads no documents, and --context gave "
+                         f"{len(job.documents)}", fix="drop --context to save the recipe, or --save-recipe to run with it")
+    sampling = job.sampling
+    data: dict[str, Any] = {
+        "version": RECIPE_VERSION,
+        "description": "Saved from mdcli think.",
+        "strategy": "think",
+        "question": escape_dollars(job.question),
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                     "min_p": sampling.min_p, "max_new_tokens": job.max_new_tokens},
+    }
+    if sampling.seed is not None:
+        data["sampling"]["seed"] = sampling.seed
+    if job.stop:
+        data["sampling"]["stop"] = list(job.stop)
+    if job.system is not None:
+        data["system"] = job.system
+    if not job.chat_template:
+        data["chat_template"] = False
+    if speculate is not None:
+        data["speculate"] = speculate
+    options = job.model_dump(include=set(ThinkOptions.model_fields), exclude={"constraint"}, exclude_none=True, mode="json")
+    data.update(options)  # path instructions are literal in a recipe: no $ to escape
+    if job.constraint is not None:
+        data["constraint"] = job.constraint.recipe_value()
+    return dump_recipe(validate_recipe_data(data, source="think flags"))
