@@ -389,3 +389,23 @@ def test_the_benchmark_compares_identical_sequences(embedded):
     [row] = bench_beam(embedded, prompt_tokens=40, widths=(3,), new_tokens=4)
     assert row["identical"] and row["score_difference"] < 1e-4
     assert row["mdcli_peak_cache_tokens"] < 3 * 40
+
+
+def test_cli_save_recipe_then_run_gives_the_same_hypotheses_with_a_prompt_or_a_document(tiny_dir, tmp_path):
+    # issue 53: --save-recipe existed only on ask-many and margins
+    model = str(tiny_dir("llama"))
+    document = tmp_path / "story.txt"
+    document.write_text("Mara keeps the lighthouse; the boat costs $5.\n")
+
+    def finishes(stdout):
+        return sorted((e["label"], e["token_ids"]) for e in map(json.loads, stdout.splitlines()) if e["type"] == "finish")
+
+    for given, rerun in [(["Costs in $5?"], []), ([str(document), "-q", "Who?", "-q", "What costs $5?"],
+                                                  ["--input", str(document)])]:
+        saved = tmp_path / "beam.yaml"
+        first = mdcli(*given, "-m", model, "--width", "3", "--num-return", "2", "-n", "5", "--save-recipe", str(saved),
+                      "--jsonl")
+        assert first.exit_code == 0, first.stderr
+        again = runner.invoke(app, ["run", str(saved), *rerun, "-m", model, "--jsonl"], env={"HF_HUB_OFFLINE": "1"})
+        assert again.exit_code == 0, again.stderr
+        assert finishes(again.stdout) == finishes(first.stdout) and finishes(first.stdout)

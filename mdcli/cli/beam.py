@@ -68,6 +68,11 @@ def beam(
     plain: PlainOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = False,
+    save_recipe: Annotated[
+        Optional[Path],
+        typer.Option("--save-recipe", help="Write these settings as a recipe YAML, then run as usual.",
+                     show_default=False),
+    ] = None,
     max_forward_tokens: ChunkOpt = 1024,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
@@ -82,7 +87,8 @@ def beam(
     Plain and live output head each returned sequence with its score and finish reason ("stop
     (EOS)" or "length (-n)") and draw its trailing whitespace (⏎ newline, · space): generate may
     return sequences that differ only there, and they are kept, as generate keeps them, not merged.
-    -n defaults to 64 here (every beam runs until EOS or -n).
+    -n defaults to 64 here (every beam runs until EOS or -n). --save-recipe FILE writes the
+    equivalent recipe; `mdcli run FILE` (with a document: `--input DOC`) gives the same hypotheses.
     """
     with errors(debug), in_flags():
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
@@ -107,6 +113,12 @@ def beam(
             if not questions:  # the file is the prompt: drop the newline `echo` and editors end it with
                 text = text.rstrip("\r\n")
             job = job.model_copy(update={"prompt": text})
+        if save_recipe is not None:
+            # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
+            from mdcli.cli.ask_many import write_recipe
+            from mdcli.recipes import beam_recipe_text
+
+            write_recipe(save_recipe, beam_recipe_text(job))
         mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         lm = load(load_options(locals(), announced=announced))

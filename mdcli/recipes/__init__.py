@@ -53,6 +53,7 @@ from mdcli.recipes.overlay import (
     margins_recipe_text,
     explore_recipe_text,
     think_recipe_text,
+    beam_recipe_text,
     parse_vars,
     sampling_from_flags,
     with_constraint,
@@ -79,7 +80,7 @@ __all__ = [
     "ask_many_default_template", "ask_many_recipe", "builtin_descriptions", "builtin_names", "builtin_text",
     "check_recipe", "check_run_inputs", "compile_recipe", "document_template_to_recipe", "dump_recipe",
     "escape_dollars", "fill", "format_path", "load_recipe", "load_recipe_text", "margins_job", "margins_recipe_data",
-    "margins_recipe_text", "explore_recipe_text", "think_recipe_text", "parse_vars", "parse_yaml", "read_recipe_source", "recipe_events", "resolved_seed",
+    "margins_recipe_text", "explore_recipe_text", "think_recipe_text", "beam_recipe_text", "parse_vars", "parse_yaml", "read_recipe_source", "recipe_events", "resolved_seed",
     "sampling_from_flags", "strategy_names", "template_variables", "validate_recipe_data", "values_and_context",
     "with_constraint", "with_flags", "with_sampling",
 ]

@@ -8,6 +8,7 @@
     margins_recipe_text  the recipe equivalent to a `mdcli margins` job (--save-recipe)
     explore_recipe_text  the recipe equivalent to a `mdcli explore` job (--save-recipe)
     think_recipe_text    the recipe equivalent to a `mdcli think` job without documents (--save-recipe)
+    beam_recipe_text     the recipe equivalent to a `mdcli beam` job (--save-recipe)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from mdcli.recipes.templates import (
     is_identifier,
     names_or_none,
 )
+from mdcli.strategies.beam.job import Beam, BeamOptions
 from mdcli.strategies.explore import Explore
 from mdcli.strategies.think import Think, ThinkOptions
 from mdcli.strategies.margins.job import Margins
@@ -248,3 +250,28 @@ def think_recipe_text(job: Think, *, speculate: str | int | None = None) -> str:
     if job.constraint is not None:
         data["constraint"] = job.constraint.recipe_value()
     return dump_recipe(validate_recipe_data(data, source="think flags"))
+
+
+def beam_recipe_text(job: Beam) -> str:
+    """The recipe's YAML for a `mdcli beam` job: the prompt as literal text, or, with questions, the
+    document as `context: {input: true}` and the questions literal (the template in recipe form),
+    so `mdcli run FILE` (`--input DOC` with questions) gives the same hypotheses."""
+    data: dict[str, Any] = {
+        "version": RECIPE_VERSION,
+        "description": "Saved from mdcli beam.",
+        "strategy": "beam",
+        "sampling": {"max_new_tokens": job.max_new_tokens},
+        **job.model_dump(include=set(BeamOptions.model_fields), mode="json"),
+    }
+    if job.questions:
+        data["context"] = {"input": True}
+        data["questions"] = [escape_dollars(question) for question in job.questions]
+        if job.template is not None:
+            data["template"] = document_template_to_recipe(job.template)
+    else:
+        data["prompt"] = escape_dollars(job.prompt)
+    if job.system is not None:
+        data["system"] = job.system
+    if not job.chat_template:
+        data["chat_template"] = False
+    return dump_recipe(validate_recipe_data(data, source="beam flags"))
