@@ -73,6 +73,9 @@ class Settings(BaseSettings):
                                       **_other("TRANSFORMERS_OFFLINE"))
     no_color: str = Field("", description="Any value: no colour in the live panels and plain output.",
                           **_other("NO_COLOR"))
+    omp_wait_policy: str = Field(
+        "", description="How torch's OpenMP threads wait between operations; mdcli's command line starts them "
+        "PASSIVE unless set (process_defaults).", **_other("OMP_WAIT_POLICY"))
     cc: str = Field("cc", description="The C compiler mdcli's native kernels are built with, at first use.",
                     **_other("CC"))
 
@@ -121,6 +124,21 @@ def current() -> Settings:
         return Settings()
     except ValidationError as error:
         raise _usage_error(error) from None
+
+
+# Set for mdcli's own command-line processes before torch loads, unless the user set them: torch's
+# OpenMP threads spinning after each of its operations (the default) took the core that the block
+# kernel's and the attention's threads needed: at two threads on a Zen 5 core, the 1B Q4_K_M model's
+# 8-branch step 151.6 -> 98.3 ms and the 135M Q4_K_M's one-branch step 13.2 -> 11.9 ms with PASSIVE
+# (docs/performance.md, "The files users run"), and a spinning pool is what collapses on a busy machine.
+PROCESS_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def process_defaults() -> None:
+    """Give this process PROCESS_DEFAULTS where the environment leaves them unset (call before torch
+    is imported: OpenMP reads its variables once)."""
+    for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def child_environment(**values: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from mdcli import __version__
+from mdcli import __version__, settings
 from mdcli.cli.common import silence_stdout
 from mdcli.cli.usage import SHORT_HELP, MdcliGroup, with_examples
 
@@ -69,6 +69,7 @@ app.add_typer(cache.app, name="cache", short_help=SHORT_HELP["cache"])
 
 
 def main() -> None:
+    settings.process_defaults()  # before torch loads (no command imports it at start-up)
     try:
         app()
     except BrokenPipeError:
