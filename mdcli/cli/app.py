@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from mdcli import __version__, settings
+from mdcli import __version__
 from mdcli.cli.common import silence_stdout
 from mdcli.cli.usage import SHORT_HELP, MdcliGroup, with_examples
 
@@ -69,7 +69,11 @@ app.add_typer(cache.app, name="cache", short_help=SHORT_HELP["cache"])
 
 
 def main() -> None:
-    settings.process_defaults()  # before torch loads (no command imports it at start-up)
+    # here, not at the top, so that importing the app loads no pydantic (`mdcli --help` stays light);
+    # before any command loads torch, whose OpenMP reads the defaults once
+    from mdcli.settings import process_defaults
+
+    process_defaults()
     try:
         app()
     except BrokenPipeError:
