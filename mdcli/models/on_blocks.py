@@ -9,6 +9,11 @@ width (mdcli.backends.weights.gguf_blocks), the embedding's rows read from its b
 weights cost what the file costs instead of four bytes a weight (measured: notebook/memory.md). Anything else (another architecture, a
 type the kernel does not read (F32 matrices, the IQ types), a window, `LoadOptions(keep_float32=True)`) loads as before, with the reason kept for the plan.
 
+A local folder of bf16 or f16 safetensors is held the same way (`load_half_folder`): its projections,
+head and embedding stay in their own 2 bytes, read tensor by tensor (mdcli.backends.weights.
+safetensors_file), and are widened in the kernel, which is exact: the float32 model
+`from_pretrained(dtype=float32)` makes, in half its bytes.
+
 Exactness: every block matrix is checked bit for bit against the float32 weights transformers'
 own GGUF loader would have made of that tensor (gguf-py's dequantization, then the loader's own
 tensor processor, which undoes llama.cpp's rotary permutation of q and k), one tensor at a time,
