@@ -21,7 +21,7 @@ from mdcli.errors import UsageError
 from mdcli.recipes.checks import check_questions
 from mdcli.recipes.compile import values_and_context
 from mdcli.recipes.errors import Problem
-from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase, TemplateSite
+from mdcli.recipes.schema import RECIPE_VERSION, RecipeBase, TemplateSite, stated_sampling
 from mdcli.recipes.templates import escape_dollars, fill
 from mdcli.strategies.margins import run_margins
 from mdcli.strategies.margins.job import Margins, MarginsOptions, MarginsPrompts
@@ -137,13 +137,7 @@ def margins_recipe_data(job: Margins, *, given_layout: bool) -> dict[str, Any]:
         data["system"] = job.prompts.system
     if not job.chat_template:
         data["chat_template"] = False
-    sampling = job.sampling
-    data["sampling"] = {
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-        "min_p": sampling.min_p, "max_new_tokens": job.margin_tokens,
-    }
-    if sampling.seed is not None:
-        data["sampling"]["seed"] = sampling.seed
+    data["sampling"] = stated_sampling(job.sampling, job.margin_tokens)
     if len(questions) == 1:
         data["query"] = questions[0]
     else:

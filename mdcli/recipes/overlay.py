@@ -26,7 +26,7 @@ from mdcli.recipes.files import dump_recipe
 from mdcli.recipes.load import validate_recipe_data
 from mdcli.recipes.margins import margins_recipe_data
 from mdcli.recipes.registry import Recipe
-from mdcli.recipes.schema import RECIPE_VERSION, Branch, Sampling
+from mdcli.recipes.schema import RECIPE_VERSION, Branch, Sampling, stated_sampling
 from mdcli.recipes.templates import (
     RESERVED_VARIABLES,
     document_template_to_recipe,
@@ -195,18 +195,14 @@ def margins_recipe_text(job: Margins, *, given_layout: bool, speculate: str | in
 def explore_recipe_text(job: Explore) -> str:
     """The recipe's YAML for a `mdcli explore` job: the prompt as literal text (`$` escaped), every
     setting stated, so `mdcli run FILE` gives the same tokens; checked by `mdcli run`'s validator."""
-    sampling = job.sampling
     data: dict[str, Any] = {
         "version": RECIPE_VERSION,
         "description": "Saved from mdcli explore.",
         "strategy": "explore",
         "prompt": escape_dollars(job.prompt),
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                     "min_p": sampling.min_p, "max_new_tokens": job.max_new_tokens},
+        "sampling": stated_sampling(job.sampling, job.max_new_tokens),
         "k": job.k, "keep": job.keep, "score": job.score,
     }
-    if sampling.seed is not None:
-        data["sampling"]["seed"] = sampling.seed
     if job.chunk_tokens is not None:
         data["chunk_tokens"] = job.chunk_tokens
     if job.system is not None:
@@ -226,17 +222,13 @@ def think_recipe_text(job: Think, *, speculate: str | int | None = None) -> str:
     if job.documents:
         raise UsageError("--save-recipe: a think recipe reads no documents, and --context gave "
                          f"{len(job.documents)}", fix="drop --context to save the recipe, or --save-recipe to run with it")
-    sampling = job.sampling
     data: dict[str, Any] = {
         "version": RECIPE_VERSION,
         "description": "Saved from mdcli think.",
         "strategy": "think",
         "question": escape_dollars(job.question),
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                     "min_p": sampling.min_p, "max_new_tokens": job.max_new_tokens},
+        "sampling": stated_sampling(job.sampling, job.max_new_tokens),
     }
-    if sampling.seed is not None:
-        data["sampling"]["seed"] = sampling.seed
     if job.stop:
         data["sampling"]["stop"] = list(job.stop)
     if job.system is not None:

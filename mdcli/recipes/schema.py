@@ -50,6 +50,15 @@ def _layer_field(name: str) -> Any:
     return bounded | None
 
 
+def stated_sampling(sampling: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """A saved recipe's `sampling:` for a job's sampler: every field stated, the seed where set."""
+    stated: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                              "min_p": sampling.min_p, "max_new_tokens": max_new_tokens}
+    if sampling.seed is not None:
+        stated["seed"] = sampling.seed
+    return stated
+
+
 class Sampling(Strict):
     """A `sampling:` layer (recipe, branch, command line): the sampler's fields (SamplingParams:
     types and bounds are written there) plus the branch's limits. Every field is optional: a layer
