@@ -101,11 +101,9 @@ def load_half_folder(folder: Path, config, attn: str) -> tuple[torch.nn.Module |
     numbers, None), or (None, why not). Widening a 16-bit number to float32 is exact, so the
     kernel multiplies by exactly the float32 weights `from_pretrained(dtype=float32)` makes
     (each matrix's first rows are checked against torch's widening all the same)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    why = unsupported_reason(model)
+    model, why = _meta_model(config, attn)
     if why is not None:
-        return None, f"mdcli's own forward does not run it ({why})"
+        return None, why
     wanted = dict(model.named_parameters())
     held: dict[str, gguf_blocks.BlockWeight] = {}
     try:
@@ -125,8 +123,9 @@ def load_half_folder(folder: Path, config, attn: str) -> tuple[torch.nn.Module |
     missing = [name for name, p in model.named_parameters() if name not in held and p.is_meta]
     if missing or None in held.values():
         return None, f"the folder holds no {(missing or ['lm_head.weight'])[0]}"
-    with torch.device("cpu"):  # its tables are computed, not read: compute them for real
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    why = _computed_buffers(model)
+    if why is not None:
+        return None, why
     layers = []
     for index in range(config.num_hidden_layers):
         def part(name: str) -> gguf_blocks.BlockWeight:
@@ -135,11 +134,7 @@ def load_half_folder(folder: Path, config, attn: str) -> tuple[torch.nn.Module |
         layers.append((gguf_reading.join_parts([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")]),
                        part("self_attn.o_proj"), gguf_reading.join_parts([part("mlp.gate_proj"), part("mlp.up_proj")]),
                        part("mlp.down_proj")))
-    gguf_blocks.adopt(model, folder, (layers, held["lm_head.weight"]), held["model.embed_tokens.weight"])
-    _give_back_the_heap()
-    model.eval()
-    model.requires_grad_(False)
-    return model, None
+    return _adopted(model, folder, (layers, held["lm_head.weight"]), held["model.embed_tokens.weight"]), None
 
 
 def _half_weight(name: str, tensor: torch.Tensor) -> gguf_blocks.BlockWeight | str:
@@ -160,11 +155,9 @@ def _half_weight(name: str, tensor: torch.Tensor) -> gguf_blocks.BlockWeight | s
 def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | None, str | None]:
     """(the model with its projections and head on the meta device and its blocks adopted, None),
     or (None, why not): then the caller loads the float32 weights as before."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    why = unsupported_reason(model)
+    model, why = _meta_model(config, attn)
     if why is not None:
-        return None, f"mdcli's own forward does not run it ({why})"
+        return None, why
     try:
         tensors, architecture = read_file(path)
     except (OSError, ValueError) as exc:
@@ -203,11 +196,26 @@ def load_on_blocks(path: Path, config, attn: str) -> tuple[torch.nn.Module | Non
         return None, embedding
     if layouts != known:
         block_checks.write(record, layouts)
-    gguf_blocks.adopt(model, path, found, embedding)
+    return _adopted(model, path, found, embedding), None
+
+
+def _meta_model(config, attn: str) -> tuple[torch.nn.Module, str | None]:
+    """The model built on the meta device (no weight allocated), and why mdcli's own forward cannot
+    run it, if it cannot."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    why = unsupported_reason(model)
+    return model, None if why is None else f"mdcli's own forward does not run it ({why})"
+
+
+def _adopted(model, source: Path, found, embedding) -> torch.nn.Module:
+    """`model` holding `found` (its layers' and head's blocks) and `embedding` from `source`, ready:
+    evaluation mode, no gradients, the heap the load freed given back."""
+    gguf_blocks.adopt(model, source, found, embedding)
     _give_back_the_heap()
     model.eval()
     model.requires_grad_(False)
-    return model, None
+    return model
 
 
 def _give_back_the_heap() -> None:
@@ -247,13 +255,16 @@ def _make_real(model, tensors: dict, names: dict[str, str], as_loaded) -> str | 
             wanted.discard(hf_name)
     if wanted:
         return f"the .gguf holds no {sorted(wanted)[0]}"
-    rotary = model.model.rotary_emb
-    with torch.device("cpu"):  # its tables are computed, not read: compute them for real
-        model.model.rotary_emb = type(rotary)(config=model.config)
+    return _computed_buffers(model)
+
+
+def _computed_buffers(model) -> str | None:
+    """Rebuild the rotary tables on the CPU (computed, not read from any file); or why a buffer is
+    still without values."""
+    with torch.device("cpu"):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     meta_buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
-    if meta_buffers:
-        return f"buffer {meta_buffers[0]} has no values outside the weights"
-    return None
+    return f"buffer {meta_buffers[0]} has no values outside the weights" if meta_buffers else None
 
 
 def _stays_on_blocks(name: str) -> bool:
