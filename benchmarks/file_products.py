@@ -7,7 +7,7 @@
 Loads FILE (a .gguf, or a bf16/f16 folder) as mdcli does, on its blocks, and times the step's products
 (each layer's fused q/k/v, o, fused gate/up, down, and the head: gguf_reading.model_blocks) for
 forwards of each `--rows`, on each `--threads` count, in alternating rounds: the median ms per
-step and the bytes read per second. With `--baseline`, that source and today's are built with the
+step (wall time: several threads' CPU time adds up) and the bytes read per second. With `--baseline`, that source and today's are built with the
 kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, one thread, alternating,
 their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
 files users run").
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
 from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.bench.attention import abba  # noqa: E402  (the benchmarks' alternating timer)
 from mdcli.backends.native.build import X86_FLAGS, x86_capability  # noqa: E402
 from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
 from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402
@@ -45,17 +45,6 @@ def matrices(path: str) -> list:
     for weight in [w for layer in layers for w in layer] + [head]:
         found.extend(weight.parts if isinstance(weight, JoinedBlocks) else [weight])
     return found
-
-
-def alternating(cases: dict, rounds: int) -> dict:
-    """Median seconds of each case (a callable), the cases taken in turn, every other round reversed."""
-    times = {name: [] for name in cases}
-    for index in range(rounds):
-        for name in list(cases) if index % 2 == 0 else list(cases)[::-1]:
-            started = time.perf_counter()
-            cases[name]()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def step_with(weights: list, rows: int, threads: int):
@@ -121,15 +110,16 @@ def main() -> None:
             libs = {"baseline": built(args.baseline, Path(folder)), "today": built(gguf_blocks.SOURCE, Path(folder))}
             torch.set_num_threads(1)
             for count in rows:
-                medians = alternating({name: direct_step(lib, weights, count) for name, lib in libs.items()},
-                                      args.rounds)
-                print(f"{count} rows: baseline {medians['baseline'] * 1e3:.1f} ms, today {medians['today'] * 1e3:.1f} ms, "
+                medians = {name: median for name, (median, _) in abba(
+                    {name: direct_step(lib, weights, count) for name, lib in libs.items()}, args.rounds,
+                    clock=time.perf_counter).items()}
+                print(f"{count} rows: baseline {medians['baseline']:.1f} ms, today {medians['today']:.1f} ms, "
                       f"today / baseline {medians['today'] / medians['baseline']:.2f}")
         return
     cases = {(count, threads): step_with(weights, count, threads)
              for count in rows for threads in (int(t) for t in args.threads.split(","))}
-    for (count, threads), seconds in alternating(cases, args.rounds).items():
-        print(f"{count} rows, {threads} thread(s): {seconds * 1e3:.1f} ms, {megabytes / 1e3 / seconds:.1f} GB/s")
+    for (count, threads), (ms, _) in abba(cases, args.rounds, clock=time.perf_counter).items():
+        print(f"{count} rows, {threads} thread(s): {ms:.1f} ms, {megabytes / ms:.1f} GB/s")
 
 
 if __name__ == "__main__":

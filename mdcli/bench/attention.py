@@ -183,17 +183,19 @@ def _planned_step(query, caches, mask, mode: str):
     return run
 
 
-def abba(cases: dict, rounds: int) -> dict:
-    """Median and fastest milliseconds of each case, rounds in alternating order (process CPU time)."""
+def abba(cases: dict, rounds: int, clock=time.process_time) -> dict:
+    """Median and fastest milliseconds of each case, rounds in alternating order, after one untimed
+    run of each. clock: process CPU time by default; time.perf_counter (wall time) where cases run
+    on several threads, whose CPU time adds up."""
     times = {name: [] for name in cases}
     with torch.inference_mode():
         for run in cases.values():
             run()
         for r in range(rounds):
             for name, run in (cases.items() if r % 2 == 0 else reversed(cases.items())):
-                started = time.process_time()
+                started = clock()
                 run()
-                times[name].append(time.process_time() - started)
+                times[name].append(clock() - started)
     return {name: (1000 * statistics.median(t), 1000 * min(t)) for name, t in times.items()}
 
 
