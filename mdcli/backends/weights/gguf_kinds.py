@@ -38,16 +38,10 @@ def block_shape(kind: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
 
 
-def row_bytes(kind: str, inner: int) -> int:
-    """Bytes of a row of `inner` weights of `kind`."""
+def inner_of(kind: str, row_bytes: int) -> int:
+    """Weights in a row of `row_bytes` bytes of `kind`."""
     weights, size = block_shape(kind)
-    return inner // weights * size
-
-
-def inner_of(kind: str, row_bytes_: int) -> int:
-    """Weights in a row of `row_bytes_` bytes of `kind`."""
-    weights, size = block_shape(kind)
-    return row_bytes_ // size * weights
+    return row_bytes // size * weights
 
 
 def whole_blocks(kind: str, inner: int) -> bool:
