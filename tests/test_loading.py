@@ -7,11 +7,15 @@ one-time conversion (about 25 s) is paid once per machine, not per run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +306,51 @@ def test_unknown_hub_id_offline_is_a_one_line_load_error(tmp_path):
     assert len(lines) == 1, done.stdout + done.stderr
     assert "HF_HUB_OFFLINE is set" in lines[0] and "mdcli-tests/no-such-model" in lines[0]
     assert "local folder or .gguf" in lines[0]
+
+
+@contextlib.contextmanager
+def a_hub_that_never_answers(tmp_path: Path):
+    """The environment of an mdcli process whose hub is a local port nothing listens on (bound, so
+    no other process takes it, never listening, so a connection is refused at once), with an empty
+    Hugging Face cache and HF_HUB_OFFLINE unset: a machine without network, as far as mdcli can tell."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env.update(HF_ENDPOINT=f"http://127.0.0.1:{closed.getsockname()[1]}", HF_HOME=str(tmp_path / "hf"))
+        yield env
+
+
+def mdcli_info(model: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mdcli", "info", "-m", model], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    return done, time.monotonic() - start
+
+
+def test_a_hub_id_without_network_fails_at_once_in_one_line_that_says_how_to_get_it(tmp_path):
+    # issue 53, item 11: transformers retried the hub five times (five "Retrying in 8s" lines, ~23 s)
+    with a_hub_that_never_answers(tmp_path) as env:
+        done, seconds = mdcli_info("mdcli-tests/no-such-model", env)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("mdcli: error: cannot reach the Hugging Face hub (http://127.0.0.1:"), line
+    assert "'mdcli-tests/no-such-model' is not in the local Hugging Face cache" in line
+    assert "hf download mdcli-tests/no-such-model" in line and "local folder or .gguf" in line
+    assert seconds < 20  # start-up and the refused connection; the retries alone took 23 s
+
+
+def test_a_hub_id_in_the_local_cache_loads_from_it_when_the_hub_never_answers(tiny, tmp_path):
+    with a_hub_that_never_answers(tmp_path) as env:
+        repo = Path(env["HF_HOME"]) / "hub" / "models--mdcli-tests--tiny-llama"
+        commit = "0" * 40
+        shutil.copytree(tiny["llama"], repo / "snapshots" / commit)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        done, _ = mdcli_info("mdcli-tests/tiny-llama", env)
+    assert done.returncode == 0, done.stderr
+    assert "model: mdcli-tests/tiny-llama" in done.stdout
+    assert "Retry" not in done.stderr and "huggingface.co" not in done.stderr
 
 
 def test_quiet_loading_prints_nothing_and_reports_progress(tiny, capfd):

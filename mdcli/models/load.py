@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import huggingface_hub
 import huggingface_hub.utils as hub_utils
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -49,7 +48,7 @@ from mdcli.models.architectures import (
     model_type,
     sliding_window_layout,
 )
-from mdcli.models import on_blocks
+from mdcli.models import hub, on_blocks
 from mdcli.models.prompt_identity import check_prompt_cache, prompt_store
 from mdcli.prompt_cache.store import PromptStore
 from mdcli.models.embedded import (
@@ -109,6 +108,7 @@ class _Source:
     name: str
     is_hub_id: bool
     blocks_from: Path | None = None  # the .gguf whose blocks the float32 weights are (mdcli.backends.weights.gguf_blocks)
+    local_only: bool = False  # a hub id read from the local cache alone (mdcli.models.hub)
 
 
 class LoadOptions(BaseModel):
@@ -365,7 +365,7 @@ def _resolve_source(model: str | None, progress: Progress | None) -> _Source:
         raise UsageError(f"'{model}' is a file but not a .gguf", fix=_SOURCE_FIX)
     if _looks_like_path(model):
         raise UsageError(f"model path '{model}' does not exist", fix="check the path, or pass a Hugging Face id")
-    return _Source(model, None, model, is_hub_id=True)
+    return _Source(model, None, model, is_hub_id=True, local_only=hub.local_only(model))
 
 
 def _looks_like_path(model: str) -> bool:
@@ -386,7 +386,8 @@ def _looks_like_path(model: str) -> bool:
 def _load_config(source: _Source, trust_remote_code: bool) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(
-            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code,
+            local_files_only=source.local_only,
         )
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(source, exc) from exc
@@ -436,6 +437,7 @@ def _placement(bits: int | None, dtype: torch.dtype, device_map: str | None, dev
 def _load_weights(source: _Source, device: torch.device, **kwargs: object) -> PreTrainedModel:
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
+    kwargs["local_files_only"] = source.local_only
     try:
         with gguf_progress_bar_follows_transformers():
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
@@ -462,7 +464,8 @@ def _bitsandbytes_config(bits: int, compute_dtype: torch.dtype) -> object:
 def _load_tokenizer(source: _Source, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(
-            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code,
+            local_files_only=source.local_only,
         )
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(source, exc) from exc
@@ -477,19 +480,4 @@ def _load_error(source: _Source, exc: BaseException) -> Exception:
         )
     if not source.is_hub_id:
         return ModelLoadError(f"could not load '{source.name}': {detail}", fix=_SOURCE_FIX)
-    if _hub_offline():
-        return ModelLoadError(
-            f"model '{source.name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
-            fix=f"download it once with network access (hf download {source.name}), or pass a local folder or .gguf",
-        )
-    return ModelLoadError(
-        f"could not load '{source.name}' from the Hugging Face hub: {detail}",
-        fix="check the id and the network (HF_HUB_OFFLINE is not set), set HF_TOKEN for gated models, "
-        "or pass a local folder or .gguf file",
-    )
-
-
-def _hub_offline() -> bool:
-    if settings.current().offline:
-        return True
-    return bool(huggingface_hub.is_offline_mode())
+    return hub.load_error(source.name, detail, local_only=source.local_only)
