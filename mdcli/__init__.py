@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 # Every name mdcli.api exports (tests/test_structure.py keeps the two lists equal), most used first.
 __all__ = [
     "__version__",
-    "load_model", "load_tokenizer", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
+    "load_model", "load_tokenizer", "ask_each", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
     "LoadedModel", "LoadOptions", "host_report", "changed_settings",
     "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins",
     "MarginsPrompts", "SamplingParams", "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",

@@ -22,6 +22,8 @@ from mdcli.events import Event, Note
 from mdcli.core.run import Run, start_event
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany, unretrieved_notes
+from mdcli.strategies.each import DEFAULT_BUDGET_TOKENS, entry_key, run_each
+from mdcli.documents.inputs import Document, Inputs, read_inputs
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
 from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
@@ -107,6 +109,52 @@ def ask_many(
     specs = job.branches(model.tokenizer, model.context_length)
     notes = unretrieved_notes(specs) if job.retrieve is not None else []
     return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, notes=notes, **engine_options)
+
+
+def ask_each(
+    model: LoadedModel,
+    documents: Sequence[str | Path | Document] | Inputs,
+    questions: list[str] | tuple[str, ...] | AskMany = (),
+    *,
+    answered: Sequence[str] = (),
+    budget_tokens: int | None = None,
+    **options,
+) -> Iterator[Event]:
+    """The same questions about every document, each document its own tree, many trees decoding in
+    one forest (strategies/each.py): each document's answers are those of `ask_many` on it alone.
+
+    `documents`: Documents (path + text), or files, folders and globs read as the command line
+    reads them (a file that is not text becomes an error record, not an exception); or an Inputs.
+    `questions`: the questions, with the job's fields as keywords as for `ask_many`, or an AskMany
+    job (its documents ignored). `answered`: keys (DocumentDone.key) of documents not to run again.
+    `budget_tokens`: a forest's most cache tokens (default: strategies.each.default_budget).
+    Yields a DocumentDone per document as it finishes, a Progress("documents", ...) after each, and
+    the forests' notes. Arguments are checked here, before the first event is asked for."""
+    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    if isinstance(questions, AskMany):
+        job = questions
+    else:
+        for name in ("template", "sampling"):  # not given (None or empty): the job's default
+            if name in options and not options[name]:
+                del options[name]
+        job = AskMany(questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
+    job.model_copy(update={"document": "(each)", "documents": []}).validate()
+    inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
+    return run_each(model, job, inputs.documents, inputs.skipped, answered=frozenset(answered),
+                    budget_tokens=budget_tokens, **engine_options)
+
+
+def _each_inputs(documents: Sequence[str | Path | Document]) -> Inputs:
+    """Documents kept as given; paths, folders and globs read (leniently), in the order given."""
+    inputs = Inputs()
+    for item in documents:
+        if isinstance(item, Document):
+            inputs.documents.append(item)
+        else:
+            found = read_inputs([str(item)], lenient=True)
+            inputs.documents.extend(found.documents)
+            inputs.skipped.extend(found.skipped)
+    return inputs
 
 
 def margins(
@@ -299,7 +347,7 @@ from mdcli.documents.inputs import Document, Inputs, Skipped, joined_text, named
 
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
-    "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
+    "ask_each", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
     # loading
     "LoadedModel", "LoadOptions", "load_model", "load_tokenizer",
     # what `mdcli info` reports: the host, the settings that differ from their defaults
@@ -308,7 +356,7 @@ __all__ = [
     "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
-    "MIN_SEGMENT_TOKENS",
+    "MIN_SEGMENT_TOKENS", "DEFAULT_BUDGET_TOKENS", "entry_key",
     # the prompt cache on disk (mdcli cache list / clear)
     "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
     # many inputs: files, folders, globs and stdin read as documents with their paths

@@ -168,7 +168,41 @@ class Done:
     type: Literal["done"] = "done"
 
 
-Event = Union[Start, Token, Fork, Prune, Finish, Note, Progress, Done]
+@dataclass(frozen=True, slots=True)
+class DocumentRef:
+    """A document of an --each run: its path as found and the sha256 of its text (None: unread)."""
+
+    path: str
+    sha256: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One question's answer about one document (the Finish of its branch, by question)."""
+
+    question: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    cumulative_logprob: float
+    parsed: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentDone:
+    """--each: a document answered whole, its answers in question order; or refused (`error`: why,
+    in one line, and no answers). `index`: its place among the run's documents, in input order.
+    `key`: what a rerun with the same output file matches it by (strategies.each.entry_key)."""
+
+    document: DocumentRef
+    index: int
+    answers: list[Answer]
+    key: str | None = None
+    error: str | None = None
+    type: Literal["document"] = "document"
+
+
+Event = Union[Start, Token, Fork, Prune, Finish, Note, Progress, Done, DocumentDone]
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:

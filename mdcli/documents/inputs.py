@@ -47,11 +47,14 @@ class Inputs:
 
 
 def read_inputs(
-    sources: Sequence[str], *, read_stdin: Callable[[], bytes] | None = None, base: Path | None = None
+    sources: Sequence[str], *, read_stdin: Callable[[], bytes] | None = None, base: Path | None = None,
+    lenient: bool = False,
 ) -> Inputs:
     """Every source in order -> its documents. `read_stdin` reads the bytes piped in (for `-`);
     `base`: the folder relative paths and globs start from (a recipe's), shown paths stay as
-    written. Raises UsageError for a named file or folder that cannot give any text."""
+    written. Raises UsageError for a named file or folder that cannot give any text; `lenient`
+    (--each, where every file is its own job): a named file that is not text is skipped like one
+    found in a folder, and a run with only such files is not refused here."""
     if not sources:
         raise UsageError("no document given", fix="name a file, a folder, a glob, or - for stdin")
     if list(sources).count("-") > 1:
@@ -68,13 +71,15 @@ def read_inputs(
             raise UsageError(f"'{source}' is no file, folder or glob; a question goes after -q", fix=f'-q "{source}"')
         if where.is_dir():
             _walk(source, where, inputs)
+        elif where.exists() and lenient:
+            _add_found(where, source, inputs)
         elif where.exists():
             inputs.documents.append(Document(source, named_text(_read_bytes(where, source), f"'{source}'")))
         elif GLOB_CHARACTERS & set(source):
             _expand_glob(source, base, inputs)
         else:
             raise UsageError(f"document '{source}' does not exist", fix="check the path, or use - for stdin")
-    if not inputs.documents:
+    if not inputs.documents and not (lenient and inputs.skipped):
         named = ", ".join(f"'{s}'" for s in sources)
         raise UsageError(f"no text file found in {named}", fix="name a folder or glob that holds UTF-8 text files")
     return inputs

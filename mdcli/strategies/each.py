@@ -1,0 +1,212 @@
+"""ask-many --each: the same questions asked of every document, one tree per document.
+
+Each document is its own ask-many job (AskMany with that one document): its prompts are exactly
+those of `mdcli ask-many FILE -q ...` for that file alone, so its prefix is laid down once and its
+questions branch from it. Many documents' trees decode in one forest (one Run, one shared cache):
+the documents are packed, in input order, into forests of at most `budget_tokens` cache tokens (each
+document's prompt trie plus every question's new tokens), and the next forest starts when the
+previous one has finished. Admitting a document mid-forest as another finishes is not done: the
+step loop (core/steps.py) decodes a fixed set of roots from one prefill, and packing whole forests
+keeps that loop as it is (docs/cli.md, "One tree per document").
+
+Exactness: a branch's tokens do not depend on what else is in the forest, its sampler is seeded
+by its question's place in its document (the branch id it would have alone), and a context cap
+applies per branch as it does alone; so every document's answers are those of its run alone.
+
+A document is reported once, whole, as soon as its last question finishes (`DocumentDone`), with
+a key (`entry_key`) that a rerun appending to the same output matches to skip it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mdcli.backends.host import available_memory_bytes
+from mdcli.core.decoding import BranchSpec, Decoder
+from mdcli.core.run import Run
+from mdcli.documents.inputs import Document, Skipped
+from mdcli.errors import MdcliError
+from mdcli.events import Answer, DocumentDone, DocumentRef, Event, Finish, Note, Progress
+from mdcli.models.memory import kv_bytes_per_token
+from mdcli.strategies.ask_many import AskMany, unretrieved_notes
+from mdcli.strategies.memory import check_forest_fits, trie_tokens
+
+if TYPE_CHECKING:
+    from mdcli.models.load import LoadedModel
+
+DEFAULT_BUDGET_TOKENS = 8192
+"""A forest's most cache tokens when --budget-tokens is not given (less where free memory is short):
+on a CPU core, larger forests decode no faster per token (every step's attention grows with the
+cache), and a smaller forest loses less when a run is stopped (docs/performance.md)."""
+
+
+def document_sha256(text: str) -> str:
+    """The content hash a document is keyed by: sha256 of its text as read (UTF-8)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def model_identity(model: LoadedModel) -> str:
+    """What of a loaded model changes tokens: its name, dtype, device kind and weight format."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"{model.name}|{dtype}|{model.device.type}|{model.cpu_weights}"
+
+
+def job_options(job: AskMany) -> dict:
+    """The job's fields that change tokens, documents aside: questions, template, system, chat
+    template, sampling, max_new_tokens, stop strings, retrieval, constraint."""
+    return job.model_dump(mode="json", exclude={"document", "documents"})
+
+
+def entry_key(path: str, sha256: str, options: dict, model: str) -> str:
+    """The key a finished document is written under: its path, content hash, the questions and
+    the options that change tokens, and the model. A rerun skips a document whose key is there."""
+    body = json.dumps({"path": path, "sha256": sha256, "options": options, "model": model}, sort_keys=True)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class _Prepared:
+    """One document ready to decode: its branches, or why it cannot run."""
+
+    index: int
+    document: DocumentRef
+    key: str | None
+    questions: list[str]
+    specs: list[BranchSpec]
+    cost: int = 0  # cache tokens: the prompts' trie and every branch's new tokens
+    error: str | None = None
+
+
+def default_budget(model: LoadedModel) -> int:
+    """DEFAULT_BUDGET_TOKENS, or what a quarter of the device's free memory holds of KV cache."""
+    free = available_memory_bytes(model.device)
+    if free is None:
+        return DEFAULT_BUDGET_TOKENS
+    per_token = kv_bytes_per_token(model.model.config, model.dtype.itemsize)
+    return max(1, min(DEFAULT_BUDGET_TOKENS, free // (4 * per_token)))
+
+
+def run_each(
+    model: LoadedModel,
+    job: AskMany,
+    documents: Sequence[Document],
+    skipped: Sequence[Skipped] = (),
+    *,
+    answered: frozenset[str] | set[str] = frozenset(),
+    indices: Sequence[int] | None = None,
+    budget_tokens: int | None = None,
+    max_forward_tokens: int = 1024,
+    compact_ratio: float = 0.25,
+    speculate: str = "off",
+) -> Iterator[Event]:
+    """Answer `job`'s questions about every document, one tree per document (module docstring).
+
+    Yields a `DocumentDone` per document as it finishes (an error one for each of `skipped` and
+    each document that cannot run, e.g. one too long for the model), each followed by
+    `Progress("documents", done, total, "documents")`; and the forests' notes. A document whose
+    key is in `answered` is not run (one `each` note counts them). `indices`: each document's
+    place in the input order (default: 0, 1, ...; the skipped files follow the documents)."""
+    options, identity = job_options(job), model_identity(model)
+    places = list(indices) if indices is not None else list(range(len(documents)))
+    prepared, already = [], 0
+    for place, document in zip(places, documents):
+        sha = document_sha256(document.text)
+        key = entry_key(document.path, sha, options, identity)
+        if key in answered:
+            already += 1
+            continue
+        prepared.append(_prepare(model, job, place, document, sha, key))
+    refused = [
+        _Prepared(len(places) + n, DocumentRef(s.path, None), None, list(job.questions), [], error=f"skipped: {s.reason}")
+        for n, s in enumerate(skipped)
+    ]
+    total = len(prepared) + len(refused)
+    if already:
+        yield Note("each", f"{already} of {already + total} documents already answered in the output: skipped",
+                   {"skipped": already, "documents": already + total})
+    done = 0
+    yield Progress("documents", done, total, "documents")
+    for item in refused + [p for p in prepared if p.error is not None]:
+        done += 1
+        yield _done(item, [])
+        yield Progress("documents", done, total, "documents")
+    budget = budget_tokens if budget_tokens is not None else default_budget(model)
+    for batch in pack([p for p in prepared if p.error is None], budget):
+        for event in _run_forest(model, batch, job.retrieve is not None, max_forward_tokens, compact_ratio, speculate):
+            yield event
+            if isinstance(event, DocumentDone):
+                done += 1
+                yield Progress("documents", done, total, "documents")
+
+
+def pack(prepared: list[_Prepared], budget: int) -> Iterator[list[_Prepared]]:
+    """Consecutive documents, as many as fit in `budget` cache tokens (at least one each time)."""
+    batch, used = [], 0
+    for item in prepared:
+        if batch and used + item.cost > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append(item)
+        used += item.cost
+    if batch:
+        yield batch
+
+
+def _prepare(model: LoadedModel, job: AskMany, index: int, document: Document, sha: str, key: str) -> _Prepared:
+    """The document's branches, exactly those of ask-many on it alone; an error it cannot run with."""
+    ref = DocumentRef(document.path, sha)
+    try:
+        specs = job.model_copy(update={"documents": [document], "document": ""}).branches(
+            model.tokenizer, model.context_length
+        )
+    except MdcliError as error:
+        return _Prepared(index, ref, key, list(job.questions), [], error=error.line())
+    for number, spec in enumerate(specs):
+        if spec.seed_key is None:
+            spec.seed_key = number  # the branch id it has when the document runs alone
+        spec.label = f"{document.path} :: {spec.label}"
+    cost = trie_tokens([spec.prompt_ids for spec in specs]) + sum(spec.max_new_tokens for spec in specs)
+    return _Prepared(index, ref, key, list(job.questions), specs, cost)
+
+
+def _run_forest(model: LoadedModel, batch: list[_Prepared], retrieves: bool, max_forward_tokens: int,
+                compact_ratio: float, speculate: str) -> Iterator[Event]:
+    """One forest of every branch of `batch`; each document's DocumentDone when its last branch ends."""
+    specs = [spec for item in batch for spec in item.specs]
+    check_forest_fits(
+        model, prompt_tokens=trie_tokens([spec.prompt_ids for spec in specs]), branches=len(specs),
+        new_tokens=max(spec.max_new_tokens for spec in specs), what=f"a forest of {len(batch)} documents",
+        fix="lower --budget-tokens, or -n",
+    )
+    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+    decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
+    infos = decoder.announce(specs)
+    owner: dict[int, tuple[_Prepared, int]] = {}
+    position = 0
+    for item in batch:
+        for number in range(len(item.specs)):
+            owner[infos[position].id] = (item, number)
+            position += 1
+    if retrieves:
+        yield from (note for item in batch for note in unretrieved_notes(item.specs))
+    answers: dict[int, dict[int, Answer]] = {item.index: {} for item in batch}
+    for event in decoder.decode():
+        if isinstance(event, Note):
+            yield event
+        elif isinstance(event, Finish) and event.branch in owner:
+            item, number = owner[event.branch]
+            got = answers[item.index]
+            got[number] = Answer(
+                question=item.questions[number], text=event.text, token_ids=event.token_ids,
+                finish_reason=event.finish_reason, cumulative_logprob=event.cumulative_logprob, parsed=event.parsed,
+            )
+            if len(got) == len(item.specs):
+                yield _done(item, [got[n] for n in range(len(item.specs))])
+
+
+def _done(item: _Prepared, answers: list[Answer]) -> DocumentDone:
+    return DocumentDone(document=item.document, index=item.index, answers=answers, key=item.key, error=item.error)
