@@ -10,11 +10,12 @@ import typer
 from mdcli.cli.common import (
     AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt, PromptCacheOpt,
     EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, RetrieveOpt, announce_loading, output_mode, read_inputs,
-    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
+    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
+from mdcli.cli.each import run_each, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
@@ -70,7 +71,35 @@ def ask_many(
     regex: RegexOpt = None,
     schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output", "-o",
+            help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl | json; with --each, "
+            "a FILE.jsonl each finished document is appended to (a rerun skips what it holds).",
+        ),
+    ] = "auto",
+    each: Annotated[
+        bool,
+        typer.Option("--each", help="Ask the questions of every document on its own (one tree per document, many "
+                     "in one forest), not of all documents as one context."),
+    ] = False,
+    budget_tokens: Annotated[
+        Optional[int],
+        typer.Option("--budget-tokens", min=1, show_default=False,
+                     help="With --each: most cache tokens in one forest of documents (default 8192, less where free "
+                     "memory is short)."),
+    ] = None,
+    workers: Annotated[
+        Optional[int],
+        typer.Option("--workers", show_default=False,
+                     help='With --each: N Ray actors on a local Ray cluster, each loading the model once (pip install "mdcli[ray]").'),
+    ] = None,
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option("--ray-address", show_default=False,
+                     help="With --each: join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting one."),
+    ] = None,
     jsonl: JsonlOpt = False,
     as_json: JsonOpt = False,
     plain: PlainOpt = False,
@@ -93,14 +122,25 @@ def ask_many(
     one. Exact: with greedy decoding each answer is token for token what the model gives for that
     question alone.
 
+    --each asks the questions of every document on its own instead: one tree per document, many
+    documents' trees decoding in one forest, each document's answers exactly those of ask-many on that
+    file alone; output `## path :: question` (jsonl: each record names its document and sha256);
+    --output FILE.jsonl appends each finished document (a rerun skips those already there); a file
+    that is not text is one error record and the exit code is 1. --workers N runs on Ray actors.
+
     --save-recipe FILE writes the equivalent recipe (the document becomes `context: {input: true}`)
     and still runs; `mdcli run FILE --input DOC` then gives the same tokens. --recipe FILE starts
     from a saved or built-in ask-many recipe.
     """
     with errors(debug), in_flags():
+        mode, results = split_output(output, each)
+        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
+            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
+        if each and (recipe is not None or save_recipe is not None):
+            raise UsageError("--each does not take --recipe or --save-recipe", fix="give the questions with -q")
         if recipe is not None or save_recipe is not None:
             _run_with_recipe(ctx, recipe, save_recipe, announced)
             return
@@ -108,7 +148,8 @@ def ask_many(
         speculation = speculate_setting(speculate)
         questions = list(question or []) + read_questions_file(questions_file)
         job = api.AskMany(
-            documents=read_inputs(document),
+            document="(each)" if each else "",  # --each: every document is read on its own, below
+            documents=[] if each else read_inputs(document),
             retrieve=retrieve,
             chunk_tokens=chunk_tokens,
             questions=questions,
@@ -121,8 +162,11 @@ def ask_many(
             constraint=constraint_from_flags(choices, regex, schema),
         )
         job.validate()  # before the model loads
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
+        mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
+        if each:
+            run_each(locals(), job, mode, results, announced)
+            return
         lm = load(load_options(locals(), announced=announced))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress)
@@ -174,7 +218,7 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
     if save_to is not None:
         write_recipe(save_to, dump_recipe(plan))
-    mode = output_mode(p["output"], jsonl=p["jsonl"], plain=p["plain"], json=p["as_json"])
+    mode = output_mode(split_output(p["output"], False)[0], jsonl=p["jsonl"], plain=p["plain"], json=p["as_json"])
     check_progress(p["quiet"], p["progress"])
     lm = load(load_options(p, announced=announced, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
 
