@@ -45,6 +45,7 @@ COMMANDS_MAY_IMPORT = (
     "mdcli.cli.*",  # shared options and helpers between commands
     "mdcli.bench.*",  # the benchmark harness, which exists only for `mdcli bench`
     "mdcli.settings",  # the registry: the process's defaults set before torch loads (app.main)
+    "mdcli.distributed.*",  # --each on Ray: imported only for --workers / --ray-address, so the API never loads Ray
 )
 
 # The layers, bottom up: each rule is (layer, "only" | "never", packages). "only": the layer
@@ -71,6 +72,11 @@ LAYER_RULES = (
     ("mdcli.render", "never", ("mdcli.core", "mdcli.backends", "mdcli.models")),
     # documents are text, paths and a token counter handed in: read, chunked, ranked, never run
     ("mdcli.documents", "only", ("mdcli.documents", "mdcli.events", "mdcli.errors")),
+    # --each on Ray: a driver and its actors over the strategies' run_each and the model loader; nothing
+    # below imports it (the API would load Ray with it), only the command line, for --workers
+    ("mdcli.distributed", "only", ("mdcli.distributed", "mdcli.strategies", "mdcli.models", "mdcli.documents",
+                                   "mdcli.events", "mdcli.errors")),
+    ("mdcli.api", "never", ("mdcli.distributed",)),
 )
 # The command line is the top: only these import it.
 MAY_IMPORT_THE_CLI = ("mdcli.cli", "mdcli.__main__", "mdcli.bench")
