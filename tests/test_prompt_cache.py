@@ -315,6 +315,38 @@ def test_cache_list_and_clear(cached_llama, tmp_path):
     assert bad.exit_code == 2 and "--older-than 'soon' is not a duration" in bad.stderr
 
 
+def test_entries_another_thread_count_keeps_apart_are_listed_with_their_thread_counts(tiny_dir, tmp_path):
+    # issue 53, item 2: the thread count is in the key (a GEMM library may split its sums by thread),
+    # and `cache list` showed two entries that looked identical
+    threads = torch.get_num_threads()
+    lms = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            lm = load_model(str(tiny_dir("llama")), quiet=True, prompt_cache=str(tmp_path))
+            list(run_specs(lm, tiny_specs(lm, STORY * 2, QUESTIONS), strategy="test"))
+            lms.append(lm)
+    finally:
+        torch.set_num_threads(threads)
+    assert lms[0].prompt_store.namespace != lms[1].prompt_store.namespace
+    listed = CliRunner().invoke(app, ["cache", "list", "--prompt-cache", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    rows = listed.stdout.splitlines()[1:]
+    assert len(rows) == 2 and rows[0] != rows[1]
+    assert sorted(row.split("  ")[0] for row in rows) == [f"{lms[0].name}, float32, 1 thread",
+                                                           f"{lms[0].name}, float32, 2 threads"]
+
+
+def test_one_models_entries_without_a_fact_that_differs_are_told_apart_by_namespace(tmp_path):
+    kv = [(torch.zeros(1, 1, MIN_TOKENS, 4), torch.zeros(1, 1, MIN_TOKENS, 4))]
+    for namespace in ("a" * 32, "b" * 32):  # the same facts shown: another weights digest, say
+        store = PromptStore(tmp_path, namespace, model="m", dtype=torch.float32, cap_bytes=1 << 30,
+                            numerics={"threads": "1"})
+        store.save(list(range(MIN_TOKENS)), kv)
+    models = sorted(entry.model for entry in api.prompt_cache_entries(str(tmp_path))[1])
+    assert models == ["m, float32, namespace aaaaaaaa", "m, float32, namespace bbbbbbbb"]
+
+
 def test_a_prompt_cache_that_is_a_file_is_a_one_line_usage_error(tmp_path):
     afile = tmp_path / "notes.txt"
     afile.write_text("x")

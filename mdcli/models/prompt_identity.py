@@ -51,8 +51,10 @@ def prompt_store(option: str, *, location: str, gguf_file: str | None, is_hub_id
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    shown = {"threads": str(facts["threads"]), "device": facts["device"], "attn": attn, "cpu weights": cpu_weights,
+             "kernels": plan.linears.name, "torch": torch.__version__, "transformers": transformers.__version__}
     return PromptStore(folder, namespace(facts), model=name, dtype=dtype, cap_bytes=now.prompt_cache_mb << 20,
-                       describe=first_words_of(tokenizer))
+                       describe=first_words_of(tokenizer), numerics=shown)
 
 
 def numerics_config(config) -> dict:

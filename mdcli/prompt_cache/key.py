@@ -2,8 +2,11 @@
 
 An entry's keys and values are only the ones a run would compute if everything that changes the
 numbers is the same: the weights (a content digest of the weight files), the config, the dtype,
-the device kind, the kernel plan that computed the prefill, the thread count (a GEMM's sums may
-be split differently), the torch and transformers versions and this cache's format. Those facts
+the device kind, the kernel plan that computed the prefill, the thread count, the torch and
+transformers versions and this cache's format. The thread count stays in the key: a GEMM library
+may split a product's sums by thread (on a 2-core AVX-512 AMD EPYC one and two threads wrote the same
+bytes on every CPU plan, which no library promises), so entries of another thread count are kept apart and `mdcli
+cache list` names the thread count, or whatever else, that sets them apart. Those facts
 hash to the *namespace*, a sub-folder of the cache folder: a run reads only its own namespace, so
 a different model, dtype or plan never reads another's entry. The token ids then pick the entry
 inside it (mdcli.prompt_cache.store).

@@ -74,13 +74,14 @@ class PromptStore:
     min_tokens = MIN_TOKENS
 
     def __init__(self, folder: Path, namespace: str, *, model: str, dtype: torch.dtype, cap_bytes: int,
-                 describe=None) -> None:
+                 describe=None, numerics: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.namespace = namespace
         self.model = model
         self.dtype = dtype
         self.cap_bytes = cap_bytes
         self.describe = describe  # token ids -> their first words, for `mdcli cache list`
+        self.numerics = numerics or {}  # the namespace's facts a reader can tell apart (threads, ...), for the list
         self.notes: list[str] = []
 
     @property
@@ -126,7 +127,7 @@ class PromptStore:
             "format": FORMAT, "version": str(FORMAT_VERSION), "namespace": self.namespace, "model": self.model,
             "dtype": str(self.dtype).removeprefix("torch."), "tokens": json.dumps(ids), "layers": str(len(kv)), "created": f"{time.time():.3f}",
             "first_words": self.describe(ids) if self.describe is not None else "",
-            "sha256": _checksum(tensors, len(kv)),
+            "sha256": _checksum(tensors, len(kv)), "numerics": json.dumps(self.numerics, sort_keys=True),
         }
         target = self.entries / f"{entry_name(ids)}{SUFFIX}"
         temporary = self.entries / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
