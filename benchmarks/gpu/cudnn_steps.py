@@ -5,7 +5,7 @@ weights of the embedded model's shape, bf16: two passes over the same lengths, 1
     MDCLI_CUDNN_ATTENTION=1 python3 benchmarks/gpu/cudnn_steps.py      # torch's default
     DEV=cpu DOC=50 STEPS=3 python3 benchmarks/gpu/cudnn_steps.py float32   # a quick check without a GPU
 
-Output of one H100 run: benchmarks/results/gpu-h100-cudnn-attention.txt."""
+Output of one H100 run: gpu-h100-cudnn-attention.txt, in git history (notebook/README.md)."""
 import os
 import sys
 import time
