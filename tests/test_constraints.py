@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from mdcli.api import BranchSpec, Constraint, run_specs
 from mdcli.constraints import compile_for

@@ -22,7 +22,7 @@ from mdcli.backends.reference import cache_argument
 from mdcli.core.cache import output_cache
 from mdcli.cli.app import app
 from mdcli.core.decoding import BranchSpec
-from mdcli.events import Done, Finish, Fork, Prune, Start, Token
+from mdcli.events import Done, Finish, Fork, Prune, Token
 from mdcli.models.load import load_model
 from mdcli.core.sampling import Sampler, SamplingParams
 from mdcli.strategies.explore import RATING_QUESTION, ends_step

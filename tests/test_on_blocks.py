@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from mdcli.backends.forward import ModelForward, causal_mask
+from mdcli.backends.forward import causal_mask
 from mdcli.backends.select import select
 from mdcli.backends.weights import gguf_reading
 from mdcli.models import block_checks

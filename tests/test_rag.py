@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from mdcli.api import AskMany, ask_many, read_inputs
 from mdcli.cli.app import app
 from mdcli.errors import UsageError
-from mdcli.events import Done, Finish, Start
+from mdcli.events import Start
 from mdcli.models.load import load_model
 from tests.rag_corpus import CORPUS, QUESTIONS
 from tests.test_ask_many import assert_each_branch_equals_generate

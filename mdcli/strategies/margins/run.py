@@ -58,12 +58,8 @@ from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Source
 from mdcli.core.run import Run
 from mdcli.strategies.segmenting import Segment
-from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
-from mdcli.strategies.margins.job import (
-    ANSWER_TEMPLATE, CLASSIFICATION_TEMPLATE, DEFAULT_ANSWER_TOKENS, DEFAULT_CLASSIFY_TOKENS, DEFAULT_MARGIN_TOKENS,
-    DOCUMENT_SEPARATOR, KEEPS, LAYOUTS, MARGIN_TEMPLATE, NO_NOTES, NOTE_SEPARATOR, NOTE_TEMPLATE,
-    NOTE_WITH_SEGMENT_TEMPLATE, Keep, Layout, MarginResult, Margins, MarginsPrompts, Verdict, parse_verdict,
-)
+from mdcli.strategies.margins.fit import check_fits
+from mdcli.strategies.margins.job import MarginResult, Margins, parse_verdict
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
