@@ -93,6 +93,18 @@ static inline ivec lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5,
  * weights would each have had, and every weight is then one lookup (vpermps) instead of a
  * conversion and a multiply-add: the same numbers, fewer instructions. */
 static inline vec code_values(void) { return vfloat(lane_index()); }
+/* Lane order: a sub-block's 32 codes (one a byte, or a nibble or 2 bits of a byte) read without
+ * widening bytes to lanes, which takes the shuffle unit a table lookup also needs: its 32 bytes
+ * loaded into both halves of a register, lane i of each half holds bytes 4i .. 4i + 3, and a shift
+ * of each lane by SHIFT_A (+ the code's place in its byte) puts byte 4i's code in the low bits of
+ * lanes 0-7 and byte 4i + 2's in lanes 8-15; SHIFT_B bytes 4i + 1 and 4i + 3. The inputs are put in
+ * the same order once per product (lane_ordered), so every weight still meets its own input. */
+static inline ivec shift_a(void) { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16); }
+static inline ivec shift_b(void) { return _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 24, 24, 24, 24, 24, 24, 24, 24); }
+static inline ivec both_halves(const uint8_t *bytes32) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)bytes32));
+}
+#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LOOKUP_ROWS */
 #else
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -149,7 +161,19 @@ static inline ivec ibytes(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_lo
 static inline ivec isrl(ivec a, int count) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(count)); }
 static inline ivec isll(ivec a, int count) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(count)); }
 static inline ivec lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+#define LANE_ORDERED(kind) 0
 #endif
+
+/* x's m rows (stride ldx) in lane order into out (stride k): each 32 inputs as the weights' two vectors
+ * hold them, inputs 4i + {0, 2} then 4i + {1, 3}. */
+static void lane_ordered(const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
+    static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
+                                     1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < k; c += BLOCK)
+            for (int i = 0; i < BLOCK; i++)
+                out[r * k + c + i] = x[r * ldx + c + order[i]];
+}
 
 #define PER (BLOCK / LANES) /* vectors per block */
 
@@ -253,40 +277,54 @@ static inline __attribute__((always_inline)) void q5_weights(int with_min, const
     }
 }
 
-/* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block s, from their 12 packed bytes. */
-static inline void k_scale_min(const uint8_t *q, int s, int *scale, int *min) {
-    if (s < 4) {
-        *scale = q[s] & 63;
-        *min = q[s + 4] & 63;
-    } else {
-        *scale = (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
-        *min = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
-    }
-}
-
-/* A K-quant super-block's scales, decoded once for its 8 sub-blocks: for each group of 16 weights
- * (a sub-block's two groups alike for Q4_K and Q5_K), the float32 scale its codes are multiplied by
- * and the offset added after (0 where the kind has none). Each is exact in float32: a float16 times
- * a code of at most 8 bits. */
+/* A K-quant super-block's scales, decoded once for its 8 sub-blocks, each exact in float32 (a float16
+ * times a code of at most 8 bits). Q4_K and Q5_K: scale[s] = d * the 6-bit scale of sub-block s and
+ * scale[8 + s] = -(dmin * its 6-bit minimum). The others: for each group of 16 weights, the scale its
+ * codes are multiplied by, and the offset added after (0 where the kind has none). In vector
+ * registers where the kind allows: decoded one by one, the scales took a third of a one-row Q4_K
+ * product on a Zen 5 core. */
 struct k_scales {
     float scale[16], offset[16];
 };
 
+/* The 16 bytes of a Q4_K or Q5_K super-block's 8 six-bit scales, then its 8 six-bit minimums, from
+ * their 12 packed bytes at q, as 32-bit words u0 u1 u2 (q[s] and q[s + 4] hold sub-blocks s < 4 in
+ * their low 6 bits; q[s + 4]'s nibbles and the top 2 bits of q[s - 4] and q[s] hold s >= 4): scales
+ * 0-3 = u0 & 0x3f.., scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, minimums 0-3 = u1 & 0x3f..,
+ * minimums 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. Reads 16 bytes from q. */
+static inline __m128i k_unpacked(const uint8_t *q) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)q);
+    const __m128i low = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));  /* u0 u2 u1 u2 */
+    const __m128i high = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)); /* u0 u0 u1 u1 */
+    const __m128i x = _mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i keep = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+    const __m128i top = _mm_and_si128(_mm_srli_epi32(high, 6), _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
+    return _mm_or_si128(_mm_and_si128(x, keep), _mm_slli_epi32(top, 4));
+}
+
 static inline __attribute__((always_inline)) void k_scales_of(int kind, const uint8_t *sb, struct k_scales *k) {
-    if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: d * scale, -(dmin * min) per sub-block */
-        const float d = half_at(sb), dmin = half_at(sb + 2);
-        for (int s = 0; s < SUPER; s++) {
-            int scale, min;
-            k_scale_min(sb + 4, s, &scale, &min);
-            k->scale[2 * s] = k->scale[2 * s + 1] = d * (float)scale;
-            k->offset[2 * s] = k->offset[2 * s + 1] = -(dmin * (float)min);
-        }
+    if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: d * scale and -(dmin * min) = (-dmin) * min per sub-block */
+        const __m128i codes = k_unpacked(sb + 4);
+        const float d = half_at(sb), minus_dmin = -half_at(sb + 2);
+#if defined(__AVX512F__)
+        const __m512 m = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(minus_dmin));
+        _mm512_storeu_ps(k->scale, _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes))));
+#else
+        _mm256_storeu_ps(k->scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes))));
+        _mm256_storeu_ps(k->scale + 8, _mm256_mul_ps(_mm256_set1_ps(minus_dmin),
+                                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)))));
+#endif
     } else if (kind == 11) { /* Q6_K: d * an int8 scale per 16 */
         const float d = half_at(sb + 208);
-        for (int g = 0; g < 16; g++) {
-            k->scale[g] = d * (float)((const int8_t *)(sb + 192))[g];
-            k->offset[g] = 0.0f;
+#if defined(__AVX512F__)
+        const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192)));
+        _mm512_storeu_ps(k->scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(codes)));
+#else
+        for (int h = 0; h < 2; h++) {
+            const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 192 + 8 * h)));
+            _mm256_storeu_ps(k->scale + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(codes)));
         }
+#endif
     } else if (kind == 7) { /* Q2_K: d * a 4-bit scale, -(dmin * a 4-bit min) per 16 */
         const float d = half_at(sb + 80), dmin = half_at(sb + 82);
         for (int g = 0; g < 16; g++) {
@@ -310,13 +348,14 @@ static inline __attribute__((always_inline)) void k_scales_of(int kind, const ui
 static inline __attribute__((always_inline)) void k_weights(int kind, const uint8_t *sb, int s,
                                                             const struct k_scales *k, vec w[PER], int lookup) {
     if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: w = (d * scale) * q - dmin * min */
-        const vec ds = vset1(k->scale[2 * s]), dm = vset1(k->offset[2 * s]);
+        const vec ds = vset1(k->scale[s]), dm = vset1(k->scale[8 + s]);
         const uint8_t *codes = sb + (kind == 9 ? 16 : 48) + 32 * (s / 2);
 #if defined(__AVX512F__)
-        if (lookup && kind == 9) { /* Q4_K: a table of the 16 weights a code stands for (code_values) */
+        if (lookup && kind == 9) { /* Q4_K: a table of the 16 weights a code stands for (code_values), in lane order */
             const vec table = vfma(ds, code_values(), dm);
-            for (int j = 0; j < PER; j++)
-                w[j] = _mm512_permutexvar_ps(isrl(ibytes(codes + j * LANES), 4 * (s % 2)), table);
+            const ivec bytes = both_halves(codes), nibble = iset1(4 * (s % 2));
+            w[0] = _mm512_permutexvar_ps(isrlv(bytes, iadd(shift_a(), nibble)), table); /* vpermps reads the low 4 bits */
+            w[1] = _mm512_permutexvar_ps(isrlv(bytes, iadd(shift_b(), nibble)), table);
             return;
         }
 #endif
@@ -329,6 +368,22 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         }
     } else if (kind == 11) { /* Q6_K: w = (d * scale) * (q - 32), a scale every 16 weights */
         const int h = s / 4, t = s % 4;
+#if defined(__AVX512F__)
+        if (lookup) { /* in lane order: lanes 0-3 and 8-11 hold the first 16 weights, 4-7 and 12-15 the next */
+            const vec scale = _mm512_mask_blend_ps(0xf0f0, vset1(k->scale[2 * s]), vset1(k->scale[2 * s + 1]));
+            const vec offset = vmul(scale, vset1(-32.0f)); /* exact: (q - 32) * scale = q * scale - 32 * scale, rounded once */
+            const ivec low = both_halves(sb + h * 64 + 32 * (t % 2)), high = both_halves(sb + 128 + h * 32);
+            for (int j = 0; j < PER; j++) {
+                const ivec at = j == 0 ? shift_a() : shift_b(); /* the code's byte, in bits */
+                const ivec nibble = isrlv(low, iadd(at, iset1(4 * (t / 2))));
+                /* bits 2t, 2t + 1 of the high byte to bits 4, 5: rotated right by (at + 2t - 4) mod 32 */
+                const ivec top = iand(_mm512_rorv_epi32(high, iand(iadd(at, iset1(2 * t - 4)), iset1(31))), iset1(0x30));
+                const ivec q = _mm512_ternarylogic_epi32(nibble, iset1(15), top, 0xEA); /* (nibble & 15) | top */
+                w[j] = vfma(vfloat(q), scale, offset);
+            }
+            return;
+        }
+#endif
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES;
             const ivec low = iand(isrl(ibytes(sb + h * 64 + 32 * (t % 2) + o), 4 * (t / 2)), iset1(15));
@@ -358,9 +413,10 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
 /* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block)
  * passed to body(b, w) one block of 32 at a time, w its PER vectors; a K-quant's scales decoded once
  * per super-block (b and count whole super-blocks for those); lookup: 4- and 5-bit codes looked up
- * in a table of their weights (AVX-512; the same numbers), for passes of up to LOOKUP_ROWS rows,
- * where the rebuild is most of the work: on a Zen 5 core the embedded model's one-row products took
- * 0.88x the time with the tables, its eight-row products 1.08x, so the wider passes convert. */
+ * in a table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
+ * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
+ * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
+ * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md). */
 #define LOOKUP_ROWS 2
 #define EACH_BLOCK(kind, base, first, count, lookup, body)                                                  \
     do {                                                                                          \
@@ -369,7 +425,8 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                 const uint8_t *sb_ = (base) + B_ * bytes_of(kind);                                \
                 struct k_scales k_;                                                               \
                 k_scales_of(kind, sb_, &k_);                                                      \
-                for (int s_ = 0; s_ < SUPER; s_++) {                                              \
+                __asm__("" : "+m"(k_)); /* read back by broadcast loads, not by shuffles */            \
+                _Pragma("GCC unroll 8") for (int s_ = 0; s_ < SUPER; s_++) {                      \
                     vec w_[PER];                                                                  \
                     k_weights(kind, sb_, s_, &k_, w_, lookup);                                            \
                     body(B_ * SUPER + s_, w_);                                                    \
@@ -429,16 +486,27 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         acc[r][0] = acc[r][1] = vzero();
+    /* a lone row of a K-quant: a second pair of chains, the pairs swapped after each block, so that
+     * the multiply-add's latency does not bound it (the swap is a renaming: EACH_BLOCK unrolls the
+     * sub-blocks). Its sums are then in another order than the wider passes' (within rounding). */
+    const int pairs = R == 1 && chains == 2 && IS_SUPER(kind);
+    vec spare0 = vzero(), spare1 = vzero();
 #define ACCUMULATE(b, w)                                                                   \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
         const float *in = x + r * ldx + (b) * BLOCK;                                       \
         _Pragma("GCC unroll 4") for (int j = 0; j < PER; j++)                              \
             acc[r][j % chains] = vfma(vload(in + j * LANES), (w)[j], acc[r][j % chains]);  \
+    }                                                                                      \
+    if (pairs) {                                                                           \
+        const vec t0 = acc[0][0], t1 = acc[0][1];                                          \
+        acc[0][0] = spare0, acc[0][1] = spare1, spare0 = t0, spare1 = t1;                  \
     }
     EACH_BLOCK(kind, row, b0, b1 - b0, R <= LOOKUP_ROWS, ACCUMULATE);
 #undef ACCUMULATE
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
+        if (pairs)
+            acc[0][0] = vadd(acc[0][0], spare0), acc[0][1] = vadd(acc[0][1], spare1);
         const float total = vsum(chains == 2 ? vadd(acc[r][0], acc[r][1]) : acc[r][0]);
         y[r * ldy] = add ? y[r * ldy] + total : total;
     }
@@ -597,11 +665,16 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
+        const float *x_in = x;                                                                     \
+        if (LANE_ORDERED(kind) && m <= LOOKUP_ROWS) {                                              \
+            lane_ordered(x, m, k, k, scratch);                                                     \
+            x_in = scratch;                                                                        \
+        }                                                                                          \
         for (int64_t j = 0; j < n; j++) {                                                          \
             const uint8_t *row = w + j * row_bytes;                                                \
             if (j + AHEAD_ROWS < n)                                                                \
                 fetch(row + AHEAD_ROWS * row_bytes, row_bytes);                                    \
-            const float *xr = x;                                                                   \
+            const float *xr = x_in;                                                                \
             float *yr = y + j;                                                                     \
             switch (m) { PASSES(kind) }                                                            \
         }                                                                                          \

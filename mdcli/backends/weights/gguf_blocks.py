@@ -270,8 +270,8 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -
     as torch is given, each on its run of W's rows (the same numbers at any count)."""
     lib = library()
     _use_threads(lib, torch.get_num_threads())
-    rows = flat.shape[0]  # a lone row never reaches the wide panels, so needs no scratch
-    scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr() if rows > 1 else None
+    rows = flat.shape[0]
+    scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr()  # wide panels; a narrow pass's inputs in lane order
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
     product(flat.data_ptr(), rows, flat.shape[1], weight.data.data_ptr(), weight.shape[0], out.data_ptr(),
             out.stride(0), scratch)
