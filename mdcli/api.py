@@ -22,7 +22,7 @@ from mdcli.events import Event, Note
 from mdcli.core.run import Run, start_event
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany, unretrieved_notes
-from mdcli.strategies.each import DEFAULT_BUDGET_TOKENS, entry_key, run_each
+from mdcli.strategies.each import CPU_BUDGET_TOKENS, entry_key, run_each
 from mdcli.documents.inputs import Document, Inputs, read_inputs
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
@@ -356,7 +356,7 @@ __all__ = [
     "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins", "MarginsPrompts", "SamplingParams",
     "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
-    "MIN_SEGMENT_TOKENS", "DEFAULT_BUDGET_TOKENS", "entry_key",
+    "MIN_SEGMENT_TOKENS", "CPU_BUDGET_TOKENS", "entry_key",
     # the prompt cache on disk (mdcli cache list / clear)
     "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
     # many inputs: files, folders, globs and stdin read as documents with their paths

@@ -87,8 +87,8 @@ def ask_many(
     budget_tokens: Annotated[
         Optional[int],
         typer.Option("--budget-tokens", min=1, show_default=False,
-                     help="With --each: most cache tokens in one forest of documents (default 8192, less where free "
-                     "memory is short)."),
+                     help="With --each: most cache tokens in one forest of documents (default: 1024 on a CPU, a "
+                     "document or two; on a GPU what a quarter of its free memory holds)."),
     ] = None,
     workers: Annotated[
         Optional[int],

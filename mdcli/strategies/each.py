@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
-from mdcli.core.decoding import BranchSpec, Decoder
+from mdcli.core.decoding import BranchSpec, Independent
 from mdcli.core.run import Run
+from mdcli.core.steps import StepLoop, Tip
 from mdcli.documents.inputs import Document, Skipped
 from mdcli.errors import MdcliError
 from mdcli.events import Answer, DocumentDone, DocumentRef, Event, Finish, Note, Progress
@@ -38,10 +39,13 @@ from mdcli.strategies.memory import check_forest_fits, trie_tokens
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
 
-DEFAULT_BUDGET_TOKENS = 8192
-"""A forest's most cache tokens when --budget-tokens is not given (less where free memory is short):
-on a CPU core, larger forests decode no faster per token (every step's attention grows with the
-cache), and a smaller forest loses less when a run is stopped (docs/performance.md)."""
+CPU_BUDGET_TOKENS = 1024
+"""A forest's most cache tokens on a CPU when --budget-tokens is not given: a document or two. On
+one CPU core a forest of many documents was slower than one document per forest (12 invoices of
+~450 tokens, 3 questions, 32 tokens: 13.5-20 s at 1,024 tokens against 23-27 s at 4,096-16,384;
+docs/performance.md): a decode step already costs about the same for 3 rows as for 18, and each
+document's prefill and every step's attention over a larger cache cost more."""
+MAX_BUDGET_TOKENS = 65536  # elsewhere (a GPU): as much as a quarter of the free memory holds, up to this
 
 
 def document_sha256(text: str) -> str:
@@ -82,12 +86,13 @@ class _Prepared:
 
 
 def default_budget(model: LoadedModel) -> int:
-    """DEFAULT_BUDGET_TOKENS, or what a quarter of the device's free memory holds of KV cache."""
+    """CPU_BUDGET_TOKENS on a CPU; elsewhere what a quarter of the device's free memory holds of KV
+    cache, at most MAX_BUDGET_TOKENS."""
     free = available_memory_bytes(model.device)
-    if free is None:
-        return DEFAULT_BUDGET_TOKENS
+    if model.device.type == "cpu" or free is None:
+        return CPU_BUDGET_TOKENS
     per_token = kv_bytes_per_token(model.model.config, model.dtype.itemsize)
-    return max(1, min(DEFAULT_BUDGET_TOKENS, free // (4 * per_token)))
+    return max(1, min(MAX_BUDGET_TOKENS, free // (4 * per_token)))
 
 
 def run_each(
@@ -183,18 +188,22 @@ def _run_forest(model: LoadedModel, batch: list[_Prepared], retrieves: bool, max
         fix="lower --budget-tokens, or -n",
     )
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
-    decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
-    infos = decoder.announce(specs)
+    loop = StepLoop(run, Independent(None), model.tokenizer, model.eos_token_ids)
     owner: dict[int, tuple[_Prepared, int]] = {}
-    position = 0
+    tips: list[list[Tip]] = []
     for item in batch:
-        for number in range(len(item.specs)):
-            owner[infos[position].id] = (item, number)
-            position += 1
+        tips.append([_tip(loop, spec) for spec in item.specs])
+        owner.update({tip.id: (item, number) for number, tip in enumerate(tips[-1])})
     if retrieves:
         yield from (note for item in batch for note in unretrieved_notes(item.specs))
+    roots = [tip for document in tips for tip in document]
+    yield from loop.capped_notes(roots)
+    for document in tips:  # one document at a time: its prefix laid down as a plain causal run, not masked
+        for event in loop.prefill(document, "prefill"):  # against the other documents' slots
+            if isinstance(event, Note):
+                yield event
     answers: dict[int, dict[int, Answer]] = {item.index: {} for item in batch}
-    for event in decoder.decode():
+    for event in loop.run_tips(roots):
         if isinstance(event, Note):
             yield event
         elif isinstance(event, Finish) and event.branch in owner:
@@ -206,6 +215,13 @@ def _run_forest(model: LoadedModel, batch: list[_Prepared], retrieves: bool, max
             )
             if len(got) == len(item.specs):
                 yield _done(item, [got[n] for n in range(len(item.specs))])
+
+
+def _tip(loop: StepLoop, spec: BranchSpec) -> Tip:
+    """A root tip for `spec`, as core.decoding.Decoder.announce makes one."""
+    return loop.tip(spec.label, list(spec.prompt_ids), sampling=spec.sampling, seed_key=spec.seed_key,
+                    max_new_tokens=spec.max_new_tokens, stop=spec.stop, ignore_eos=spec.ignore_eos, data=spec,
+                    constraint=spec.constraint)
 
 
 def _done(item: _Prepared, answers: list[Answer]) -> DocumentDone:
