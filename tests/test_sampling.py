@@ -10,6 +10,7 @@ from mdcli.core.sampling import (
     Sampler,
     SamplingParams,
     branch_seed,
+    choose_next,
     draw,
     filtered_logits,
     greedy_tokens,
@@ -54,6 +55,16 @@ def test_min_p_drops_tokens_far_below_the_best():
     scores = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = torch.isfinite(filtered_logits(scores, SamplingParams(temperature=1.0, min_p=0.2)))
     assert kept.tolist() == [True, True, True, False]
+
+
+def test_the_one_token_choice_suppresses_eos_where_ignored_and_gives_the_logprob_it_chose_under():
+    eos = 1
+    logits = torch.tensor([[0.5, 3.0, 2.0, 0.0], [0.5, 3.0, 2.0, 0.0]])  # EOS the likeliest in both rows
+    tokens, logprobs = choose_next(logits.clone(), [Sampler(SamplingParams(), key=k) for k in (0, 1)],
+                                   ignore_eos=[True, False], eos={eos})
+    assert tokens == [2, eos]  # the row that ignores EOS takes the next best, as min_new_tokens does
+    without_eos = torch.tensor([0.5, float("-inf"), 2.0, 0.0]).log_softmax(-1)
+    assert logprobs == [without_eos[2].item(), logits[1].log_softmax(-1)[eos].item()]
 
 
 def test_greedy_is_the_argmax():

@@ -2,15 +2,23 @@
 
 Every branch owns its own random generator, seeded from (run seed, branch key): a branch's samples
 never depend on which other branches exist or in which order they step.
+
+`choose_next` is the one token choice (EOS suppressed where a branch ignores it, a constrained row
+masked, each row's sampler, the chosen token's logprob), used by the step loop (core/steps.py) and
+by speculative verification (core/verify.py), whose greedy rows take the same `suppress`,
+`greedy_tokens` and `logprobs_of` batched over a whole verified step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mdcli.core.constraint import ConstraintState, mask_rows
 
 
 class SamplingParams(BaseModel):
@@ -133,7 +141,35 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return token
 
 
-def choose_tokens(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
+def choose_next(logits: torch.Tensor, samplers: Sequence[Sampler], *, ignore_eos: Sequence[bool],
+                eos: Collection[int], constraints: Sequence[ConstraintState | None] = ()) -> tuple[list[int], list[float]]:
+    """The next token of each row, and its logprob: logits [k, V] (changed in place: pass a copy).
+    EOS goes to -inf in the rows that ignore it (as generate's min_new_tokens does), a row with a
+    constraint keeps only the tokens it allows, each row's sampler chooses (greedy rows in one
+    argmax), and the logprob is the chosen token's under the logits it was chosen from."""
+    suppress(logits, [row for row, ignore in enumerate(ignore_eos) if ignore], eos)
+    if any(state is not None for state in constraints):
+        mask_rows(logits, list(constraints))
+    tokens = choose_tokens(logits, samplers)
+    return tokens, logprobs_of(logits, tokens)
+
+
+def suppress(logits: torch.Tensor, rows: Sequence[int], tokens: Collection[int]) -> torch.Tensor:
+    """logits [k, V], in place: `tokens` at -inf in `rows`."""
+    if rows and tokens:
+        row_index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+        token_index = torch.tensor(sorted(tokens), dtype=torch.long, device=logits.device)
+        logits[row_index[:, None], token_index] = float("-inf")
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
+    """logits [k, V] and a token per row -> each token's log-probability under its row."""
+    index = torch.tensor(list(tokens), device=logits.device)[:, None]  # [k, 1]
+    return torch.log_softmax(logits, -1).gather(-1, index)[:, 0].tolist()
+
+
+def choose_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
     """logits: [k, V] -> one token per branch; greedy branches are decided in one argmax, and
     only sampled branches go through their own sampler (their generators stay their own)."""
     greedy = greedy_tokens(logits)

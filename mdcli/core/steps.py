@@ -86,11 +86,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from mdcli.core.constraint import ConstraintState, TokenConstraint, mask_rows
+from mdcli.core.constraint import ConstraintState, TokenConstraint
 from mdcli.core.detok import StreamingDetokenizer
 from mdcli.core.forest import stack_rows
 from mdcli.core.run import Run
-from mdcli.core.sampling import Sampler, SamplingParams, choose_tokens
+from mdcli.core.sampling import Sampler, SamplingParams, choose_next, suppress
 from mdcli.core.tip import Tip
 from mdcli.core.verify import feed_with_drafts, time_step
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Progress, Prune, Token
@@ -242,12 +242,9 @@ class StepLoop:
         todo = [i for i, t in enumerate(tips) if t.pending is None]
         if todo:
             sub = [tips[i] for i in todo]
-            logits = self.suppress_eos(torch.stack([t.logits for t in sub]), sub, in_place=True)  # [k, V], a copy
-            if any(t.constraint is not None for t in sub):
-                mask_rows(logits, [t.constraint for t in sub])
-            chosen = choose_tokens(logits, [t.sampler for t in sub])
-            index = torch.tensor(chosen, device=logits.device)[:, None]  # [k, 1]
-            picked = torch.log_softmax(logits, -1).gather(-1, index)[:, 0].tolist()
+            chosen, picked = choose_next(torch.stack([t.logits for t in sub]), [t.sampler for t in sub],  # [k, V], a copy
+                                         ignore_eos=[t.ignore_eos for t in sub], eos=self.eos,
+                                         constraints=[t.constraint for t in sub])
             for i, token, logprob in zip(todo, chosen, picked):
                 tokens[i], logprobs[i] = token, logprob
         for t in tips:
@@ -260,9 +257,7 @@ class StepLoop:
         rows = [i for i, t in enumerate(tips) if t.ignore_eos]
         if not rows or not self.eos:
             return logits
-        logits = logits if in_place else logits.clone()
-        logits[_index(rows, logits.device)[:, None], _index(sorted(self.eos), logits.device)] = float("-inf")
-        return logits
+        return suppress(logits if in_place else logits.clone(), rows, self.eos)
 
     def accept(self, tip: Tip, token: int, logprob: float) -> tuple[Token, str | None]:
         """The tip generated `token`: count it, detokenize it, and say whether it ends the branch
@@ -439,7 +434,3 @@ def _incomplete(tip: Tip, reason: str) -> Note:
         "the text is incomplete, not a valid answer",
         {"branch": tip.id, "finish_reason": reason},
     )
-
-
-def _index(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)

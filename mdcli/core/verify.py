@@ -29,7 +29,7 @@ import torch
 from mdcli.core.engine import Engine
 from mdcli.core.forest import stack_rows
 from mdcli.core.run import DecodeCounters
-from mdcli.core.sampling import greedy_tokens
+from mdcli.core.sampling import choose_next, greedy_tokens, logprobs_of
 from mdcli.core.tip import Tip
 from mdcli.events import Event, Token
 from mdcli.speculative.drafting import DraftTree
@@ -46,6 +46,7 @@ class Loop(Protocol):
     counters: DecodeCounters
     speculation: SpeculationPolicy  # set: the walk runs only in a loop that speculates
     deferred: list[Tip]
+    eos: frozenset[int]  # the model's end tokens, suppressed for tips that ignore them
 
     def forward(self, fed: list[tuple[Tip, list[int]]]) -> None: ...
 
@@ -213,9 +214,7 @@ def _greedy_choices(loop: Loop, to_feed, trees: list[DraftTree], results) -> lis
             visits.append(offset + chain + node)
             node = kids[node + 1].get(argmax[visits[-1]])
         starts.append(offset + n)
-    chosen = torch.tensor([argmax[v] for v in visits], device=logits.device)[:, None]  # [v, 1]
-    picked = torch.log_softmax(logits[visits], -1).gather(-1, chosen)[:, 0].tolist()  # [v]
-    logprob_at = dict(zip(visits, picked))
+    logprob_at = dict(zip(visits, logprobs_of(logits[visits], [argmax[v] for v in visits])))
     choices: list[_Greedy | None] = [None] * len(to_feed)
     for i, start, end in zip(greedy, starts, starts[1:]):
         own = {v - start: logprob_at[v] for v in range(start, end) if v in logprob_at}
@@ -240,9 +239,9 @@ def _walk(loop: Loop, tip: Tip, fed: int, tree: DraftTree, result, greedy: _Gree
         if greedy is not None:
             token, logprob, logits = greedy.tokens[at], greedy.logprobs[at], greedy.logits[at]
         else:
-            logits = loop.suppress_eos(result.logits[at][None], [tip])[0]  # [V]
-            token = tip.sampler(logits)
-            logprob = float(torch.log_softmax(logits, -1)[token])
+            logits = result.logits[at][None].clone()  # [1, V]: EOS suppressed in it where the tip ignores it
+            [token], [logprob] = choose_next(logits, [tip.sampler], ignore_eos=[tip.ignore_eos], eos=loop.eos)
+            logits = logits[0]
         guess = children[node + 1].get(token)
         if guess is None:  # the model's own token: shown at the next step, fed after it
             tip.pending, tip.row, tip.logits = (token, logprob), result.rows[at], logits
