@@ -6,8 +6,10 @@ embedded model where tokens are compared to a run alone, tiny models for the sam
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -200,3 +202,35 @@ def test_a_run_killed_midway_and_rerun_answers_every_document_once_with_the_toke
     assert {(r["document"]["path"], r["question"]): r["token_ids"] for r in records} == {
         (path, q): tokens[i] for path, tokens in one_run.items() for i, q in enumerate(QUESTIONS)
     }
+
+
+def test_a_document_too_long_for_the_model_is_an_error_record_and_the_rest_go_on(tiny_dir, tmp_path):
+    from tests.tiny_models import TINY_MAX_POSITIONS
+
+    model = api.load_model(str(tiny_dir("llama")), quiet=True)
+    paths = invoices(tmp_path / "docs", 2)
+    long = tmp_path / "docs" / "long.txt"
+    long.write_text("word " * (2 * TINY_MAX_POSITIONS))
+    done = {e.document.path: e for e in api.ask_each(model, [tmp_path / "docs"], QUESTIONS, max_new_tokens=3)
+            if isinstance(e, DocumentDone)}
+    assert sorted(done) == sorted(str(p) for p in [*paths, long])
+    assert done[str(long)].answers == [] and "more than the model's context" in done[str(long)].error
+    assert all(done[str(p)].error is None and len(done[str(p)].answers) == 2 for p in paths)
+
+
+def test_progress_counts_documents_with_a_rate_and_an_eta_and_a_cut_line_is_passed_over(tmp_path):
+    from mdcli.events import Answer, DocumentRef, Progress
+    from mdcli.render.each import EachWriter, ResultsFile
+
+    results = tmp_path / "out.jsonl"
+    results.write_text('{"type": "answer", "key": "k0", "question": "Who?"}\n{"type": "ans')  # a write cut by a kill
+    stdout, stderr = io.StringIO(), io.StringIO()
+    writer = EachWriter("plain", stdout, stderr, progress=True, results=ResultsFile(results))
+    writer.handle(Progress("documents", 0, 2, "documents"))
+    event = DocumentDone(DocumentRef("a.txt", "00"), 0, [Answer("Who?", "Ana", [1, 2], "stop", -0.5)], key="k1")
+    writer.handle(event)
+    writer.handle(Progress("documents", 1, 2, "documents"))
+    writer.close()
+    assert stdout.getvalue() == "## a.txt :: Who?\nAna\n\n"
+    assert re.fullmatch(r"mdcli: 1/2 documents · [0-9.]+ doc/s · ETA \d+s", stderr.getvalue().splitlines()[0])
+    assert answered_keys(results, 1) == {"k0", "k1"}  # the cut line is skipped, the next record intact

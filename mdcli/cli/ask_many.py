@@ -98,7 +98,7 @@ def ask_many(
     ray_address: Annotated[
         Optional[str],
         typer.Option("--ray-address", show_default=False,
-                     help="With --each: join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting one."),
+                     help="With --each: join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting one; an actor per CPU of it unless --workers."),
     ] = None,
     jsonl: JsonlOpt = False,
     as_json: JsonOpt = False,

@@ -40,7 +40,7 @@ def run_each(params: dict, job, mode: Output, results: Path | None, announced: b
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {workers})", fix="use a positive number")
     inputs = api.read_inputs(params["document"], read_stdin=read_stdin_bytes, lenient=True)
-    answered = answered_keys(results, len(job.questions)) if results is not None else set()
+    answered = answered_keys(results, len(set(job.questions))) if results is not None else set()
     kind = "plain" if mode in (Output.auto, Output.live, Output.plain) else mode.value
     terminal = _is_terminal(sys.stderr)
     on_ray = workers is not None or address is not None
@@ -50,11 +50,12 @@ def run_each(params: dict, job, mode: Output, results: Path | None, announced: b
 
         if not ray_each.available():
             raise UsageError("--workers and --ray-address need Ray, which is not installed", fix=RAY_EXTRA)
+    results_file = ResultsFile(results) if results is not None else None  # unwritable: said before the model loads
     options = load_options(params, announced=announced)
     writer_header = None
     if on_ray:
         events = ray_each.ask_each_on_ray(
-            options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers or 1,
+            options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers,
             address=address, budget_tokens=params["budget_tokens"], max_forward_tokens=params["max_forward_tokens"],
             speculate=params["speculate"],
         )
@@ -64,7 +65,7 @@ def run_each(params: dict, job, mode: Output, results: Path | None, announced: b
         events = api.ask_each(lm, inputs, job, answered=answered, budget_tokens=params["budget_tokens"],
                               max_forward_tokens=params["max_forward_tokens"], speculate=params["speculate"])
     writer = EachWriter(kind, sys.stdout, sys.stderr, quiet=params["quiet"], progress=params["progress"],
-                        header=writer_header, results=ResultsFile(results) if results is not None else None,
+                        header=writer_header, results=results_file,
                         terminal=terminal)
     interrupted = False
     try:

@@ -11,7 +11,7 @@ goes back to the front of the queue and a new actor takes its place. A chunk tha
 
 `--workers N` starts a local Ray cluster of N CPUs (or uses the one this process already joined);
 `--ray-address ADDR` joins an existing cluster, where mdcli and its model must be installed on
-every node.
+every node, with N actors or, without --workers, one per CPU of the cluster.
 """
 
 from __future__ import annotations
@@ -62,14 +62,16 @@ class RayEach:
     """The driver: the queue, the actors, the results as events (module docstring)."""
 
     def __init__(self, options: LoadOptions, job: AskMany, inputs: Inputs, *, answered: set[str] | frozenset[str] = frozenset(),
-                 workers: int = 1, address: str | None = None, budget_tokens: int | None = None,
+                 workers: int | None = None, address: str | None = None, budget_tokens: int | None = None,
                  max_forward_tokens: int = 1024, speculate: str = "off", chunk_documents: int | None = None) -> None:
         if ray is None:
             raise MdcliError("Ray is not installed", fix='pip install "mdcli[ray]"')
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=address, num_cpus=None if address is not None else workers, include_dashboard=False,
+            ray.init(address=address, num_cpus=None if address is not None else (workers or 1), include_dashboard=False,
                      log_to_driver=False, logging_level=logging.ERROR)
+        if workers is None:  # --ray-address alone: an actor per CPU of the cluster
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.options = options.model_copy(update={"progress": None, "quiet": True})
         self.job, self.inputs, self.answered = job, inputs, answered
         self.workers, self.chunk_documents = workers, chunk_documents
