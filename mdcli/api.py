@@ -114,7 +114,7 @@ def ask_many(
 def ask_each(
     model: LoadedModel,
     documents: Sequence[str | Path | Document] | Inputs,
-    questions: list[str] | tuple[str, ...] | AskMany = (),
+    questions: list[str] | tuple[str, ...] | AskMany | Margins = (),
     *,
     answered: Sequence[str] = (),
     budget_tokens: int | None = None,
@@ -126,11 +126,17 @@ def ask_each(
     `documents`: Documents (path + text), or files, folders and globs read as the command line
     reads them (a file that is not text becomes an error record, not an exception); or an Inputs.
     `questions`: the questions, with the job's fields as keywords as for `ask_many`, or an AskMany
-    job (its documents ignored). `answered`: keys (DocumentDone.key) of documents not to run again.
+    job (its documents ignored); or a Margins job: each document then runs `margins` on its own,
+    one after the other, each answer the branch its `answer-sources` note names. `answered`: keys (DocumentDone.key) of documents not to run again.
     `budget_tokens`: a forest's most cache tokens (default: strategies.each.default_budget).
     Yields a DocumentDone per document as it finishes, a Progress("documents", ...) after each, and
     the forests' notes. Arguments are checked here, before the first event is asked for."""
     engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    if isinstance(questions, Margins):
+        questions.model_copy(update={"documents": ["(each)"], "names": ["(each)"]}).validate()
+        inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
+        return run_each(model, questions, inputs.documents, inputs.skipped, answered=frozenset(answered),
+                        **engine_options)
     if isinstance(questions, AskMany):
         job = questions
     else:

@@ -234,3 +234,22 @@ def test_progress_counts_documents_with_a_rate_and_an_eta_and_a_cut_line_is_pass
     assert stdout.getvalue() == "## a.txt :: Who?\nAna\n\n"
     assert re.fullmatch(r"mdcli: 1/2 documents · [0-9.]+ doc/s · ETA \d+s", stderr.getvalue().splitlines()[0])
     assert answered_keys(results, 1) == {"k0", "k1"}  # the cut line is skipped, the next record intact
+
+
+def test_margins_each_gives_every_document_the_answers_of_margins_on_it_alone(tiny_dir, tmp_path):
+    model = api.load_model(str(tiny_dir("llama")), quiet=True)
+    paths = invoices(tmp_path / "docs", 2)
+    job = api.Margins(documents=["(each)"], questions=QUESTIONS, margin_tokens=4, classify_tokens=3, answer_tokens=5)
+    got = answered(api.ask_each(model, [tmp_path / "docs"], job))
+
+    def margins_alone(path: Path) -> list[list[int]]:
+        one = job.model_copy(update={"documents": [path.read_text()], "names": [path.name]})
+        numbers, answers = {}, {}
+        for event in api.margins(model, one):
+            if event.type == "note" and event.kind == "answer-sources":
+                numbers[event.data["branch"]] = event.data["question"]
+            elif event.type == "finish" and event.branch in numbers:
+                answers[numbers[event.branch]] = event.token_ids
+        return [answers[n] for n in sorted(answers)]
+
+    assert got == {str(p): margins_alone(p) for p in paths}

@@ -15,7 +15,7 @@ from mdcli.cli.common import (
     read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
-from mdcli.cli.each import run_each, split_output
+from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
@@ -71,35 +71,11 @@ def ask_many(
     regex: RegexOpt = None,
     schema: SchemaOpt = None,
     no_chat_template: NoChatOpt = False,
-    output: Annotated[
-        str,
-        typer.Option(
-            "--output", "-o",
-            help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl | json; with --each, "
-            "a FILE.jsonl each finished document is appended to (a rerun skips what it holds).",
-        ),
-    ] = "auto",
-    each: Annotated[
-        bool,
-        typer.Option("--each", help="Ask the questions of every document on its own (one tree per document, many "
-                     "in one forest), not of all documents as one context."),
-    ] = False,
-    budget_tokens: Annotated[
-        Optional[int],
-        typer.Option("--budget-tokens", min=1, show_default=False,
-                     help="With --each: most cache tokens in one forest of documents (default: 1024 on a CPU, a "
-                     "document or two; on a GPU what a quarter of its free memory holds)."),
-    ] = None,
-    workers: Annotated[
-        Optional[int],
-        typer.Option("--workers", show_default=False,
-                     help='With --each: N Ray actors on a local Ray cluster, each loading the model once (pip install "mdcli[ray]").'),
-    ] = None,
-    ray_address: Annotated[
-        Optional[str],
-        typer.Option("--ray-address", show_default=False,
-                     help="With --each: join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting one; an actor per CPU of it unless --workers."),
-    ] = None,
+    output: EachOutputOpt = "auto",
+    each: EachOpt = False,
+    budget_tokens: BudgetTokensOpt = None,
+    workers: WorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     jsonl: JsonlOpt = False,
     as_json: JsonOpt = False,
     plain: PlainOpt = False,
@@ -165,7 +141,7 @@ def ask_many(
         mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         if each:
-            run_each(locals(), job, mode, results, announced)
+            run_each(locals(), document, job, mode, results, announced)
             return
         lm = load(load_options(locals(), announced=announced))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)

@@ -1,4 +1,4 @@
-"""`mdcli ask-many --each`: the same questions about every document, one tree per document.
+"""`mdcli ask-many --each` and `mdcli margins --each`: the same questions about every document on its own.
 
 Answers go to stdout per (document, question); `--output FILE.jsonl` also appends each finished
 document there, and a rerun with the same file skips what it holds. `--workers N` / `--ray-address`
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -17,6 +18,37 @@ from mdcli.errors import UsageError
 
 OUTPUT_MODES = tuple(mode.value for mode in Output)
 RAY_EXTRA = 'pip install "mdcli[ray]"'
+
+EachOutputOpt = Annotated[
+    str,
+    typer.Option(
+        "--output", "-o",
+        help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl | json; with --each, "
+        "a FILE.jsonl each finished document is appended to (a rerun skips what it holds).",
+    ),
+]
+EachOpt = Annotated[
+    bool,
+    typer.Option("--each", help="Ask the questions of every document on its own (its answers those of the command "
+                 "on that file alone), not of all documents as one context."),
+]
+BudgetTokensOpt = Annotated[
+    Optional[int],
+    typer.Option("--budget-tokens", min=1, show_default=False,
+                 help="With --each: most cache tokens in one forest of documents (default: 1024 on a CPU, a "
+                 "document or two; on a GPU what a quarter of its free memory holds)."),
+]
+WorkersOpt = Annotated[
+    Optional[int],
+    typer.Option("--workers", show_default=False,
+                 help=f"With --each: N Ray actors on a local Ray cluster, each loading the model once ({RAY_EXTRA})."),
+]
+RayAddressOpt = Annotated[
+    Optional[str],
+    typer.Option("--ray-address", show_default=False,
+                 help="With --each: join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting one; "
+                 "an actor per CPU of it unless --workers."),
+]
 
 
 def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
@@ -29,7 +61,7 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
     return Output.auto, Path(value)
 
 
-def run_each(params: dict, job, mode: Output, results: Path | None, announced: bool) -> None:
+def run_each(params: dict, sources: list[str], job, mode: Output, results: Path | None, announced: bool) -> None:
     """Read every document (bad files become error records), skip those `results` already holds,
     answer the rest here or on Ray, and write them; exit 1 when some document failed."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
@@ -39,8 +71,9 @@ def run_each(params: dict, job, mode: Output, results: Path | None, announced: b
     workers, address = params["workers"], params["ray_address"]
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {workers})", fix="use a positive number")
-    inputs = api.read_inputs(params["document"], read_stdin=read_stdin_bytes, lenient=True)
-    answered = answered_keys(results, len(set(job.questions))) if results is not None else set()
+    inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, lenient=True)
+    questions = len(set(job.questions)) or 1  # margins with one --query and no questions list
+    answered = answered_keys(results, questions) if results is not None else set()
     kind = "plain" if mode in (Output.auto, Output.live, Output.plain) else mode.value
     terminal = _is_terminal(sys.stderr)
     on_ray = workers is not None or address is not None
@@ -56,14 +89,16 @@ def run_each(params: dict, job, mode: Output, results: Path | None, announced: b
     if on_ray:
         events = ray_each.ask_each_on_ray(
             options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers,
-            address=address, budget_tokens=params["budget_tokens"], max_forward_tokens=params["max_forward_tokens"],
+            address=address, budget_tokens=params.get("budget_tokens"), max_forward_tokens=params["max_forward_tokens"],
             speculate=params["speculate"],
         )
     else:
         lm = load(options)
         writer_header = header(lm, params["verbose"])
-        events = api.ask_each(lm, inputs, job, answered=answered, budget_tokens=params["budget_tokens"],
-                              max_forward_tokens=params["max_forward_tokens"], speculate=params["speculate"])
+        engine = {"max_forward_tokens": params["max_forward_tokens"], "speculate": params["speculate"]}
+        if params.get("budget_tokens") is not None:
+            engine["budget_tokens"] = params["budget_tokens"]
+        events = api.ask_each(lm, inputs, job, answered=answered, **engine)
     writer = EachWriter(kind, sys.stdout, sys.stderr, quiet=params["quiet"], progress=params["progress"],
                         header=writer_header, results=results_file,
                         terminal=terminal)

@@ -11,11 +11,12 @@ import typer
 
 from mdcli.cli.common import (
     AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
-    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
+    MinPOpt, ModelOpt, NoChatOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_inputs,
     read_questions_file, render, sampling_params, speculate_setting,
     VerboseOpt,
 )
+from mdcli.cli.each import EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.errors import UsageError
 
@@ -148,7 +149,10 @@ def margins(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
+    output: EachOutputOpt = "auto",
+    each: EachOpt = False,
+    workers: WorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     jsonl: JsonlOpt = False,
     as_json: JsonOpt = False,
     plain: PlainOpt = False,
@@ -176,16 +180,26 @@ def margins(
     kept). --json gives the answers in question order; JSONL adds the margin and "classification
     N/M" branches, a "classification" note per margin and an "answer-sources" note per answer,
     each naming its question.
+    --each answers the questions of every document on its own, one document after another in one
+    process, each exactly as `mdcli margins FILE` would: `## path :: question` blocks, --output
+    FILE.jsonl appended per document and skipped on rerun, bad files as error records (exit 1),
+    --workers N on Ray actors (docs/cli.md).
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC...` on the same
     documents gives the same tokens.
     """
     with errors(debug), in_flags():
+        mode, results = split_output(output, each)
+        if not each and (workers is not None or ray_address is not None):
+            raise UsageError("--workers and --ray-address go with --each", fix="add --each")
+        if each and save_recipe is not None:
+            raise UsageError("--each does not take --save-recipe", fix="save the recipe from a run on one document")
         announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)
         speculation = speculate_setting(speculate)
-        texts, names, paths = read_documents(documents)
+        # --each: every document is read on its own, by run_each, and run as `margins FILE` would
+        texts, names, paths = (["(each)"], ["(each)"], ["(each)"]) if each else read_documents(documents)
         job = api.Margins(
             documents=texts,
             questions=questions,
@@ -221,8 +235,11 @@ def margins(
                 job, given_layout=context is not None,
                 speculate=speculation.recipe_value(),
             ))
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
+        mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
+        if each:
+            run_each(locals(), documents, job, mode, results, announced)
+            return
         lm = load(load_options(locals(), announced=announced))
         events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
         render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)

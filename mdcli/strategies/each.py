@@ -1,4 +1,4 @@
-"""ask-many --each: the same questions asked of every document, one tree per document.
+"""ask-many --each (and margins --each): the same questions asked of every document on its own.
 
 Each document is its own ask-many job (AskMany with that one document): its prompts are exactly
 those of `mdcli ask-many FILE -q ...` for that file alone, so its prefix is laid down once and its
@@ -23,6 +23,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
@@ -34,6 +35,7 @@ from mdcli.errors import MdcliError
 from mdcli.events import Answer, DocumentDone, DocumentRef, Event, Finish, Note, Progress
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.ask_many import AskMany, unretrieved_notes
+from mdcli.strategies.margins import Margins, run_margins
 from mdcli.strategies.memory import check_forest_fits, trie_tokens
 
 if TYPE_CHECKING:
@@ -59,10 +61,17 @@ def model_identity(model: LoadedModel) -> str:
     return f"{model.name}|{dtype}|{model.device.type}|{model.cpu_weights}"
 
 
-def job_options(job: AskMany) -> dict:
-    """The job's fields that change tokens, documents aside: questions, template, system, chat
-    template, sampling, max_new_tokens, stop strings, retrieval, constraint."""
-    return job.model_dump(mode="json", exclude={"document", "documents"})
+def job_options(job: AskMany | Margins) -> dict:
+    """The job's fields that change tokens, documents aside (ask-many: questions, template, system,
+    chat template, sampling, max_new_tokens, stop strings, retrieval, constraint; margins: every
+    option and prompt), with the strategy's name."""
+    strategy = "margins" if isinstance(job, Margins) else "ask-many"
+    return {"strategy": strategy, **job.model_dump(mode="json", exclude={"document", "documents", "names"})}
+
+
+def asked(job: AskMany | Margins) -> list[str]:
+    """The questions, in order (a margins job's one `query` when it has no `questions`)."""
+    return list(job.questions) if job.questions else [job.query]  # type: ignore[union-attr]
 
 
 def entry_key(path: str, sha256: str, options: dict, model: str) -> str:
@@ -83,6 +92,7 @@ class _Prepared:
     specs: list[BranchSpec]
     cost: int = 0  # cache tokens: the prompts' trie and every branch's new tokens
     error: str | None = None
+    text: str = ""  # margins: the document, run on its own
 
 
 def default_budget(model: LoadedModel) -> int:
@@ -97,7 +107,7 @@ def default_budget(model: LoadedModel) -> int:
 
 def run_each(
     model: LoadedModel,
-    job: AskMany,
+    job: AskMany | Margins,
     documents: Sequence[Document],
     skipped: Sequence[Skipped] = (),
     *,
@@ -114,7 +124,10 @@ def run_each(
     each document that cannot run, e.g. one too long for the model), each followed by
     `Progress("documents", done, total, "documents")`; and the forests' notes. A document whose
     key is in `answered` is not run (one `each` note counts them). `indices`: each document's
-    place in the input order (default: 0, 1, ...; the skipped files follow the documents)."""
+    place in the input order (default: 0, 1, ...; the skipped files follow the documents).
+
+    A Margins job runs each document on its own (its three phases, its own forests), one after
+    the other in this process: the answers are those of `mdcli margins FILE` on each file."""
     options, identity = job_options(job), model_identity(model)
     places = list(indices) if indices is not None else list(range(len(documents)))
     prepared, already = [], 0
@@ -124,9 +137,12 @@ def run_each(
         if key in answered:
             already += 1
             continue
-        prepared.append(_prepare(model, job, place, document, sha, key))
+        if isinstance(job, Margins):
+            prepared.append(_Prepared(place, DocumentRef(document.path, sha), key, asked(job), [], text=document.text))
+        else:
+            prepared.append(_prepare(model, job, place, document, sha, key))
     refused = [
-        _Prepared(len(places) + n, DocumentRef(s.path, None), None, list(job.questions), [], error=f"skipped: {s.reason}")
+        _Prepared(len(places) + n, DocumentRef(s.path, None), None, asked(job), [], error=f"skipped: {s.reason}")
         for n, s in enumerate(skipped)
     ]
     total = len(prepared) + len(refused)
@@ -139,9 +155,15 @@ def run_each(
         done += 1
         yield _done(item, [])
         yield Progress("documents", done, total, "documents")
+    engine = {"max_forward_tokens": max_forward_tokens, "compact_ratio": compact_ratio, "speculate": speculate}
     budget = budget_tokens if budget_tokens is not None else default_budget(model)
-    for batch in pack([p for p in prepared if p.error is None], budget):
-        for event in _run_forest(model, batch, job.retrieve is not None, max_forward_tokens, compact_ratio, speculate):
+    runs = pack([p for p in prepared if p.error is None], budget) if isinstance(job, AskMany) else [[p] for p in prepared]
+    for batch in runs:
+        if isinstance(job, Margins):
+            events = _run_margins(model, job, batch[0], engine)
+        else:
+            events = _run_forest(model, batch, job.retrieve is not None, **engine)
+        for event in events:
             yield event
             if isinstance(event, DocumentDone):
                 done += 1
@@ -176,6 +198,30 @@ def _prepare(model: LoadedModel, job: AskMany, index: int, document: Document, s
         spec.label = f"{document.path} :: {spec.label}"
     cost = trie_tokens([spec.prompt_ids for spec in specs]) + sum(spec.max_new_tokens for spec in specs)
     return _Prepared(index, ref, key, list(job.questions), specs, cost)
+
+
+def _run_margins(model: LoadedModel, job: Margins, item: _Prepared, engine: dict) -> Iterator[Event]:
+    """margins on one document alone, named as `mdcli margins FILE` names it; its answers (the
+    branches its `answer-sources` notes name) as one DocumentDone, or its error."""
+    one = job.model_copy(update={"documents": [item.text], "names": [PurePath(item.document.path).name]})
+    numbers: dict[int, int] = {}  # answer branch -> question number (1-based)
+    answers: dict[int, Answer] = {}
+    try:
+        one.validate()
+        for event in run_margins(model, one, **engine):
+            if isinstance(event, Note) and event.kind == "answer-sources":
+                numbers[event.data["branch"]] = event.data["question"]
+            elif isinstance(event, Finish) and event.branch in numbers:
+                number = numbers[event.branch]
+                answers[number] = Answer(
+                    question=item.questions[number - 1], text=event.text, token_ids=event.token_ids,
+                    finish_reason=event.finish_reason, cumulative_logprob=event.cumulative_logprob, parsed=event.parsed,
+                )
+    except MdcliError as error:
+        item.error = error.line()
+        yield _done(item, [])
+        return
+    yield _done(item, [answers[n] for n in sorted(answers)])
 
 
 def _run_forest(model: LoadedModel, batch: list[_Prepared], retrieves: bool, max_forward_tokens: int,
