@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mdcli.core.forest import Forest, layout_chains, pad_rows
+from mdcli.prefixes import common_prefix_length, trie_size
 
 
 def grow(forest: Forest, plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -103,3 +104,15 @@ def test_a_chain_hanging_off_a_node_starts_one_deeper_than_it():
     assert branches.parents.tolist() == [4, 5, 4, 7, 8]
     # the second chain never sees the first
     assert not branches.allowed[2:, 5:7].any()
+
+
+@given(st.lists(st.lists(st.integers(0, 3), max_size=8), max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_a_trie_holds_each_distinct_prefix_once(prompts):
+    # mdcli.prefixes.trie_size: what a radix prefill of the prompts feeds, each shared leading run once
+    distinct = {tuple(prompt[: end + 1]) for prompt in prompts for end in range(len(prompt))}
+    assert trie_size(prompts) == len(distinct)
+    for a in prompts:
+        for b in prompts:
+            shared = common_prefix_length(a, b)
+            assert a[:shared] == b[:shared] and (shared == min(len(a), len(b)) or a[shared] != b[shared])

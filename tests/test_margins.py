@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from mdcli.api import margins
 from mdcli.cli.app import app
 from mdcli.core.decoding import common_prefix_length
+from mdcli.prefixes import trie_size
 from mdcli.errors import UsageError
 from mdcli.strategies.job import FieldError
 from mdcli.events import Done, Finish, Fork, Note, Start, Token
@@ -24,7 +25,7 @@ from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.segmenting import split_documents, token_counter
 from mdcli.strategies.margins import (
     ANSWER_TEMPLATE, CLASSIFICATION_CONSTRAINT, CLASSIFICATION_TEMPLATE, DOCUMENT_SEPARATOR, MARGIN_TEMPLATE,
-    NO_NOTES, NOTE_SEPARATOR, NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, radix_token_count, sources_note,
+    NO_NOTES, NOTE_SEPARATOR, NOTE_TEMPLATE, MarginResult, Margins, MarginsPrompts, new_decoder, parse_verdict, sources_note,
 )
 from tests.reference import generate_alone, generate_constrained
 from tests.tiny_models import tiny_tokenizer
@@ -169,7 +170,7 @@ def test_chain_prompts_extend_each_other_so_the_cache_holds_the_document_once(em
     prefilled = decoder.stats(0.0).prefill_tokens
     document_tokens = len(tokenizer(document, add_special_tokens=False)["input_ids"])
     instruction = len(chat_ids(tokenizer, Template(MARGIN_TEMPLATE).substitute(context="", query=QUERY)))
-    assert prefilled == radix_token_count(prompts)
+    assert prefilled == trie_size(prompts)
     assert prefilled <= document_tokens + len(prompts) * instruction
     assert prefilled < sum(len(p) for p in prompts) / 2
 
@@ -358,7 +359,7 @@ def test_all_questions_share_one_copy_of_each_segment_in_the_cache(embedded):
     question_first = MarginsPrompts(margin="$query\n\n```\n$context\n```")
     assert question_first.question_first() and not MarginsPrompts().question_first()
     first = Margins(documents=[REPORT], questions=four.questions, segment_tokens=40, prompts=question_first)
-    stored = radix_token_count([s.prompt_ids for s in first.margin_specs(tokenizer, segments)])
+    stored = trie_size([s.prompt_ids for s in first.margin_specs(tokenizer, segments)])
     assert stored >= 4 * document_tokens
     layout = notes(list(margins(embedded, REPORT, questions=QUESTIONS[:2], segment_tokens=40,
                                 max_new_tokens=1, classify=False, answer_tokens=1)), "margins-layout")[0]

@@ -27,7 +27,7 @@ from mdcli.api import ask_many, run_specs
 from mdcli.cli.app import app
 from mdcli.core.decoding import BranchSpec
 from mdcli.core.engine import Engine, run_to_end
-from mdcli.core.forest import common_prefix_length
+from mdcli.prefixes import common_prefix_length
 from mdcli.core.run import Run
 from mdcli.events import Finish, Note, Token
 from mdcli.models.load import load_model

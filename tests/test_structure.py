@@ -53,18 +53,20 @@ COMMANDS_MAY_IMPORT = (
 # submodules.
 LAYER_RULES = (
     # the engine is handed its forward and its plan: no host rule, no tokenizer, no CLI
-    ("mdcli.core", "only", ("mdcli.core", "mdcli.speculative", "mdcli.events", "mdcli.errors", "mdcli.settings")),
-    # speculation sits below the step loop
-    ("mdcli.speculative", "only", ("mdcli.speculative", "mdcli.core", "mdcli.events", "mdcli.errors", "mdcli.settings")),
+    ("mdcli.core", "only", ("mdcli.core", "mdcli.speculative", "mdcli.prefixes", "mdcli.events", "mdcli.errors",
+                            "mdcli.settings")),
+    # speculation sits below the step loop, which imports it: one direction only, speculative never imports core
+    ("mdcli.speculative", "only", ("mdcli.speculative", "mdcli.prefixes", "mdcli.events", "mdcli.errors", "mdcli.settings")),
     # how one forward runs on this host: handed to the engine, never reaching up into it
     ("mdcli.backends", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes", "mdcli.api")),
     ("mdcli.models", "never", ("mdcli.core", "mdcli.strategies", "mdcli.cli", "mdcli.render", "mdcli.recipes")),
     # the prompt cache on disk: handed to the run as core's PrefixStore, built at load (models); it
-    # shares core.forest's token-prefix helper, and the cache files' rules with the model loader
-    ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.core.forest", "mdcli.errors",
+    # counts token prefixes as the engine does, and shares the cache files' rules with the model loader
+    ("mdcli.prompt_cache", "only", ("mdcli.prompt_cache", "mdcli.core.prefix_store", "mdcli.prefixes", "mdcli.errors",
                                     "mdcli.events", "mdcli.settings", "mdcli.cache_files")),
-    # the cache files' rules: the standard library only
+    # the ground floor: the cache files' rules and token prefixes, the standard library only
     ("mdcli.cache_files", "only", ()),
+    ("mdcli.prefixes", "only", ()),
     # output constraints: the llguidance adapter behind core's ConstraintState protocol; it knows core's
     # protocol and a tokenizer, never a backend, a model loader, a strategy or the CLI
     ("mdcli.constraints", "only", ("mdcli.constraints", "mdcli.core", "mdcli.errors")),
@@ -479,8 +481,11 @@ def test_the_layer_rules_see_what_they_forbid():
         "mdcli.render.live": {"mdcli.events", "mdcli.core.forest"},
         "mdcli.api": {"mdcli.cli.common"},
         "mdcli.cli.app": {"mdcli.cli.run"},
+        "mdcli.speculative.drafting": {"mdcli.core.forest", "mdcli.prefixes"},  # core imports speculative, never back
+        "mdcli.core.verify": {"mdcli.speculative.drafting"},
     }
     assert layer_breaches(graph) == {
+        ("mdcli.speculative.drafting", "mdcli.core.forest"),
         ("mdcli.core.run", "mdcli.models.load"),
         ("mdcli.render.live", "mdcli.core.forest"),
         ("mdcli.api", "mdcli.cli.common"),

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from mdcli.core.constraint import TokenConstraint
 from mdcli.errors import UsageError
 from mdcli.core.engine import Engine
-from mdcli.core.forest import common_prefix_length
 from mdcli.core.run import Run, prefill_prompts
 from mdcli.core.sampling import SamplingParams
 from mdcli.core.steps import Policy, StepLoop, Tip
 from mdcli.events import BranchInfo, Event, Progress, Source, Stats
+from mdcli.prefixes import common_prefix_length
 from mdcli.speculative.planner import Speculate
 
-# common_prefix_length (mdcli.core.forest) and prefill_prompts (mdcli.core.run) are re-exported for
+# common_prefix_length (mdcli.prefixes) and prefill_prompts (mdcli.core.run) are re-exported for
 # the strategies, benches and tests that import them from here; they belong to the modules named
 __all__ = ["BranchSpec", "Decoder", "Independent", "common_prefix_length", "prefill_prompts"]
 

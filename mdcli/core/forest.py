@@ -121,16 +121,6 @@ def _last_true(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(rows, slots, -1).amax(1)  # a max, not an argmax: torch's CPU argmax is slow
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two token lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def pad_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
     """rows: [C, n] bool, n <= length -> [C, length] with False in the new columns."""
     missing = length - rows.shape[-1]

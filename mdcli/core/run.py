@@ -27,11 +27,12 @@ from typing import Protocol, TypeVar
 import torch
 
 from mdcli.core.engine import ChainResult, Engine, ModelForward, run_to_end
-from mdcli.core.forest import common_prefix_length, stack_rows
+from mdcli.core.forest import stack_rows
 from mdcli.core.prefix_store import PrefixStore
 from mdcli.core.resident import peak_rss_bytes
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Done, Note, Progress, Start, Stats
+from mdcli.prefixes import common_prefix_length, trie_size
 from mdcli.speculative.planner import SpeculationPolicy, parse_speculate
 
 R = TypeVar("R")
@@ -337,7 +338,7 @@ def prefill_steps(
             by_start.setdefault(starts[i], []).append(i)
         for start, group in by_start.items():
             pending.extend(_edges(prompts, row, group, start))
-    done, total = 0, sum(_trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
+    done, total = 0, sum(trie_size([prompts[i][starts[i]:] for i in members]) for members in attach.values())
     yield done, total
     while pending:
         edges, pending = _spine_first(pending)
@@ -385,13 +386,6 @@ def _running_count(
         except StopIteration as stop:
             return stop.value
         yield done, total
-
-
-def _trie_size(sequences: list[list[int]]) -> int:
-    """Nodes of the token trie of `sequences`: the tokens a radix prefill of them feeds."""
-    ordered = sorted(sequences)
-    shared = sum(common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:]))
-    return sum(len(s) for s in ordered) - shared
 
 
 def _group_by_token(prompts: list[list[int]], indices: list[int], at: int) -> list[list[int]]:

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
-from mdcli.core.forest import common_prefix_length
+from mdcli.prefixes import common_prefix_length
 from mdcli.core.prefix_store import PrefixHit
 from mdcli.prompt_cache.key import FORMAT_VERSION, tensor_bytes
 

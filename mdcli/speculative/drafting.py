@@ -20,7 +20,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mdcli.core.forest import common_prefix_length
+from mdcli.prefixes import common_prefix_length
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
-from mdcli.core.forest import common_prefix_length
+from mdcli.prefixes import common_prefix_length
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.job import FieldError
 

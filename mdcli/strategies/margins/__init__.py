@@ -7,7 +7,7 @@
            documents the prompts and the events
 """
 
-from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits, radix_token_count
+from mdcli.strategies.margins.fit import MEMORY_SHARE, cache_tokens, check_fits
 from mdcli.strategies.margins.job import (
     ANSWER_TEMPLATE,
     CLASSIFICATION_CONSTRAINT,
@@ -39,5 +39,5 @@ __all__ = [
     "DEFAULT_MARGIN_TOKENS", "DOCUMENT_SEPARATOR", "KEEPS", "LAYOUTS", "MARGIN_TEMPLATE", "MEMORY_SHARE", "NO_NOTES",
     "NOTE_SEPARATOR", "NOTE_TEMPLATE", "NOTE_WITH_SEGMENT_TEMPLATE", "Keep", "Layout", "MarginResult", "Margins",
     "MarginsOptions", "MarginsPrompts", "Verdict", "cache_tokens", "check_fits", "new_decoder", "parse_verdict",
-    "radix_token_count", "run_margins", "sources_note",
+    "run_margins", "sources_note",
 ]

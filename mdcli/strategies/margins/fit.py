@@ -8,11 +8,11 @@ gives fewer, larger segments (fewer branches).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
-from mdcli.core.decoding import BranchSpec, common_prefix_length
+from mdcli.core.decoding import BranchSpec
+from mdcli.prefixes import common_prefix_length, trie_size
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.job import FieldError
 from mdcli.strategies.margins.job import Margins
@@ -30,23 +30,13 @@ LARGER_SEGMENTS = (2, 4, 8, 16)
 """The segment_tokens multiples tried when suggesting fewer, larger segments."""
 
 
-def radix_token_count(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens the radix prefill will store: the node count of the prompts' token trie."""
-    ordered = sorted(tuple(p) for p in prompts)
-    total, previous = 0, ()
-    for prompt in ordered:
-        total += len(prompt) - common_prefix_length(prompt, previous)
-        previous = prompt
-    return total
-
-
 def cache_tokens(job: Margins, tokenizer, segments: list[Segment], specs: list[BranchSpec], questions: int) -> int:
     """The largest cache any phase holds, in tokens, for the first `questions` questions: the
     margins' prefill plus every margin, or the classifications, or the answers (estimated from the
     templates, since margins are not written yet; sharing within a question is counted)."""
     count = len(segments)
     margin_specs = specs[: questions * count]
-    margins = radix_token_count([s.prompt_ids for s in margin_specs]) + len(margin_specs) * job.margin_tokens
+    margins = trie_size([s.prompt_ids for s in margin_specs]) + len(margin_specs) * job.margin_tokens
     classifications = 0
     if job.classify:
         head, tail = _classification_head_tail(job, tokenizer)
@@ -90,7 +80,7 @@ def check_fits(model: LoadedModel, job: Margins, segments: list[Segment], specs:
             + f", more than the {_size(budget)} available",
             fix=_what_fits(job, tokenizer, segments, specs, budget // bytes_per_token, model.context_length),
         )
-    return radix_token_count([s.prompt_ids for s in specs])
+    return trie_size([s.prompt_ids for s in specs])
 
 
 def memory_budget(model: LoadedModel, job: Margins) -> int | None:
