@@ -89,7 +89,11 @@ class RayEach:
                 ray.shutdown()
 
     def _events(self) -> Iterator[Event]:
-        identity = self._get(self.actors[0].identity.remote())
+        try:
+            identity = self._get(self.actors[0].identity.remote())
+        except ray.exceptions.RayActorError as error:  # the model did not load in the actor
+            raise MdcliError(f"a Ray worker could not load the model: {_cause(error)}",
+                             fix="check that the same command without --workers loads it") from None
         options = job_options(self.job)
         todo, already = [], 0
         for place, document in enumerate(self.inputs.documents):
@@ -158,6 +162,13 @@ class RayEach:
                 kind = next(k for k in type(cause).__mro__ if k.__module__ == MdcliError.__module__)
                 raise kind(cause.problem, fix=cause.fix) from None
             raise
+
+
+def _cause(error: Exception) -> str:
+    """The last line of an actor's failure that says something (the exception raised in it)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    told = [line for line in lines if "Error" in line.split(":", 1)[0]]
+    return (told or lines or [type(error).__name__])[-1][:300]
 
 
 def ask_each_on_ray(options: LoadOptions, job: AskMany, inputs: Inputs, **settings) -> Iterator[Event]:

@@ -4,10 +4,14 @@ Each document is its own ask-many job (AskMany with that one document): its prom
 those of `mdcli ask-many FILE -q ...` for that file alone, so its prefix is laid down once and its
 questions branch from it. Many documents' trees decode in one forest (one Run, one shared cache):
 the documents are packed, in input order, into forests of at most `budget_tokens` cache tokens (each
-document's prompt trie plus every question's new tokens), and the next forest starts when the
-previous one has finished. Admitting a document mid-forest as another finishes is not done: the
-step loop (core/steps.py) decodes a fixed set of roots from one prefill, and packing whole forests
-keeps that loop as it is (docs/cli.md, "One tree per document").
+document's prompt trie plus every question's new tokens), each document's prompts prefilled on
+their own (its prefix a causal run, not masked against the others), and the next forest starts
+when the previous one has finished. Admitting a document mid-forest as another finishes is not
+done: the step loop (core/steps.py) decodes a fixed set of roots from one prefill, and packing
+whole forests keeps that loop as it is. On a CPU core a forest of a document or two measured
+fastest (CPU_BUDGET_TOKENS), so there the gain is the one process and the one load.
+
+A Margins job (margins --each) runs each document through margins on its own, one after another.
 
 Exactness: a branch's tokens do not depend on what else is in the forest, its sampler is seeded
 by its question's place in its document (the branch id it would have alone), and a context cap
