@@ -13,6 +13,7 @@ import torch
 from mdcli.backends.forward import forward_for
 from mdcli.models.architectures import sliding_window_layout
 from mdcli.settings import Settings, current
+from mdcli.core.cache import GrowingLayer, cache_length, new_cache
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.engine import Engine
 from mdcli.core.forest import pad_rows
@@ -245,3 +246,15 @@ def test_a_model_without_the_cache_keyword_gets_past_key_values():
 
     marker = object()
     assert cache_argument(OlderForward(), marker) == {"past_key_values": marker}
+
+
+def test_the_cache_buffer_grows_by_a_quarter_when_full_and_shows_only_its_filled_part():
+    cache = new_cache()
+    keys = torch.randn(1, 2, GrowingLayer.min_capacity, 4)
+    cache.update(keys, keys + 1, 0)
+    layer = cache.layers[0]
+    assert type(layer) is GrowingLayer and layer._k.shape[-2] == GrowingLayer.min_capacity
+    cache.update(keys[..., :1, :], keys[..., :1, :], 0)  # one past full: a quarter more room, not double
+    assert layer._k.shape[-2] == GrowingLayer.min_capacity * 5 // 4
+    assert cache_length(cache) == GrowingLayer.min_capacity + 1 and layer.keys.shape[-2] == cache_length(cache)
+    assert torch.equal(layer.keys[..., :-1, :], keys) and torch.equal(layer.values[..., :-1, :], keys + 1)

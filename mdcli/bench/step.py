@@ -148,7 +148,7 @@ class StepProfile:
             (reference, "routed_linear", timed_linear_of(reference.routed_linear, 0), products),
             (reference, "gemm_attention", self._timed(reference.gemm_attention, "attention"), attention),
             (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask"), ("mask",)),
-            (kv._growing_layer_class(), "update", self._timed(kv._growing_layer_class().update, "cache writes"),
+            (kv.GrowingLayer, "update", self._timed(kv.GrowingLayer.update, "cache writes"),
              ("cache writes",)),
             (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms"), ("norms",)),
             (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary"), ("rotary",)),

@@ -1,23 +1,24 @@
 """The shared KV cache: the only module that touches transformers' cache internals.
 
 There is no public transformers API for removing tokens from the middle of a cache, so this
-module keeps that knowledge in one place and checks it at run time (`assert_compactable`).
+module keeps that knowledge in one place and checks it at run time (every layer a plain
+full-attention one, or a refusal naming the layer: `_layers`).
 Facts it relies on (transformers 5.x):
 
-* `DynamicCache()` created WITHOUT `config=` gives plain full layers. With a config, sliding
-  window models get layers that trim by physical index, which breaks interleaved branches: the
-  engine folds the window into the mask instead.
+* A cache created WITHOUT `config=` (as `new_cache` makes one) gives plain full layers. With a
+  config, sliding window models get layers that trim by physical index, which breaks interleaved
+  branches: the engine folds the window into the mask instead.
 * Each layer's `keys` / `values` are tensors [batch, kv_heads, N, head_dim]; replacing them by
   an `index_select` along dim -2 removes tokens, and `get_seq_length()` follows.
 * `DynamicLayer.update` appends with `torch.cat`, copying the whole cache on every step. The
-  `GrowingLayer` here keeps a preallocated buffer that doubles when full (amortised O(new tokens)
-  per step) and hands attention a view of its filled part.
+  `GrowingLayer` here keeps a preallocated buffer that grows by a quarter when full (amortised
+  O(new tokens) per step) and hands attention a view of its filled part.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Cache, DynamicCache
+from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 
@@ -27,84 +28,70 @@ def output_cache(output):
     return output["cache"] if "cache" in output else output.past_key_values
 
 
-def new_cache(*, preallocate: bool = True) -> Cache:
-    """An empty cache of plain full-attention layers (see the module notes for why no config)."""
-    if not preallocate:
-        return DynamicCache()
-    return Cache(layer_class_to_replicate=_growing_layer_class())
+def new_cache() -> Cache:
+    """An empty cache of plain full-attention layers (see the module notes for why no config),
+    each a `GrowingLayer`."""
+    return Cache(layer_class_to_replicate=GrowingLayer)
 
 
-_GROWING_LAYER = None
+class GrowingLayer(DynamicLayer):
+    """A full-attention layer whose keys/values live in a buffer that grows by a quarter when full.
 
+    A quarter, not double: a doubled buffer can hold twice the slots in use; a quarter's growth
+    copies the cache about four times over its life instead of twice, milliseconds against seconds
+    of decoding (notebook/memory.md)."""
 
-def _growing_layer_class():
-    """Built lazily so importing this module does not import transformers."""
-    global _GROWING_LAYER
-    if _GROWING_LAYER is not None:
-        return _GROWING_LAYER
+    min_capacity = 256
+    growth = 1.25
 
-    class GrowingLayer(DynamicLayer):
-        """A full-attention layer whose keys/values live in a buffer that grows by a quarter when full.
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self._length = 0
+        self.is_initialized = True
 
-        A quarter, not double: a doubled buffer can hold twice the slots in use, which was 80 MB
-        of the embedded model's 8-question job's peak; growing by a quarter copies the cache about
-        4 times over its life instead of twice, milliseconds against seconds of decoding
-        (measured: notebook/memory.md)."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        self._reserve(end)
+        self._k[..., start:end, :] = key_states
+        self._v[..., start:end, :] = value_states
+        self._length = end
+        return self.keys, self.values
 
-        min_capacity = 256
-        growth = 1.25
+    def _reserve(self, needed: int) -> None:
+        capacity = self._k.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(needed, int(self.growth * capacity), self.min_capacity)
+        self._k = _regrow(self._k, self._length, capacity)
+        self._v = _regrow(self._v, self._length, capacity)
 
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
-            self._length = 0
-            self.is_initialized = True
+    @property
+    def keys(self):  # [B, H, N, D] view of the filled part
+        return None if not self.is_initialized else self._k[..., : self._length, :]
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            start, end = self._length, self._length + key_states.shape[-2]
-            self._reserve(end)
-            self._k[..., start:end, :] = key_states
-            self._v[..., start:end, :] = value_states
-            self._length = end
-            return self.keys, self.values
+    @keys.setter
+    def keys(self, tensor) -> None:
+        if tensor is None or tensor.dim() < 4:  # reset by the base class
+            self.is_initialized = False
+            return
+        self._k, self._length = tensor, tensor.shape[-2]
 
-        def _reserve(self, needed: int) -> None:
-            capacity = self._k.shape[-2]
-            if needed <= capacity:
-                return
-            capacity = max(needed, int(self.growth * capacity), self.min_capacity)
-            self._k = _regrow(self._k, self._length, capacity)
-            self._v = _regrow(self._v, self._length, capacity)
+    @property
+    def values(self):
+        return None if not self.is_initialized else self._v[..., : self._length, :]
 
-        @property
-        def keys(self):  # [B, H, N, D] view of the filled part
-            return None if not self.is_initialized else self._k[..., : self._length, :]
+    @values.setter
+    def values(self, tensor) -> None:
+        if tensor is None or tensor.dim() < 4:
+            return
+        self._v = tensor
 
-        @keys.setter
-        def keys(self, tensor) -> None:
-            if tensor is None or tensor.dim() < 4:  # reset by the base class
-                self.is_initialized = False
-                return
-            self._k, self._length = tensor, tensor.shape[-2]
-
-        @property
-        def values(self):
-            return None if not self.is_initialized else self._v[..., : self._length, :]
-
-        @values.setter
-        def values(self, tensor) -> None:
-            if tensor is None or tensor.dim() < 4:
-                return
-            self._v = tensor
-
-        def get_seq_length(self) -> int:
-            return self._length if self.is_initialized else 0
-
-    _GROWING_LAYER = GrowingLayer
-    return GrowingLayer
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
 
 
 def _regrow(buffer, length: int, capacity: int):
@@ -140,7 +127,7 @@ def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:
 
 def _keep_tail_of_layer(layer, start: int, keep: torch.Tensor) -> None:
     index = keep.to(layer.keys.device)
-    if type(layer) is _growing_layer_class():
+    if type(layer) is GrowingLayer:
         kept_k, kept_v = layer._k.index_select(-2, index), layer._v.index_select(-2, index)  # [B, H, K, D]
         layer._k[..., start : start + index.shape[0], :] = kept_k
         layer._v[..., start : start + index.shape[0], :] = kept_v
@@ -182,7 +169,7 @@ def _layers(cache: Cache) -> list:
     if layers is None:
         raise RuntimeError("this transformers version has no Cache.layers; mdcli needs transformers 5")
     for layer in layers:
-        if type(layer) is not DynamicLayer and type(layer) is not _growing_layer_class():
+        if type(layer) is not DynamicLayer and type(layer) is not GrowingLayer:
             raise RuntimeError(
                 f"cache layer {type(layer).__name__} cannot be compacted exactly; "
                 "mdcli only compacts full DynamicLayer caches"
