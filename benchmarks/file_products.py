@@ -76,7 +76,8 @@ def direct_step(lib: ctypes.CDLL, weights: list, rows: int):
     """The step's products through `lib`'s entry points, one thread."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     outputs = [torch.empty(rows, w.shape[0]) for w in weights]
-    scratch = torch.empty(3 * max(w.shape[1] for w in weights))
+    lib.scratch_floats.argtypes, lib.scratch_floats.restype = [ctypes.c_int64], ctypes.c_int64
+    scratch = torch.empty(max(lib.scratch_floats(w.shape[1]) for w in weights))
     calls = []
     for weight, out in zip(weights, outputs):
         product = getattr(lib, f"{weight.kind.lower()}_gemm")
