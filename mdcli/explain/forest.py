@@ -93,9 +93,6 @@ class ForestLayout:
             rows.append([key in allowed for key in range(len(self))])
         return rows
 
-    def edge_of(self) -> dict[int, int]:
-        return {slot: edge.id for edge in self.edges for slot in edge.slots}
-
     def edge_ancestors(self, edge_id: int) -> set[int]:
         """Edges whose every token the given edge's tokens attend to (not the edge itself)."""
         found, parent = set(), self.edges[edge_id].parent

@@ -62,7 +62,6 @@ _LEVELS: list[tuple[Boundary, re.Pattern[str] | None]] = [
     ("word", _WORD_END),
     ("character", None),
 ]
-_STRENGTH = {"end": 4, "paragraph": 3, "sentence": 2, "word": 1, "character": 0}
 
 
 @dataclass(frozen=True)
@@ -257,8 +256,3 @@ def _memoized(count: TokenCounter) -> TokenCounter:
         return seen[text]
 
     return cached
-
-
-def boundary_strength(boundary: Boundary) -> int:
-    """Higher is a cleaner cut: end of document 4, paragraph 3, sentence 2, word 1, character 0."""
-    return _STRENGTH[boundary]
