@@ -184,11 +184,6 @@ def test_questions_file_adds_questions_skipping_blank_lines(story, tmp_path):
 # -- process-level behaviour: real signals and pipes ---------------------------------------------
 
 
-def test_help_does_not_import_torch():
-    code = "import sys; from mdcli.cli.app import app; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
-
-
 def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

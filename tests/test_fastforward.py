@@ -470,12 +470,11 @@ def test_forwards_on_the_blocks_take_the_block_kernel_up_to_64_tokens_only_on_on
 
 def test_this_hosts_engine_runs_the_plan_chosen_for_it(torch_threads):
     """On the machine running the tests, at one thread and two: the engine's own forward follows the
-    plan `select` makes for this host, and a loaded model's plan is the same."""
+    plan `select` makes for this host."""
     model = tiny_model("llama", "sdpa")
     for threads in (1, 2):
         torch_threads(threads)
         plan = select(model)
-        assert plan == select(model, host=Host.read())
         own = engine_for(model).model_forward.own
         assert (own.packed, own.transposed, own.lone_blas, own.attention, own.bmm_max_queries, own.read_ahead,
                 own.tiled) == (plan.packed, plan.transposed and not plan.blocks, plan.lone_blas and plan.transposed,

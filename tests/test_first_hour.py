@@ -364,15 +364,6 @@ def test_the_summary_line_of_answers_read_off_the_prefill_shows_no_rate():
 # -- 10. the first seconds -------------------------------------------------------------------------------
 
 
-def test_the_cli_imports_no_heavy_module_before_a_command_runs():
-    code = ("import sys, mdcli, mdcli.cli.app; "
-            "heavy = [m for m in ('torch', 'transformers', 'pydantic', 'yaml', 'rich', 'numpy') if m in sys.modules]; "
-            "assert not heavy, heavy")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)})
-    assert result.returncode == 0, result.stderr
-
-
 def test_the_loading_line_comes_before_torch_is_imported(story):
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "mdcli", "ask-many", str(story), "-q", "Who?", "-n", "1",

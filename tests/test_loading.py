@@ -361,13 +361,6 @@ def test_quiet_loading_prints_nothing_and_reports_progress(tiny, capfd):
     assert messages == [f"loading {tiny['qwen2']}..."]
 
 
-def test_the_command_line_imports_loading_torch_and_transformers_only_when_a_command_runs():
-    """The one lazy boundary (mdcli/cli/ -> mdcli.api): loading lives below it, the commands above."""
-    code = ("import mdcli.cli.app, sys; assert 'mdcli.models.load' not in sys.modules "
-            "and 'torch' not in sys.modules and 'transformers' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
 # --- refusals -------------------------------------------------------------------------------
 
 

@@ -810,14 +810,6 @@ def test_no_color_flag_removes_every_color_and_style_code(monkeypatch):
     assert not SGR_ESCAPE.search(run_live_on_fake_terminal(no_color=True))
 
 
-def test_render_modules_do_not_import_torch():
-    import subprocess
-    import sys
-
-    code = "import sys, mdcli.render; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # --- margins: blocks per question, branches grouped by question ----------------------------------
 
 
