@@ -51,7 +51,9 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 
 def library_path(source: Path, flags: tuple[str, ...]) -> Path:
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + str(_compiler()).encode())
+    """Where the build of `source` (with the headers beside it, which it may include) and `flags` is kept."""
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + str(_compiler()).encode())
     return settings.current().mdcli_cache / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 

@@ -18,12 +18,9 @@
  * Built twice from this file (mdcli.backends.weights.gguf_blocks): with AVX-512 (16 lanes) and with AVX2 (8).
  */
 #include <immintrin.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define BLOCK 32
 #define Q4_1_BYTES 20 /* float16 d, float16 m, 16 bytes of codes: low nibbles are weights 0-15, high 16-31 */
@@ -686,40 +683,24 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
     }
 
 
-/* ---- Threads: one product split by weight rows ------------------------------------------------
+/* ---- Threads: one product split by weight rows (pool.h) --------------------------------------
  * A product's weight rows are cut into runs of whole panels (a few per thread), each multiplied by
- * the same code into its own columns of y, so the numbers do not depend on which thread takes which
- * run, nor on the thread count (set_threads: torch's, set by mdcli.backends.weights.gguf_blocks).
- * The calling thread takes runs too, until none is left, and only then waits for the runs others
- * took: a worker that is slow to wake (its core busy with torch's own threads, which spin a while
- * after each of their operations, or with another process) leaves its runs to the caller, so a
- * product is never slower than on one thread by more than a few atomic operations. Workers wait for
- * the next product spinning briefly, then asleep on a condition variable, so that between products
- * they leave the cores to torch's threads and to other processes. */
+ * the same code into its own columns of y. */
+#include "pool.h"
+
 typedef void (*rows_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t, float *);
 
-#define MAX_THREADS 64
-#ifndef SPINS
-#define SPINS 4096 /* checks of the job counter before a worker sleeps */
-#endif
 #define MIN_SPLIT_ROWS 48 /* products of fewer weight rows run on the calling thread alone */
 #define RUNS_PER_THREAD 4
 
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t wake;
-    atomic_long generation;  /* one more per product handed out: wakes the workers */
-    atomic_uint_fast64_t next; /* the product's generation (high 32 bits) and its next run (low 32) */
-    atomic_int done;         /* runs finished */
-    int threads;             /* threads per product: the workers and the calling thread */
-    int runs;
-    pid_t owner;             /* the process that started the workers (a fork has none) */
+struct product {
     rows_fn fn;
     const float *x;
     int64_t m, k, n, ldy, row_bytes;
     const uint8_t *w;
     float *y;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 1};
+    int runs;
+};
 
 /* Weight rows [start, stop) of run `index`: `runs` near-equal runs, each a whole number of panels. */
 static void run_bounds(int64_t n, int runs, int index, int64_t *start, int64_t *stop) {
@@ -730,109 +711,20 @@ static void run_bounds(int64_t n, int runs, int index, int64_t *start, int64_t *
     *stop = (first + count) * PANEL < n ? (first + count) * PANEL : n;
 }
 
-/* Take and multiply runs of product `generation` until none is left (a stale generation takes none). */
-static void take_runs(uint32_t generation, float *scratch) {
-    uint_fast64_t ticket = atomic_load_explicit(&pool.next, memory_order_acquire);
-    for (;;) {
-        if ((uint32_t)(ticket >> 32) != generation || (int)(uint32_t)ticket >= pool.runs)
-            return;
-        if (!atomic_compare_exchange_weak_explicit(&pool.next, &ticket, ticket + 1, memory_order_acq_rel,
-                                                   memory_order_acquire))
-            continue; /* another thread took it: ticket now holds the counter's new value */
-        int64_t start, stop;
-        run_bounds(pool.n, pool.runs, (int)(uint32_t)ticket, &start, &stop);
-        if (stop > start)
-            pool.fn(pool.x, pool.m, pool.k, pool.w + start * pool.row_bytes, stop - start, pool.y + start,
-                    pool.ldy, scratch);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-        ticket = atomic_load_explicit(&pool.next, memory_order_acquire);
-    }
+static void product_run(const void *job, int index, float *scratch) {
+    const struct product *p = job;
+    int64_t start, stop;
+    run_bounds(p->n, p->runs, index, &start, &stop);
+    if (stop > start)
+        p->fn(p->x, p->m, p->k, p->w + start * p->row_bytes, stop - start, p->y + start, p->ldy, scratch);
 }
 
-struct start { long seen; }; /* the last product handed out before a worker started */
-
-static void *worker(void *arg) {
-    long seen = ((struct start *)arg)->seen; /* read before the thread existed: no later product is missed */
-    free(arg);
-    float *scratch = NULL;
-    int64_t capacity = 0;
-    for (;;) {
-        long now = atomic_load_explicit(&pool.generation, memory_order_acquire);
-        for (int spin = 0; now == seen && spin < SPINS; spin++) {
-            _mm_pause();
-            now = atomic_load_explicit(&pool.generation, memory_order_acquire);
-        }
-        if (now == seen) {
-            pthread_mutex_lock(&pool.lock);
-            while ((now = atomic_load(&pool.generation)) == seen)
-                pthread_cond_wait(&pool.wake, &pool.lock);
-            pthread_mutex_unlock(&pool.lock);
-        }
-        seen = now;
-        const int64_t k = pool.k; /* read after the generation: this product's (or a later one's) */
-        if (capacity < PANEL * k) { /* this worker's own scratch for the wide panels */
-            float *grown = malloc(PANEL * k * sizeof(float));
-            if (grown == NULL)
-                continue; /* the caller takes the runs */
-            free(scratch);
-            scratch = grown;
-            capacity = PANEL * k;
-        }
-        take_runs((uint32_t)now, scratch);
-    }
-    return NULL;
-}
-
-static int started = 1; /* threads running in this process, the calling thread included */
-static atomic_flag busy = ATOMIC_FLAG_INIT;
-
-/* Products split over `threads` threads from now on (1: the calling thread alone). Returns the
- * count in force (fewer where threads could not be started). */
-int set_threads(int threads) {
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (pool.owner != getpid()) { /* a forked child has none of its parent's workers */
-        started = 1;
-        pool.owner = getpid();
-    }
-    while (started < threads) {
-        pthread_t thread;
-        struct start *begin = malloc(sizeof *begin);
-        if (begin == NULL)
-            break;
-        begin->seen = atomic_load(&pool.generation);
-        if (pthread_create(&thread, NULL, worker, begin) != 0) {
-            free(begin);
-            break;
-        }
-        pthread_detach(thread);
-        started++;
-    }
-    pool.threads = threads < started ? threads : started;
-    return pool.threads;
-}
-
-static void parallel(rows_fn fn, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,
-                     int64_t ldy, int64_t row_bytes, float *scratch) {
-    /* one product at a time on the workers: another thread's product meanwhile runs alone */
-    if (pool.threads <= 1 || n < MIN_SPLIT_ROWS || pool.owner != getpid() || atomic_flag_test_and_set(&busy)) {
-        fn(x, m, k, w, n, y, ldy, scratch);
-        return;
-    }
-    pool.fn = fn, pool.x = x, pool.m = m, pool.k = k, pool.w = w, pool.n = n, pool.y = y, pool.ldy = ldy;
-    pool.row_bytes = row_bytes;
+static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,
+                          int64_t ldy, int64_t row_bytes, float *scratch) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    pool.runs = (int)(panels < pool.threads * RUNS_PER_THREAD ? panels : pool.threads * RUNS_PER_THREAD);
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    const long generation = atomic_load(&pool.generation) + 1;
-    atomic_store_explicit(&pool.next, (uint_fast64_t)(uint32_t)generation << 32, memory_order_release);
-    pthread_mutex_lock(&pool.lock);
-    atomic_store_explicit(&pool.generation, generation, memory_order_release);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    take_runs((uint32_t)generation, scratch);
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.runs)
-        _mm_pause();
-    atomic_flag_clear(&busy);
+    const int64_t most = pool.threads <= 1 || n < MIN_SPLIT_ROWS ? 1 : pool.threads * RUNS_PER_THREAD;
+    const struct product p = {fn, x, m, k, n, ldy, row_bytes, w, y, (int)(panels < most ? panels : most)};
+    parallel(p.runs, product_run, &p, scratch_floats(k), scratch);
 }
 
 /* out[n][k] = the weights, float32, computed as the products above compute them. */
@@ -859,7 +751,7 @@ static void parallel(rows_fn fn, const float *x, int64_t m, int64_t k, const uin
 #define THREADED(name, rows, kind)                                                                 \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
               int64_t ldy, float *scratch) {                                                       \
-        parallel(rows, x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch);                     \
+        split_product(rows, x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch);                \
     }
 
 /* Each kind's three entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches. */
