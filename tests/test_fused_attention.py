@@ -10,7 +10,7 @@ from mdcli.backends.attention import fused
 from mdcli.backends.select import Host, select
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
-from tests.test_fastforward import kind, lockstep_logits, own_variant, settings_with
+from tests.test_llama_forward import BMM_ONLY, kind, lockstep_logits, own_variant, settings_with
 from tests.test_sparse_attention import SUPPORTED, model_for
 
 needs_kernel = pytest.mark.skipif(fused.library() is None, reason="mdcli's attention kernel needs x86-64 with AVX2 and a C compiler")
@@ -49,6 +49,29 @@ def test_the_kernel_gives_torchs_attention_for_every_step_shape(heads, groups, q
     ours = fused.fused_attention(query, keys, values, fused.step_mask(mask, heads // groups), dim**-0.5, groups)
     assert ours.shape == (1, queries, heads * dim)
     torch.testing.assert_close(ours, torch_attention(query, keys, values, mask, dim**-0.5), rtol=1e-4, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, groups, queries", [(9, 3, 1), (32, 8, 1), (9, 3, 8), (6, 1, 2)])
+def test_attention_is_the_same_numbers_on_any_thread_count(heads, groups, queries):
+    """With torch on several threads the kernel splits the key/value groups among them, each by the
+    same code into its own columns: bit for bit the one-thread attention, lone queries (the few-rows
+    path) and stacked ones alike."""
+    generator = torch.Generator().manual_seed(heads + queries)
+    query = torch.randn(1, heads, queries, 64, generator=generator)
+    keys, values = cache_views(groups, 700, 64, generator)
+    allowed = torch.rand(queries, 700, generator=generator) < 0.6
+    allowed[:, -1] = True
+    mask = fused.step_mask(torch.zeros(queries, 700).masked_fill_(~allowed, LOWEST)[None, None], heads // groups)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = fused.fused_attention(query, keys, values, mask, 0.125, groups)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(fused.fused_attention(query, keys, values, mask, 0.125, groups), alone), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -124,7 +147,7 @@ def test_a_forest_on_the_kernel_decodes_transformers_tokens_and_logits(arch):
     its greedy tokens, step by step, through a branch finishing and the cache compacting."""
     model = model_for(arch)
     prompts = random_prompts(45, [6, 2, 11, 4, 8], seed=5)
-    worst, _ = lockstep_logits(model, prompts, steps=12, drop_at=5, variant=("bmm", None), fused=True,
+    worst, _ = lockstep_logits(model, prompts, steps=12, drop_at=5, fused_attention=True,
                                settings=settings_with(sparse_attention="off"))
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
 
@@ -134,7 +157,7 @@ def test_a_forest_on_the_kernel_decodes_transformers_tokens_and_logits(arch):
 def test_every_branch_on_the_kernel_gets_the_tokens_generate_gives_it_alone(arch):
     model = model_for(arch)
     engine = engine_for(model, settings=settings_with(sparse_attention="off"))
-    own_variant(engine, attention="bmm", fused=True)  # the kernel whatever this host's plan says
+    own_variant(engine, **{**BMM_ONLY, "fused_attention": True})  # the kernel whatever this host's plan says
     prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=3)
     generated = greedy_forest(engine, prompts, steps=12, drop_at=3)
     assert engine.model_forward.own.fused_forwards >= 12  # every step of the forest ran on the kernel
@@ -153,7 +176,7 @@ def test_many_questions_over_one_document_attend_on_the_kernel_not_the_cascade_a
     prompts = [document + torch.randint(2, model.config.vocab_size, (2 + i % 5,), generator=g).tolist()
                for i in range(24)]
     engine = engine_for(model, settings=settings_with(sparse_attention="auto"))
-    own = own_variant(engine, attention="bmm", fused=True)
+    own = own_variant(engine, **{**BMM_ONLY, "fused_attention": True})
     generated = greedy_forest(engine, prompts, steps=5)
     # every decode step (24 queries) on the kernel; the prefix plan only in the questions' prefill,
     # whose forwards are wider than the kernel's 64 queries

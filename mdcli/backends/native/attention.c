@@ -367,47 +367,64 @@ int64_t attention_scratch_floats(int64_t n, int64_t per_group, int64_t M, int64_
 /* D must be a multiple of this. */
 int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
 
-/* Every group's attention. q: query head h, query m at q + h * q_head + m * q_query (D contiguous
- * floats); k and v rows p of group g at k + g * group_stride + p * D; mask_t [N][R] additive, R =
- * the padded rows (H/G heads x M queries, row (h mod H/G) * M + m; padding rows see everything),
- * the same for every group, or NULL -> out [M][H * D]. */
-void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
-               const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
-               float *out, float *scratch) {
-    const int64_t per_group = H / G, R = attention_rows(per_group, M);
+#include "pool.h"
+
+/* One attention call's arguments, split by key/value group over the threads (pool.h). */
+struct call {
+    const float *q;
+    int64_t q_head, q_query, H, M, G, D;
+    const float *k, *v;
+    int64_t n, group_stride;
+    const float *mask_t;
+    float scale;
+    float *out;
+};
+
+/* Group g's attention, with this thread's scratch (attention_scratch_floats). */
+static void group_run(const void *job, int g, float *scratch) {
+    const struct call *c = job;
+    const int64_t H = c->H, M = c->M, D = c->D, per_group = H / c->G, R = attention_rows(per_group, M);
+    const float *k = c->k + g * c->group_stride, *v = c->v + g * c->group_stride;
 #if defined(__AVX512F__)
     if (per_group * M <= FEW_ROWS && D % LANES == 0) {
-        for (int64_t g = 0; g < G; g++) {
-            const float *rows_q[FEW_ROWS];
-            float *rows_out[FEW_ROWS];
-            for (int64_t h = 0; h < per_group; h++)
-                for (int64_t m = 0; m < M; m++) { /* row r = h * M + m, as the mask's columns */
-                    rows_q[h * M + m] = q + (g * per_group + h) * q_head + m * q_query;
-                    rows_out[h * M + m] = out + m * H * D + (g * per_group + h) * D;
-                }
-            few_rows((int)(per_group * M), rows_q, D, k + g * group_stride, v + g * group_stride, n, mask_t, R, scale,
-                     rows_out, scratch);
-        }
+        const float *rows_q[FEW_ROWS];
+        float *rows_out[FEW_ROWS];
+        for (int64_t h = 0; h < per_group; h++)
+            for (int64_t m = 0; m < M; m++) { /* row r = h * M + m, as the mask's columns */
+                rows_q[h * M + m] = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
+                rows_out[h * M + m] = c->out + m * H * D + (g * per_group + h) * D;
+            }
+        few_rows((int)(per_group * M), rows_q, D, k, v, c->n, c->mask_t, R, c->scale, rows_out, scratch);
         return;
     }
 #endif
     float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
     memset(qt, 0, (size_t)(D * R) * sizeof(float)); /* the padding rows: zero queries */
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t h = 0; h < per_group; h++) /* row r = h * M + m: query m of the group's head h */
-            for (int64_t m = 0; m < M; m++) {
-                const float *row = q + (g * per_group + h) * q_head + m * q_query;
-                for (int64_t d = 0; d < D; d++)
-                    qt[d * R + h * M + m] = row[d];
-            }
-        group_attention(qt, R, D, k + g * group_stride, v + g * group_stride, n, mask_t, scale, ot, sum, work);
-        for (int64_t h = 0; h < per_group; h++)
-            for (int64_t m = 0; m < M; m++) {
-                const int64_t r = h * M + m;
-                const float inverse = 1.0f / sum[r];
-                float *o = out + m * H * D + (g * per_group + h) * D;
-                for (int64_t d = 0; d < D; d++)
-                    o[d] = ot[d * R + r] * inverse;
-            }
-    }
+    for (int64_t h = 0; h < per_group; h++) /* row r = h * M + m: query m of the group's head h */
+        for (int64_t m = 0; m < M; m++) {
+            const float *row = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
+            for (int64_t d = 0; d < D; d++)
+                qt[d * R + h * M + m] = row[d];
+        }
+    group_attention(qt, R, D, k, v, c->n, c->mask_t, c->scale, ot, sum, work);
+    for (int64_t h = 0; h < per_group; h++)
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t r = h * M + m;
+            const float inverse = 1.0f / sum[r];
+            float *o = c->out + m * H * D + (g * per_group + h) * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = ot[d * R + r] * inverse;
+        }
+}
+
+/* Every group's attention, the groups on set_threads' threads. q: query head h, query m at q + h *
+ * q_head + m * q_query (D contiguous floats); k and v rows p of group g at k + g * group_stride + p *
+ * D; mask_t [N][R] additive, R = the padded rows (H/G heads x M queries, row (h mod H/G) * M + m;
+ * padding rows see everything), the same for every group, or NULL -> out [M][H * D]. scratch:
+ * attention_scratch_floats. */
+void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
+               const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
+               float *out, float *scratch) {
+    const struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, mask_t, scale, out};
+    parallel((int)G, group_run, &c, attention_scratch_floats(n, H / G, M, D), scratch);
 }
