@@ -37,7 +37,7 @@ from tests.test_engine_exactness import (
     settings_with,
     tiny_model,
 )
-from tests.test_fastforward import lockstep_logits
+from tests.test_llama_forward import lockstep_logits
 
 # only whether the kernel builds decides the skip: a kernel that disagreed with gguf-py must fail these tests
 needs_kernel = pytest.mark.skipif(gguf_blocks.library() is None, reason="the block kernel does not build on this CPU")
@@ -256,7 +256,7 @@ def test_the_embedded_models_forward_reads_its_gguf_blocks_and_stays_exact(embed
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ("Who is Mara?", "How many steps are there?", "When does she climb?")
     prompts = [embedded_float32.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
-    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, drop_at=3, blocks=True)
+    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, drop_at=3)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     for i in (0, 2):
         expected = generate_alone(embedded_float32.model, prompts[i], len(generated[i]))
@@ -276,7 +276,7 @@ def test_tiny_gguf_models_decode_on_their_blocks_to_generates_tokens(arch, tmp_p
     assert forward.blocks is not None, forward.blocks_reason
     prompts = random_prompts(30, [4, 7, 2, 9, 5, 3, 6, 8, 2, 4, 7, 5], seed=3)  # 12 rows: more than one pass
     assert len(prompts) <= forward.block_rows or forward.block_rows == 8  # the AVX2 build takes 8
-    worst, _ = lockstep_logits(model, prompts, steps=6, drop_at=2, blocks=True)
+    worst, _ = lockstep_logits(model, prompts, steps=6, drop_at=2)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     engine = engine_for(model)
     assert engine.model_forward.own.blocks is not None and engine.model_forward.plan.blocks == "Q4_1/Q8_0"
@@ -300,7 +300,7 @@ def test_every_kind_the_kernel_reads_decodes_to_generates_tokens(kind, tmp_path)
     assert select(model).blocks == kind
     assert {w.kind for w in (*forward.blocks[0][0], forward.block_head)} == {kind}
     prompts = random_prompts(30, [4, 7, 2, 9], seed=6)
-    worst, generated = lockstep_logits(model, prompts, steps=6, blocks=True)
+    worst, generated = lockstep_logits(model, prompts, steps=6)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     for prompt, tokens in zip(prompts, generated):
         assert tokens == generate_alone(model, prompt, len(tokens))
@@ -378,7 +378,7 @@ def test_without_a_compiler_there_is_no_kernel_and_the_forward_stays_exact(monke
         remember_source(model, tmp_path / "unread.gguf")  # never opened: no kernel
         plan = select(model)
         assert plan.blocks is None and FastForward(model, plan).blocks is None
-        assert FastForward(model, plan, blocks=True).blocks is None  # even when asked for
+        assert FastForward(model, replace(plan, blocks="Q4_1/Q8_0")).blocks is None  # even when the plan names them
         prompts = random_prompts(30, [5, 9], seed=4)
         for prompt, tokens in zip(prompts, greedy_forest(engine_for(model), prompts, steps=6)):
             assert tokens == generate_alone(model, prompt, len(tokens))

@@ -9,6 +9,8 @@ on the real embedded model; its fused weights are views of the model's own memor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,26 +49,28 @@ needs_openblas = pytest.mark.skipif(openblas_library() is None, reason="numpy's 
 VARIANTS = [("bmm", False), ("sdpa", False), ("bmm", True)]  # attention, packed weights (None: as chosen)
 
 
-def own_variant(engine, **overrides) -> FastForward:
-    """Replace the engine's own forward by one built on its plan with some decisions overridden
-    (FastForward's keywords), as benchmarks compare the variants; returns it."""
-    engine.model_forward.own = FastForward(engine.model_forward.model, engine.model_forward.plan, **overrides)
+# every width's attention on the bmm core, none on mdcli's attention kernel
+BMM_ONLY = {"attention": "bmm", "bmm_max_queries": None, "fused_attention": False}
+
+
+def own_variant(engine, **changes) -> FastForward:
+    """Replace the engine's own forward by one built on its plan with `changes` (Plan fields, through
+    dataclasses.replace), as benchmarks compare the variants; returns it."""
+    engine.model_forward.own = FastForward(engine.model_forward.model, replace(engine.model_forward.plan, **changes))
     return engine.model_forward.own
 
 
-def lockstep_logits(model, prompts, steps, *, drop_at=None, variant=("bmm", None), max_forward_tokens=1024,
-                    transposed=None, lone_blas=None, pair_padded=None, tiled=False, blocks=None, settings=None,
-                    fused=None):
+def lockstep_logits(model, prompts, steps, *, drop_at=None, max_forward_tokens=1024, settings=None, **changes):
     """Decode the same forest on transformers' forward and on mdcli's, greedy on the former's
-    tokens; return the worst logit difference and the tokens. The tiled copy only where asked for,
-    so each test exercises the copies it names; the .gguf's blocks (mdcli.backends.weights.gguf_blocks) as chosen
-    unless `blocks` says. Both engines' plans are chosen under `settings` (default: the environment's)."""
+    tokens; return the worst logit difference and the tokens. mdcli's forward runs its plan with
+    `changes` (Plan fields): by default every width on the bmm core (BMM_ONLY) and no tiled copy, so
+    each test exercises the copies it names; the .gguf's blocks (mdcli.backends.weights.gguf_blocks)
+    as chosen unless `blocks=None`. Both engines' plans are chosen under `settings` (default: the
+    environment's)."""
     hf = engine_for(model, settings=settings, own_forward=False, max_forward_tokens=max_forward_tokens)
     own = engine_for(model, settings=settings, max_forward_tokens=max_forward_tokens)
     assert hf.model_forward.own is None and own.model_forward.own is not None
-    attention, packed = variant
-    own_variant(own, attention=attention, packed=packed, transposed=transposed, lone_blas=lone_blas,
-                pair_padded=pair_padded, tiled=tiled, blocks=blocks, fused=fused)
+    own_variant(own, **{**BMM_ONLY, "tiled": False, **changes})
     outs = [prefill_prompts(e, prompts) for e in (hf, own)]
     rows = [[o.row for o in out] for out in outs]
     logits = [torch.stack([o.logits for o in out]) for out in outs]
@@ -98,7 +102,7 @@ def test_own_forward_gives_transformers_logits_through_forks_chunks_and_compacti
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(37, [3, 9, 1, 5])
-    worst, _ = lockstep_logits(model, prompts, steps=10, drop_at=4, variant=variant, max_forward_tokens=16)
+    worst, _ = lockstep_logits(model, prompts, steps=10, drop_at=4, attention=variant[0], packed=variant[1], max_forward_tokens=16)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
 
 
@@ -145,14 +149,14 @@ def test_fused_projections_are_views_of_one_buffer_made_once():
     model = tiny_model("qwen2", "sdpa")  # biased q/k/v
     before = sum(p.numel() for p in model.parameters())
     plan = select(model)
-    first = FastForward(model, plan, packed=False).layers[0]
+    first = FastForward(model, replace(plan, packed=False)).layers[0]
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert linear.weight.untyped_storage().data_ptr() == first.qkv.untyped_storage().data_ptr()
         assert linear.bias.untyped_storage().data_ptr() == first.qkv_bias.untyped_storage().data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == first.gate_up.untyped_storage().data_ptr()
     assert sum(p.numel() for p in model.parameters()) == before
-    again = FastForward(model, plan, packed=False).layers[0]
+    again = FastForward(model, replace(plan, packed=False)).layers[0]
     assert again.qkv.data_ptr() == first.qkv.data_ptr()  # a second engine reuses the fused buffer
 
 
@@ -175,8 +179,8 @@ def test_real_model_lone_branch_on_openblas_matches_transformers_and_generate(em
     AVX-512 host runs), logits within float32 rounding, greedy tokens those of generate."""
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     prompt = embedded_float32.tokenizer(f"{document}\nQuestion: Who is Mara?\nAnswer:")["input_ids"]
-    worst, generated = lockstep_logits(embedded_float32.model, [prompt], steps=8, variant=("bmm", None), transposed=True,
-                                       lone_blas=True, blocks=False)  # the float32 copies, not the .gguf's blocks
+    worst, generated = lockstep_logits(embedded_float32.model, [prompt], steps=8, transposed=True, lone_blas=True,
+                                       blocks=None)  # the float32 copies, not the .gguf's blocks
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     expected = generate_alone(embedded_float32.model, prompt, len(generated[0]))
     assert len(expected) >= 4 and generated[0][: len(expected)] == expected
@@ -187,7 +191,7 @@ def test_packed_weights_are_made_once_per_model():
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model("llama", "sdpa")
     plan = select(model)
-    first, second = FastForward(model, plan, packed=True), FastForward(model, plan, packed=True)
+    first, second = FastForward(model, replace(plan, packed=True)), FastForward(model, replace(plan, packed=True))
     assert first.layers[0].qkv is second.layers[0].qkv
     assert model.model.layers[0].self_attn.q_proj.weight.layout == torch.strided  # the model keeps its own
 
@@ -200,11 +204,11 @@ def test_transposed_weights_for_lone_tokens_give_transformers_logits_and_generat
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(41, [6, 2, 8], seed=5)
-    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, variant=("bmm", packed), transposed=True,
+    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, packed=packed, transposed=True,
                                max_forward_tokens=16)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     alone = random_prompts(40, [5], seed=7)
-    worst, generated = lockstep_logits(model, alone, steps=8, variant=("bmm", packed), transposed=True)
+    worst, generated = lockstep_logits(model, alone, steps=8, packed=packed, transposed=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     assert generated[0] == generate_alone(model, alone[0], 8)
 
@@ -219,11 +223,11 @@ def test_lone_tokens_on_openblas_give_transformers_logits_and_generate_tokens(ar
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(41, [6, 2, 8], seed=5)
-    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, variant=("bmm", packed), transposed=True,
+    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, packed=packed, transposed=True,
                                lone_blas=True, max_forward_tokens=16)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     alone = random_prompts(40, [5], seed=7)
-    worst, generated = lockstep_logits(model, alone, steps=8, variant=("bmm", packed), transposed=True, lone_blas=True)
+    worst, generated = lockstep_logits(model, alone, steps=8, packed=packed, transposed=True, lone_blas=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     assert generated[0] == generate_alone(model, alone[0], 8)
 
@@ -236,7 +240,7 @@ def test_two_token_forwards_multiplied_as_four_rows_give_transformers_logits_and
         pytest.skip("packed weights need torch's oneDNN linear")
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(43, [4, 7], seed=11)
-    worst, generated = lockstep_logits(model, prompts, steps=8, variant=("bmm", True), pair_padded=True)
+    worst, generated = lockstep_logits(model, prompts, steps=8, packed=True, pair_padding=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     for prompt, tokens in zip(prompts, generated):
         assert tokens == generate_alone(model, prompt, 8)
@@ -264,7 +268,7 @@ def test_a_lone_token_that_sees_part_of_the_cache_on_openblas_gets_its_own_logit
     model = tiny_model(arch, "sdpa")
     hf = engine_for(model, own_forward=False)
     own = engine_for(model)
-    own_variant(own, attention="bmm", packed=False, transposed=True, lone_blas=True)
+    own_variant(own, **BMM_ONLY, packed=False, transposed=True, lone_blas=True)
     prompts = random_prompts(9, [7, 11], seed=2)
     logits = []
     for engine in (hf, own):
@@ -347,8 +351,7 @@ def test_openblas_runs_on_one_thread_inside_a_forward_and_gets_its_setting_back(
 def test_transposed_copies_are_made_once_and_leave_the_models_weights_alone():
     model = tiny_model("qwen2", "sdpa")
     plan = select(model)
-    first, second = FastForward(model, plan, packed=False, transposed=True), FastForward(model, plan, packed=False,
-                                                                                       transposed=True)
+    first, second = (FastForward(model, replace(plan, packed=False, transposed=True)) for _ in range(2))
     assert first.lone[0].qkv is second.lone[0].qkv and first.lone_head is second.lone_head
     assert torch.equal(first.lone[0].qkv, first.layers[0].qkv.t())
     assert first.layers[0].qkv.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
@@ -488,7 +491,7 @@ def test_forwards_past_the_bmm_query_limit_attend_with_sdpa_and_agree(arch):
     model = tiny_model(arch, "sdpa")
     hf = engine_for(model, own_forward=False)
     own = engine_for(model)
-    own_variant(own, attention="bmm", packed=False, transposed=False).bmm_max_queries = 4
+    own_variant(own, **{**BMM_ONLY, "bmm_max_queries": 4}, packed=False, transposed=False)
     # the prompts' prefill (> 4 queries) goes to sdpa, the steps to bmm
     prompts = random_prompts(11, [9, 7, 12])
     for engine in (hf, own):

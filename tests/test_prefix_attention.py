@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdcli.backends import llama as fastforward
+from mdcli.backends import llama
 from mdcli.backends.attention.prefix import PrefixPlan, visible_prefix
 from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512, SparsePlan, plan_for
 from mdcli.bench.attention import margins_step, separate_prompts, shared_document
@@ -133,13 +133,13 @@ def test_reading_the_cache_ahead_changes_no_logit_and_reads_only_what_the_plan_a
     its longest prefix (the 210-token document), and only forwards of several queries read ahead."""
     model = model_for(arch)
     reaches: list[int] = []
-    real = fastforward.read_ahead
+    real = llama.read_ahead
 
     def counted(keys, values):  # the real read, and how many slots it covered
         reaches.append(keys.shape[1])
         real(keys, values)
 
-    monkeypatch.setattr(fastforward, "read_ahead", counted)
+    monkeypatch.setattr(llama, "read_ahead", counted)
     runs = []
     for ahead in (False, True):
         engine = own_engine(model, "bmm", mode)
@@ -163,6 +163,6 @@ def test_a_lone_query_does_not_read_ahead(monkeypatch):
     engine = own_engine(model, "bmm")
     own_forward(engine).read_ahead = True
     reads = []
-    monkeypatch.setattr(fastforward, "read_ahead", lambda *views: reads.append(views))
+    monkeypatch.setattr(llama, "read_ahead", lambda *views: reads.append(views))
     decode(engine, [chain_forest()[0]], steps=3)
     assert reads == [] and engine.forwards >= 3

@@ -9,6 +9,8 @@ greedy tokens equal `generate`. Which path runs is a rule on shapes, stated here
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,7 +85,8 @@ def own_engine(model, attention: str, mode: str = "auto", **options):
     MDCLI_SPARSE_ATTENTION=mode in its plan."""
     engine = engine_for(model, settings=settings_with(sparse_attention=mode), **options)
     assert engine.model_forward.plan.sparse_attention == mode
-    engine.model_forward.own = FastForward(model, engine.model_forward.plan, attention=attention, packed=False)
+    engine.model_forward.own = FastForward(model, replace(engine.model_forward.plan, attention=attention, bmm_max_queries=None,
+                                                          fused_attention=False, packed=False))
     return engine
 
 
@@ -195,7 +198,7 @@ def test_the_plan_carries_the_mode_and_the_gather_cost_of_its_host():
     avx2 = Host("x86_64", "AVX2", "AMD", 1, onednn=lambda: True)
     for mode in ("auto", "off", "always", "prefix"):
         plan = select(model, settings_with(sparse_attention=mode), avx512)
-        assert plan.sparse_attention == mode and FastForward(model, plan, packed=False).sparse_mode == mode
+        assert plan.sparse_attention == mode and FastForward(model, replace(plan, packed=False)).sparse_mode == mode
     assert select(model, settings_with(), avx512).gather_cost == GATHER_COST_AVX512
     assert select(model, settings_with(), avx2).gather_cost == GATHER_COST
     allowed = torch.eye(4, dtype=torch.bool)  # four lone queries, each seeing its own slot only

@@ -26,7 +26,7 @@ from tests.test_engine_exactness import (
     settings_with,
     tiny_model,
 )
-from tests.test_fastforward import SUPPORTED, lockstep_logits
+from tests.test_llama_forward import SUPPORTED, lockstep_logits
 
 # Only the CPU or a missing compiler decides the skip: a kernel that builds but computes wrongly fails.
 needs_kernel = pytest.mark.skipif(not tiled_gemm._cpu_has_avx2_fma() or tiled_gemm.library() is None,
@@ -65,11 +65,11 @@ def test_tiled_forwards_give_transformers_logits_and_generate_tokens(arch, packe
     tiled copy; a lone branch's steps on it too (no transposed copy)."""
     model = tiny_model(arch, "sdpa")
     prompts = random_prompts(41, [6, 2, 8], seed=5)
-    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, variant=("bmm", packed), transposed=False,
+    worst, _ = lockstep_logits(model, prompts, steps=8, drop_at=3, packed=packed, transposed=False,
                                max_forward_tokens=TILED_MAX_ROWS, tiled=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     alone = random_prompts(40, [5], seed=7)
-    worst, generated = lockstep_logits(model, alone, steps=8, variant=("bmm", packed), transposed=False, tiled=True)
+    worst, generated = lockstep_logits(model, alone, steps=8, packed=packed, transposed=False, tiled=True)
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     assert generated[0] == generate_alone(model, alone[0], 8)
 
@@ -82,8 +82,8 @@ def test_real_model_branches_on_the_tiled_copy_give_generate_tokens(embedded_flo
     document = "The lighthouse keeper Mara climbed the hundred steps every evening. " * 12
     questions = ["Who is Mara?", "What did Mara climb?", "When did she climb?", "How many steps?"]
     prompts = [embedded_float32.tokenizer(f"{document}\nQuestion: {q}\nAnswer:")["input_ids"] for q in questions]
-    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, variant=("bmm", None), transposed=False,
-                                       tiled=True, blocks=False)  # the tiled copy, not the .gguf's blocks
+    worst, generated = lockstep_logits(embedded_float32.model, prompts, steps=8, transposed=False,
+                                       tiled=True, blocks=None)  # the tiled copy, not the .gguf's blocks
     assert worst < 1e-4, f"max logit difference {worst:.2e}"
     compared = 0
     for prompt, tokens in zip(prompts, generated):

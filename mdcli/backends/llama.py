@@ -111,18 +111,15 @@ class FastForward:
     attention core ("bmm": two batched products per step and layer, the query heads of a key/value
     group stacked; "sdpa": torch's, as oneDNN products where linears run on oneDNN), the weight
     copies (packed, transposed, tiled, the .gguf's blocks) and the rules for OpenBLAS, padded pairs
-    and reading ahead. The keyword arguments override one decision each, for tests and benchmarks
-    that compare the variants; None keeps the plan's.
+    and reading ahead. Tests and benchmarks that compare variants hand it another plan
+    (`dataclasses.replace(plan, packed=False)`).
 
     Which weights a forward of M tokens multiplies by: int8 copies where the model has them; the
     .gguf's blocks for M <= block_rows; the transposed copy for a lone token (on OpenBLAS where
     `lone_blas`); the tiled copy for M <= TILED_MAX_ROWS; else the packed copy, or the plain weights.
     Forwards of up to `blas_queries` tokens take OpenBLAS's weighted sum of the values."""
 
-    def __init__(self, model, plan: Plan, *, attention: str | None = None, packed: bool | None = None,
-                 transposed: bool | None = None, lone_blas: bool | None = None,
-                 pair_padded: bool | None = None, read_ahead: bool | None = None,
-                 tiled: bool | None = None, blocks: bool | None = None, fused: bool | None = None) -> None:
+    def __init__(self, model, plan: Plan) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -132,43 +129,43 @@ class FastForward:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.onednn = plan.linears.name == "oneDNN"  # linears and sdpa-core attention on oneDNN's products
-        self.attention = attention or plan.attention
+        self.attention = plan.attention
         # bmm materializes every score: a long prefill over a tree attends with sdpa
-        self.bmm_max_queries = plan.bmm_max_queries if attention is None else None
+        self.bmm_max_queries = plan.bmm_max_queries
         # dense forwards of 1 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
-        self.fused_attention = (plan.fused_attention and attention is None) if fused is None else fused
+        self.fused_attention = plan.fused_attention
         self.gather_cost = plan.gather_cost
         self.sparse_mode = plan.sparse_attention
-        self.read_ahead = plan.read_ahead if read_ahead is None else read_ahead
+        self.read_ahead = plan.read_ahead
         self.int8 = has_int8_weights(model)  # int8 projections (mdcli.backends.weights.int8): no float32 copies
         self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
         self.fused_forwards = 0  # forwards whose dense attention ran on mdcli's kernel (mdcli.backends.attention.fused)
         self.head = _weight(model.lm_head)  # [V, hidden]
-        self.tiled = plan.tiled if tiled is None else tiled
+        self.tiled = plan.tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
             self.small = _with_weights(self.layers, copies)
         self.on_blocks = plan.on_blocks  # the model holds no float32 projections: every forward reads the blocks
         self.embedding = gguf_blocks.embedding_blocks(model) if self.on_blocks else None  # None: float32 rows
         self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
-        self.blocks = self._block_copies(model) if (plan.blocks if blocks is None else blocks) else None
+        self.blocks = self._block_copies(model) if plan.blocks else None
         self.block_rows = plan.block_rows
         self.block_kernel_rows = plan.block_kernel_rows  # wider forwards on the blocks go tile by tile
         if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
             self.block_layers = _with_weights(self.layers, copies)
         # a lone token takes the blocks where they are made, so no transposed copy for it
-        self.transposed = not self.blocks and (plan.transposed if transposed is None else transposed)
+        self.transposed = not self.blocks and plan.transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
-        self.lone_blas = self.transposed and (plan.lone_blas if lone_blas is None else lone_blas)
+        self.lone_blas = self.transposed and plan.lone_blas
         self.blas_queries = plan.blas_queries if self.lone_blas or ((self.tiled or self.blocks) and plan.lone_blas) else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
             self.lone = _with_weights(self.layers, copies)
-        self.packed = plan.packed if packed is None else packed
-        self.pair_padded = self.packed and (plan.pair_padding if pair_padded is None else pair_padded)
+        self.packed = plan.packed
+        self.pair_padded = self.packed and plan.pair_padding
         if self.packed:
             packed, self.head = packing.packed_weights(model, self.layers)
             for layer, weights in zip(self.layers, packed):

@@ -7,7 +7,7 @@ For the masks of real forests (built here as the engine lays them out: a documen
 slots, branches hanging off it, their generated tokens interleaved step by step), one decode step's
 attention (9 query heads over 3 key/value heads, head size 64, the bmm core) is timed:
 
-* dense: every query against every slot, masked (fastforward's core);
+* dense: every query against every slot, masked (mdcli.backends.llama's bmm core);
 * gathered: each query's visible slots copied out, then attended (mdcli.backends.attention.sparse);
 * prefix: each bucket's visible prefix read in place, the rest gathered (mdcli.backends.attention.prefix);
 

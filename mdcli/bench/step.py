@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mdcli.backends import llama as fastforward
+from mdcli.backends import llama
 from mdcli.backends import reference
 from mdcli.backends.attention import fused, prefix
 from mdcli.backends.host import cpu_line, device_line
@@ -134,31 +134,31 @@ class StepProfile:
         timed_packed_linear = timed_linear_of(packing.packed_linear, 0)
         timed_pair_padded_linear = timed_linear_of(packing.pair_padded_linear, 0)
         timed_transposed_linear = timed_linear_of(packing.transposed_linear, 1)
-        timed_blas_linear = timed_linear_of(fastforward.openblas_linear, 1)
-        timed_tiled_linear = timed_linear_of(fastforward.tiled_linear, 0)  # TiledWeight.shape is (out, in)
-        timed_block_linear = timed_linear_of(fastforward.block_linear, 0)  # BlockWeight.shape is (out, in)
+        timed_blas_linear = timed_linear_of(llama.openblas_linear, 1)
+        timed_tiled_linear = timed_linear_of(llama.tiled_linear, 0)  # TiledWeight.shape is (out, in)
+        timed_block_linear = timed_linear_of(llama.block_linear, 0)  # BlockWeight.shape is (out, in)
 
         timed_attention = self._timed(F.scaled_dot_product_attention, "attention")
         # mdcli's own functions are timed by name in their modules, each patch with the parts it times;
         # torch's F.linear and sdpa by a torch function mode over the step (torch itself is never patched)
         products, attention = ("linears", "lm_head"), ("attention",)
         patches = [
-            (fastforward, "routed_linear", timed_linear_of(fastforward.routed_linear, 0), products),
-            (fastforward, "sdpa_attention", self._timed(fastforward.sdpa_attention, "attention"), attention),
+            (llama, "routed_linear", timed_linear_of(llama.routed_linear, 0), products),
+            (llama, "sdpa_attention", self._timed(llama.sdpa_attention, "attention"), attention),
             (reference, "routed_linear", timed_linear_of(reference.routed_linear, 0), products),
             (reference, "gemm_attention", self._timed(reference.gemm_attention, "attention"), attention),
             (engine_module.Engine, "_additive", self._timed(engine_module.Engine._additive, "mask"), ("mask",)),
             (kv.GrowingLayer, "update", self._timed(kv.GrowingLayer.update, "cache writes"),
              ("cache writes",)),
-            (fastforward, "_rms_norm", self._timed(fastforward._rms_norm, "norms"), ("norms",)),
-            (fastforward, "_rotate", self._timed(fastforward._rotate, "rotary"), ("rotary",)),
+            (llama, "_rms_norm", self._timed(llama._rms_norm, "norms"), ("norms",)),
+            (llama, "_rotate", self._timed(llama._rotate, "rotary"), ("rotary",)),
             (packing, "packed_linear", timed_packed_linear, products),
             (packing, "pair_padded_linear", timed_pair_padded_linear, products),
             (packing, "transposed_linear", timed_transposed_linear, products),
-            (fastforward, "openblas_linear", timed_blas_linear, products),
-            (fastforward, "tiled_linear", timed_tiled_linear, products),
-            (fastforward, "block_linear", timed_block_linear, products),
-            (fastforward, "_grouped_attention", self._timed(fastforward._grouped_attention, "attention"), attention),
+            (llama, "openblas_linear", timed_blas_linear, products),
+            (llama, "tiled_linear", timed_tiled_linear, products),
+            (llama, "block_linear", timed_block_linear, products),
+            (llama, "_grouped_attention", self._timed(llama._grouped_attention, "attention"), attention),
             (fused, "fused_attention", self._timed(fused.fused_attention, "attention"), attention),
             (prefix.PrefixPlan, "attend", self._timed(prefix.PrefixPlan.attend, "attention"), attention),
         ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,9 +53,9 @@ class EngineStepper:
     or a "+" of them, e.g. packed+openblas (the copies the step multiplies by), "padded" for two-row
     products on the packed copy multiplied as four (mdcli.backends.weights.packed.pair_padded_linear), and "ahead" to
     read the cache ahead (mdcli.backends.kernels.read_ahead; without it, not), "tiled" for forwards of up to
-    fastforward.TILED_MAX_ROWS tokens on the tiled copy (mdcli.backends.weights.tiled; without it, not), "blocks"
-    for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks;
-    without it, not). "mdcli+fused": the plan's own forward with every dense forward of up to
+    TILED_MAX_ROWS tokens on the tiled copy (mdcli.backends.weights.tiled; without it, not), "blocks"
+    for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks,
+    where the plan found them; without it, not). Each variant is the plan with those fields replaced. "mdcli+fused": the plan's own forward with every dense forward of up to
     fused.FUSED_MAX_QUERIES queries attending on mdcli's kernel, where the plan would not.
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
@@ -68,13 +69,14 @@ class EngineStepper:
         if forward.count(":") == 2:  # a variant, for comparing the choices the plan makes
             _, attention, weights = forward.split(":")
             copies = set(weights.split("+"))
-            model_forward.own = FastForward(lm.model, lm.forward.plan, attention=attention, packed="packed" in copies,
-                                            transposed=bool(copies & {"transposed", "openblas"}),
-                                            lone_blas="openblas" in copies, pair_padded="padded" in copies,
-                                            read_ahead="ahead" in copies, tiled="tiled" in copies,
-                                            blocks="blocks" in copies)
+            plan = lm.forward.plan
+            model_forward.own = FastForward(lm.model, replace(
+                plan, attention=attention, bmm_max_queries=None, fused_attention=False, packed="packed" in copies,
+                transposed=bool(copies & {"transposed", "openblas"}), lone_blas="openblas" in copies,
+                pair_padding="padded" in copies, read_ahead="ahead" in copies, tiled="tiled" in copies,
+                blocks=plan.blocks if "blocks" in copies else None))
         if forward == "mdcli+fused":  # the plan's choices, the kernel's attention
-            model_forward.own = FastForward(lm.model, lm.forward.plan, fused=True)
+            model_forward.own = FastForward(lm.model, replace(lm.forward.plan, fused_attention=True))
         self.engine = Engine(model_forward, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
         self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)
