@@ -123,7 +123,7 @@ class Plan:
     pair_padding: bool  # two-row products on a packed copy run as four rows (AMD with AVX-512)
     transposed: bool  # a transposed copy serves a lone token
     lone_blas: bool  # a lone token's products run on OpenBLAS where a transposed copy serves it
-    avx2: bool  # the AVX2-only x86-64 rules hold (torch's kernels for linears, bmm attention, packed copies)
+    avx2_only: bool  # an x86-64 host with AVX2 and no AVX-512, whose rules hold (torch's linears, bmm attention, packed copies)
     tiled: bool  # a tiled copy serves forwards of up to tiled_rows tokens (mdcli's AVX2 kernel)
     tiled_rows: int
     blocks: str | None  # the .gguf block kinds serving forwards of up to block_rows tokens, e.g. "Q4_1/Q8_0"
@@ -161,16 +161,16 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     linears = linear_kernels(device, dtype, settings, host)
     onednn = linears.name == "oneDNN"
     auto_x86 = device.type == "cpu" and dtype == torch.float32 and settings.cpu_kernels == "auto" and host.x86
-    avx2 = auto_x86 and host.capability == "AVX2" and host.onednn()
+    avx2_only = auto_x86 and host.capability == "AVX2" and host.onednn()
     lone_blas_host = auto_x86 and host.threads == 1 and host.measured_isa and host.onednn() and host.openblas()
-    tiled_host = _tiled_host(device, dtype, settings, host, avx2)
+    tiled_host = _tiled_host(device, dtype, settings, host, avx2_only)
     own_reason = "MDCLI_FORWARD=transformers" if settings.forward == "transformers" else unsupported_reason(model)
     copies = own_reason is None and not has_int8_weights(model) and settings.packed_weights and not on_blocks
     fits = _fits(model, host)
-    packed = copies and (onednn or avx2) and fits(1)
+    packed = copies and (onednn or avx2_only) and fits(1)
     tiled = copies and tiled_host and fits(2 if packed else 1)
     blocks, blocks_reason, blocks_held = _blocks(model, device, dtype, settings, host, own_reason)
-    transposed = blocks is None and copies and (avx2 or lone_blas_host) and fits(1 + packed + tiled)
+    transposed = blocks is None and copies and (avx2_only or lone_blas_host) and fits(1 + packed + tiled)
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
     notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
@@ -190,14 +190,14 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         own_forward=own_reason is None,
         own_forward_reason=own_reason or "",
         linears=linears,
-        attention="bmm" if onednn or avx2 else "sdpa",
-        bmm_max_queries=BMM_MAX_QUERIES if avx2 else BMM_MAX_QUERIES_AVX512 if onednn else None,
+        attention="bmm" if onednn or avx2_only else "sdpa",
+        bmm_max_queries=BMM_MAX_QUERIES if avx2_only else BMM_MAX_QUERIES_AVX512 if onednn else None,
         fused_attention=fused_attention,
         packed=packed,
         pair_padding=onednn and host.vendor == "AMD",
         transposed=transposed,
         lone_blas=lone_blas_host,
-        avx2=avx2,
+        avx2_only=avx2_only,
         tiled=tiled,
         tiled_rows=tiled_gemm.TILED_MAX_ROWS,
         blocks=blocks,
@@ -207,7 +207,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         block_kernel_rows=block_kernel_rows,
         on_blocks=on_blocks,
         float32_reason=float32_reason or "",
-        blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2 else SMALL_BLAS_QUERIES,
+        blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2_only else SMALL_BLAS_QUERIES,
         read_ahead=auto_x86 and host.measured_isa and host.vendor == "AMD",
         gather_cost=GATHER_COST_AVX512 if onednn else GATHER_COST,
         sparse_attention=settings.sparse_attention,
@@ -261,12 +261,12 @@ def weight_kind(model) -> tuple[torch.device, torch.dtype]:
     return weight.device, weight.dtype
 
 
-def _tiled_host(device, dtype, settings: Settings, host: Host, avx2: bool) -> bool:
+def _tiled_host(device, dtype, settings: Settings, host: Host, avx2_only: bool) -> bool:
     """mdcli's tiled kernel serves forwards of a few tokens: float32 on CPU, on an AVX2-only x86-64
     CPU with torch on one thread (auto), anywhere it runs (always), never (off)."""
     if settings.tiled_gemm == "off" or device.type != "cpu" or dtype != torch.float32:
         return False
-    if settings.tiled_gemm == "auto" and not (avx2 and host.threads == 1):
+    if settings.tiled_gemm == "auto" and not (avx2_only and host.threads == 1):
         return False
     return host.tiled_kernel()
 

@@ -52,9 +52,8 @@ BUCKET_COST = 200.0
 PREFIX_FRACTION = 0.8
 # One bucket of every query whose rest runs on from its prefix (ask-many's step) does the dense
 # products, less the mask over the prefix and a fresh score tensor per layer: the same work by the
-# count above, but it pays from this many queries (whole steps' attention, 30 layers, Zen 3: 8
-# branches 1.01-1.06x dense, 16 0.88-1.10x, 24-32 0.51-0.8x by the median, 0.77-0.99x by the
-# fastest run; notebook/attention.md, "Cascade attention over a shared document (Zen 3, 2026-11-27)").
+# count above, but it pays only from the number of queries where whole steps' attention beat dense by
+# the median and by the fastest run (notebook/attention.md, "Cascade attention over a shared document").
 JOINED_MIN_QUERIES = 24
 
 

@@ -75,25 +75,20 @@ BLOCK = 32  # weights the kernel rebuilds at a time, every kind (a K-quant's sup
 # prefill) tile by tile (TILE_ROWS). The kernel passes over ROWS rows of x at a time with each block
 # rebuilt in registers (8 on AVX-512, 4 on AVX2: its 16 registers); beyond that it writes 3 weight
 # rows out as float32 once and multiplies every row by them (gguf_blocks.c, "Wider products"), so a
-# block is rebuilt once per forward, not once per pass. 16 on both: on one AVX2-only Zen 3 thread the
-# whole step's products take 0.55x the tiles' time at 8 rows and 0.68x at 16 (measured:
-# notebook/gguf-blocks.md, "One rebuild for every row"); on AVX-512, whole steps of up to 16 branches
-# beat oneDNN's packed copy (notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32
-# weights in a sixth of the bytes").
+# block is rebuilt once per forward, not once per pass. The rule: the kernel takes the widths at which
+# a whole step's products beat the tiles (AVX2) and oneDNN's packed copy (AVX-512), 16 rows on both
+# (notebook/gguf-blocks.md, "One rebuild for every row").
 MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16}
 # With torch on one thread, where the tiles' GEMM gets no second core, the kernel's panels multiply
-# wider forwards too: on one AVX2-only Zen 3 thread the step's 121 products took 0.55-0.64x the
-# tiles' time at 17 rows, 0.67-0.83x at 24-48 and 0.86-0.90x at 64 (medians of two to four runs);
-# from 96 rows the runs disagreed (0.76-0.99x at 96, 0.91-1.07x at 128, 0.93-1.14x at 192-256) and
-# from 384 the tiles were as fast or faster (a question's prefill and a speculative step's guesses
-# are 17-64 tokens; measured: notebook/gguf-blocks.md, "The kernel past 16 rows on one thread").
-# On AVX-512 not measured: 16 there.
+# wider forwards too, up to the width where every run still found them faster than the tiles: 64 rows
+# on AVX2 (a question's prefill and a speculative step's guesses are 17-64 tokens; notebook/gguf-blocks.md,
+# "The kernel past 16 rows on one thread"). Not measured on AVX-512: 16 there.
 ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
 # Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
 # rows written out as float32 into a scratch (this thread's, kept: TILE_ROWS x in_features float32),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
-# several threads, waits for them all, so tiles are few and large: 1,024 rows tie 512 on one thread
-# and beat 128 and 256 (measured: notebook/gguf-blocks.md, "Wide forwards on the blocks").
+# several threads, waits for them all, so tiles are few and large: the fewest that measured fastest
+# (notebook/gguf-blocks.md, "Wide forwards on the blocks").
 TILE_ROWS = 1024
 # Beside each model, never on it (keyed weakly: they go when the model does): the .gguf file its
 # float32 weights were dequantized from, and its blocks read from that file (or why there are none).
