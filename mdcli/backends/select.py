@@ -53,17 +53,13 @@ from mdcli.backends.weights.int8 import has_int8_weights
 from mdcli.settings import Settings
 
 # Forwards of more queries than this attend with sdpa on the bmm core's hosts, because bmm
-# materializes every score: 64 on AVX2-only x86-64, 32 with oneDNN linears (AVX-512) (measured:
-# notebook/cpu-kernels.md, "Zen 3 (AVX2), measured on the real host kind"; notebook/attention.md,
-# "Long forwards over a tree: sdpa past 32 queries").
-BMM_MAX_QUERIES = 64
-BMM_MAX_QUERIES_AVX512 = 32
+# materializes every score: the width past which sdpa measured faster, on each host kind.
+BMM_MAX_QUERIES = 64  # AVX2-only x86-64 (notebook/cpu-kernels.md, "Zen 3 (AVX2), measured on the real host kind")
+BMM_MAX_QUERIES_AVX512 = 32  # oneDNN linears (notebook/attention.md, "Long forwards over a tree: sdpa past 32 queries")
 # Where a lone token's products run on OpenBLAS, forwards of up to this many tokens also take its
-# weighted sum of the cached values (AVX-512: 3; AVX2-only: the lone token alone) (measured:
-# notebook/speculation.md, "Several branches: guess only where it shortens the run"; AVX2:
-# notebook/cpu-kernels.md, "Zen 3 again: OpenBLAS, reading ahead, two-row padding").
-SMALL_BLAS_QUERIES = 3
-SMALL_BLAS_QUERIES_AVX2 = 1
+# weighted sum of the cached values, as far as that measured faster than the forward's own attention.
+SMALL_BLAS_QUERIES = 3  # AVX-512 (notebook/speculation.md, "Several branches: guess only where it shortens the run")
+SMALL_BLAS_QUERIES_AVX2 = 1  # the lone token alone (notebook/cpu-kernels.md, "Zen 3 again: OpenBLAS, reading ahead")
 
 
 @dataclass(frozen=True)

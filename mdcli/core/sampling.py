@@ -127,10 +127,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """probs: [V] -> one token drawn from them: the draw `torch.multinomial(probs, 1,
     generator=generator)` makes, from the same numbers of the generator.
 
-    torch draws one sample as argmax(probs / q), q ~ Exp(1) (one exponential per token); on the
-    CPU this does the same, but takes the argmax with numpy, whose argmax vectorizes: 1.7 ms a
-    draw over a 49,152-token vocabulary instead of 2.8 ms (the exponentials are the rest, one
-    per token from the branch's own generator; notebook/step-loop.md, "Less per-branch glue")."""
+    torch draws one sample as argmax(probs / q), q ~ Exp(1) (one exponential per token, from the
+    branch's own generator); on the CPU this does the same, but takes the argmax with numpy, whose
+    argmax vectorizes where torch's does not (notebook/step-loop.md, "Less per-branch glue")."""
     if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 1:
         return int(torch.multinomial(probs, 1, generator=generator))
     q = torch.empty_like(probs).exponential_(generator=generator)  # [V]
@@ -182,9 +181,9 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """logits: [k, V] -> each row's argmax (the first of equal maxima, as torch.argmax gives it).
 
-    On the CPU numpy's argmax decides: torch's CPU argmax does not vectorize and took 0.95 ms for
-    eight rows of a 49,152-token vocabulary against numpy's 0.03 ms, a cost every branch paid every
-    step and every verified draft node again (notebook/step-loop.md, "Less per-branch glue")."""
+    On the CPU numpy's argmax decides: torch's CPU argmax does not vectorize, a cost every branch
+    would pay every step and every verified draft node again (notebook/step-loop.md, "Less
+    per-branch glue")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return np.asarray(logits).argmax(-1).tolist()
     return logits.argmax(-1).tolist()
