@@ -82,15 +82,13 @@ PROBE_SHARE = 0.01
 PROBE_EVERY = 16
 # auto's loss limit: what its planned guesses have cost so far beyond the forwards they saved, in
 # plain steps, may reach LOSS_SHARE of the steps taken (plus LOSS_START steps' worth, for the first
-# ones); below that, no plan verifies anything until the run's length has made room again. Probes
-# are not charged: their pace bounds them (PROBE_SHARE), and eight tied branches' probes, which save
-# no forward by design, used to spend the account in the first 30 steps, so that the branch left
-# alone afterwards, quoting its document, guessed nothing for the rest of the run (measured:
-# notebook/speculation.md, "Probes off the loss account (Zen 3, 2026-11-27)"). Whatever
-# the estimates say, what guessing loses is then about that share of the run, as the account sees
-# it (steps timed whole; the machine's own drift is not in it). The estimates alone can verify
-# many guesses that are mostly wrong in steps dearer than a plain one; the account bounds that
-# (measured: notebook/speculation.md, "A loss limit, and sibling guesses priced one by one").
+# ones); below that, no plan verifies anything until the run's length has made room again. The
+# estimates alone can verify many guesses that are mostly wrong in steps dearer than a plain one; the
+# account bounds what guessing loses to about that share of the run, as it sees it (steps timed
+# whole; the machine's own drift is not in it) (notebook/speculation.md, "A loss limit, and sibling
+# guesses priced one by one"). Probes are not charged: their pace bounds them (PROBE_SHARE), and tied
+# branches' probes, which save no forward by design, would spend the account early and leave a branch
+# that later quotes its document guessing nothing.
 LOSS_SHARE = 0.02
 LOSS_START = 16
 
