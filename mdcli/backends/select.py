@@ -9,27 +9,30 @@ The rules (docs/cpu-backends.md lists them as a table; each holds on the host ki
 measured on):
 
 * float32 CPU linears and masked attention run on oneDNN on x86-64 with AVX-512, on torch's own
-  kernels elsewhere (`linear_kernels`; measured: notebook/cpu-kernels.md, "Kernels: which matrix
-  multiply mdcli's forwards use");
+  kernels elsewhere (`linear_kernels`; notebook/cpu-kernels.md, "Kernels: which matrix multiply
+  mdcli's forwards use");
 * mdcli's own forward attends with two batched products per key/value group where linears run on
   oneDNN or on an AVX2-only x86-64 CPU, through sdpa elsewhere and past `bmm_max_queries`; on
   AMD's x86-64 hosts (AVX2-only Zen 3, AVX-512 Zen 5) a dense forward of 1 to 64 queries attends on
-  mdcli's own kernel where it builds and serves the head size (`fused_attention`; measured:
-  notebook/attention.md, "One kernel for a few queries' attention", and docs/performance.md, "The
-  files users run");
-* a packed oneDNN copy of the weights serves wide forwards on those same hosts; a transposed copy
-  serves a lone token on AVX2-only hosts and, with torch on one thread, on OpenBLAS; a tiled copy
-  serves forwards of a few tokens on AVX2-only hosts with torch on one thread; every copy only if
-  it fits in half the free memory (measured: notebook/cpu-kernels.md, "A faster decode step", "A
-  lone token on OpenBLAS", "Small products on Zen 3: mdcli's own kernel");
-* the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16) where its float32 weights are exactly them and the block kernel works here (then no
-  transposed copy is made; measured: notebook/gguf-blocks.md); where they serve every width, the
-  block kernel multiplies up to `block_kernel_rows` tokens (64 with torch on one AVX2 thread, else
-  16) and wider forwards go tile by tile to torch's GEMM (measured: notebook/gguf-blocks.md, "The
-  kernel past 16 rows on one thread");
-* two-token products are padded to four rows on AMD cores with AVX-512 (measured:
-  notebook/cpu-kernels.md, "Two-token forwards"); the cached keys and values are read ahead of a
-  wide forward's products on AMD cores (measured: notebook/attention.md, "Reading the cache ahead").
+  mdcli's own kernel where it builds and serves the head size (`fused_attention`;
+  notebook/attention.md, "One kernel for a few queries' attention");
+* a packed oneDNN copy of the weights serves wide forwards on those same hosts
+  (notebook/cpu-kernels.md, "A faster decode step");
+* a transposed copy serves a lone token on AVX2-only hosts and, with torch on one thread, on
+  OpenBLAS (notebook/cpu-kernels.md, "A lone token on OpenBLAS");
+* a tiled copy serves forwards of a few tokens on AVX2-only hosts with torch on one thread
+  (notebook/cpu-kernels.md, "Small products on Zen 3: mdcli's own kernel");
+* every copy only if it fits in half the free memory;
+* the model's own .gguf blocks serve forwards of up to `block_rows` tokens (16) where its float32
+  weights are exactly them and the block kernel works here, and then no transposed copy is made
+  (notebook/gguf-blocks.md, "One rebuild for every row");
+* where they serve every width, the block kernel multiplies up to `block_kernel_rows` tokens (64
+  with torch on one AVX2 thread, else 16) and wider forwards go tile by tile to torch's GEMM
+  (notebook/gguf-blocks.md, "The kernel past 16 rows on one thread");
+* two-token products are padded to four rows on AMD cores with AVX-512 (notebook/cpu-kernels.md,
+  "Two-token forwards");
+* the cached keys and values are read ahead of a wide forward's products on AMD cores
+  (notebook/attention.md, "Reading the cache ahead").
 """
 
 from __future__ import annotations
