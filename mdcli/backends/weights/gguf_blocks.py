@@ -6,10 +6,9 @@ tokens (16: MAX_ROWS_BY_CAPABILITY; 64 with torch on one AVX2 thread: ONE_THREAD
 the block kernel rebuilds each weight once, in registers or, past a pass's rows, into a panel of
 three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to
 TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by the
-plan's float32 GEMM (oneDNN's where linears run on it, else torch's): level with `F.linear` on the
-float32 weights, 0.86-1.03x of the packed oneDNN copy, on one Zen 3 thread (measured:
-notebook/gguf-blocks.md, "Wide forwards on the blocks"). The kernel splits a product's weight rows
-over torch's threads (`narrow_product`). The selector
+plan's float32 GEMM (oneDNN's where linears run on it, else torch's), which keeps wide forwards
+level with the float32 weights' own products (notebook/gguf-blocks.md, "Wide forwards on the
+blocks"). The kernel splits a product's weight rows over torch's threads (`narrow_product`). The selector
 (mdcli.backends.select) decides which forwards take the blocks and, from torch's threads, up to how
 many tokens the kernel multiplies (Plan.block_kernel_rows); `MDCLI_GGUF_BLOCKS=0` turns them off.
 
