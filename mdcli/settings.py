@@ -127,10 +127,9 @@ def current() -> Settings:
 
 
 # Set for mdcli's own command-line processes before torch loads, unless the user set them: torch's
-# OpenMP threads spinning after each of its operations (the default) took the core that the block
-# kernel's and the attention's threads needed: at two threads on a Zen 5 core, the 1B Q4_K_M model's
-# 8-branch step 151.6 -> 98.3 ms and the 135M Q4_K_M's one-branch step 13.2 -> 11.9 ms with PASSIVE
-# (docs/performance.md, "The files users run"), and a spinning pool is what collapses on a busy machine.
+# OpenMP threads spinning after each of its operations (the default) take the cores that the block
+# kernel's and the attention's threads need, and a spinning pool is what collapses on a busy
+# machine; PASSIVE threads sleep between operations (docs/performance.md, "The files users run").
 PROCESS_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

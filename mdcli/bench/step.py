@@ -85,9 +85,9 @@ class StepProfile:
     def __init__(self, lm: LoadedModel, parts: tuple[str, ...] | None = None) -> None:
         """parts: time only these (the rest counts as glue). A partial profile wraps only its parts'
         functions (by name) and modules (hooks), and enters no torch function mode, which dispatches
-        every torch call through Python: the full profile made the embedded model's 1- and 8-branch
-        steps 24-35 ms longer on a Zen 3 core, products and attention alone 0-10 ms
-        (benchmarks/results/branch-step-zen3-floors.md). mdcli's forward reaches its products and
+        every torch call through Python and lengthens the step it times several times more than
+        wrapping products and attention alone (benchmarks/results/branch-step-zen3-floors.md).
+        mdcli's forward reaches its products and
         attention by name (`block_linear` on the .gguf blocks, the kernel's or the cores' attention);
         transformers' forward, whose products are `F.linear`, needs the full profile."""
         unknown = set(parts or ()) - set(self.PARTS)

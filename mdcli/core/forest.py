@@ -66,8 +66,8 @@ def layout_chains(
 
 def _one_token_each(past: torch.Tensor, n_cache: int) -> ChainLayout:
     """`layout_chains` for a decode step, C chains of one token each, in a handful of ops: each
-    token sits one below its row's tip and attends to its row and itself (the general layout cost
-    0.25 ms a step in small tensor ops whatever the branch count: notebook/step-loop.md, "Less
+    token sits one below its row's tip and attends to its row and itself (the general layout's small
+    tensor ops cost a fixed time a step whatever the branch count: notebook/step-loop.md, "Less
     per-branch glue")."""
     c = past.shape[0]
     own = torch.eye(c, dtype=torch.bool, device=past.device)  # [C, C]
