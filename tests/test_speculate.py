@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from mdcli.api import ask_many, run_specs
 from mdcli.core.decoding import BranchSpec, Decoder
-from mdcli.speculative.drafting import Candidate, PromptLookup, merge_candidates
+from mdcli.speculative.drafting import Candidate, DraftTree, PromptLookup, merge_candidates
 from mdcli.core.engine import Engine
 from mdcli.errors import UsageError
 from mdcli.events import Done, Finish, Start, Token
