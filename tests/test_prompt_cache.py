@@ -339,12 +339,13 @@ def test_entries_another_thread_count_keeps_apart_are_listed_with_their_thread_c
 
 def test_one_models_entries_without_a_fact_that_differs_are_told_apart_by_namespace(tmp_path):
     kv = [(torch.zeros(1, 1, MIN_TOKENS, 4), torch.zeros(1, 1, MIN_TOKENS, 4))]
-    for namespace in ("a" * 32, "b" * 32):  # the same facts shown: another weights digest, say
+    # the same facts shown (another weights digest, say), and an entry from before the facts were kept
+    for namespace, numerics in (("a" * 32, {"threads": "1"}), ("b" * 32, {"threads": "1"}), ("c" * 32, None)):
         store = PromptStore(tmp_path, namespace, model="m", dtype=torch.float32, cap_bytes=1 << 30,
-                            numerics={"threads": "1"})
+                            numerics=numerics)
         store.save(list(range(MIN_TOKENS)), kv)
     models = sorted(entry.model for entry in api.prompt_cache_entries(str(tmp_path))[1])
-    assert models == ["m, float32, namespace aaaaaaaa", "m, float32, namespace bbbbbbbb"]
+    assert models == ["m, float32, namespace aaaaaaaa", "m, float32, namespace bbbbbbbb", "m, float32, namespace cccccccc"]
 
 
 def test_a_prompt_cache_that_is_a_file_is_a_one_line_usage_error(tmp_path):

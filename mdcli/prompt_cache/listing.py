@@ -68,9 +68,10 @@ def told_apart(found: list[Entry]) -> list[Entry]:
     for entry in found:
         others = spaces.get(entry.model, {})
         if entry.problem is None and len(others) > 1:
-            keys = dict.fromkeys(key for facts in others.values() for key in facts)
-            differing = [key for key in keys if len({facts.get(key) for facts in others.values()}) > 1]
-            shown = [_fact(key, entry.numerics.get(key, "?")) for key in differing]
+            recorded = [facts for facts in others.values() if facts]  # entries older than the facts record none
+            keys = dict.fromkeys(key for facts in recorded for key in facts)
+            differing = [key for key in keys if len({facts.get(key) for facts in recorded}) > 1]
+            shown = [_fact(key, entry.numerics[key]) for key in differing if key in entry.numerics]
             entry = replace(entry, model=f"{entry.model}, " + (", ".join(shown) or f"namespace {entry.namespace[:8]}"))
         labelled.append(entry)
     return labelled
