@@ -26,11 +26,27 @@ COMPILE_SECONDS = 120
 # torch's own kernels dispatch to: AVX-512, else AVX2, with FMA and F16C either way.
 _X86_COMMON = ("-O3", "-mfma", "-mf16c", "-pthread")  # -pthread: the block kernel's worker threads
 X86_FLAGS = {"AVX512": (*_X86_COMMON, "-mavx512f"), "AVX2": (*_X86_COMMON, "-mavx2")}
+# Other CPUs (ARM's NEON; x86-64 without AVX2) build the block kernel's plain C, GCC's and Clang's
+# vector extensions, vectorized as the compiler can (gguf_blocks.c's last branch). Its speed is
+# unmeasured on such a host; its numbers are checked at load as the x86 builds' are (blocks_work).
+PLAIN_FLAGS = ("-O3", "-pthread", "-Wno-psabi")
 
 
 def x86_capability() -> str | None:
     """"AVX512" or "AVX2" (or another of torch's names) on x86-64; None on other machines."""
     return cpu_capability() if platform.machine().lower() in {"x86_64", "amd64"} else None
+
+
+def build_kind(capability: str | None) -> str:
+    """The block kernel's build for a CPU whose torch kernels dispatch to `capability`: "AVX512" or
+    "AVX2" (X86_FLAGS), anything else "PLAIN" (PLAIN_FLAGS)."""
+    return capability if capability in X86_FLAGS else "PLAIN"
+
+
+def load_any(source: Path) -> ctypes.CDLL | None:
+    """`source` built for this CPU, x86-64 vector widths or plain C (build_kind); None where it cannot be."""
+    kind = build_kind(x86_capability())
+    return load(source, X86_FLAGS.get(kind, PLAIN_FLAGS))
 
 
 def load_x86(source: Path) -> ctypes.CDLL | None:

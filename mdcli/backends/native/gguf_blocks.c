@@ -17,7 +17,9 @@
  *
  * Built twice from this file (mdcli.backends.weights.gguf_blocks): with AVX-512 (16 lanes) and with AVX2 (8).
  */
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +104,7 @@ static inline ivec both_halves(const uint8_t *bytes32) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)bytes32));
 }
 #define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LOOKUP_ROWS */
-#else
+#elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
 typedef __m256 vec;
@@ -159,6 +161,80 @@ static inline ivec isrl(ivec a, int count) { return _mm256_srl_epi32(a, _mm_cvts
 static inline ivec isll(ivec a, int count) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(count)); }
 static inline ivec lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 #define LANE_ORDERED(kind) 0
+#else
+/* Plain C for other machines (ARM's NEON, or whatever the compiler makes of GCC's and Clang's vector
+ * extensions): 8 lanes as the AVX2 build, every operation written as its meaning. */
+#define LANES 8
+#define ROWS 4
+typedef float vec __attribute__((vector_size(32)));
+typedef uint32_t ivec __attribute__((vector_size(32))); /* shifts are logical, as the x86 builds' */
+typedef int32_t svec __attribute__((vector_size(32)));
+static inline vec vzero(void) { return (vec){0}; }
+static inline vec vset1(float a) { return (vec){0} + a; }
+static inline vec vload(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
+static inline vec vfma(vec a, vec b, vec c) { return a * b + c; } /* exact products here: the same rounding */
+static inline vec vmul(vec a, vec b) { return a * b; }
+static inline vec vadd(vec a, vec b) { return a + b; }
+static inline vec vfloat(ivec a) { return __builtin_convertvector((svec)a, vec); } /* as signed, as cvtdq2ps */
+static inline float vsum(vec v) {
+    const float pairs[4] = {v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]};
+    return (pairs[0] + pairs[2]) + (pairs[1] + pairs[3]);
+}
+static inline ivec ibytes(const uint8_t *p) { return (ivec){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+static inline ivec iset1(int a) { return (ivec){0} + (uint32_t)a; }
+static inline ivec iand(ivec a, ivec b) { return a & b; }
+static inline ivec ior(ivec a, ivec b) { return a | b; }
+static inline ivec iadd(ivec a, ivec b) { return a + b; }
+static inline ivec isub(ivec a, ivec b) { return a - b; }
+static inline ivec isrlv(ivec a, ivec b) { return a >> b; }
+static inline ivec isrl(ivec a, int count) { return a >> count; }
+static inline ivec isll(ivec a, int count) { return a << count; }
+static inline ivec lane_index(void) { return (ivec){0, 1, 2, 3, 4, 5, 6, 7}; }
+
+static inline void q4_codes(const uint8_t *codes, vec w[4]) {
+    const ivec low = ibytes(codes), high = ibytes(codes + 8);
+    w[0] = vfloat(low & 15), w[1] = vfloat(high & 15), w[2] = vfloat(low >> 4), w[3] = vfloat(high >> 4);
+}
+
+static inline void q8_codes(const int8_t *codes, vec w[4]) {
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < LANES; i++)
+            w[j][i] = (float)codes[8 * j + i];
+}
+
+/* A float16's float32 value, exactly (no F16C here). */
+static inline float half_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) { /* zero or subnormal: mantissa x 2^-24, exact in float32 */
+        const float value = (float)mantissa * 0x1p-24f;
+        return sign ? -value : value;
+    }
+    const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline void halves(const uint8_t *p, vec w[4]) {
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < LANES; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * (LANES * j + i), 2);
+            w[j][i] = half_value(h);
+        }
+}
+
+static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half of a float32 */
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < LANES; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * (LANES * j + i), 2);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(&w[j][i], &bits, 4);
+        }
+}
+#define LANE_ORDERED(kind) 0
 #endif
 
 /* x's m rows (stride ldx) in lane order into out (stride k): each 32 inputs as the weights' two vectors
@@ -177,7 +253,11 @@ static void lane_ordered(const float *x, int64_t m, int64_t k, int64_t ldx, floa
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
     return _cvtsh_ss(h);
+#else
+    return half_value(h);
+#endif
 }
 
 /* One block's 32 weights, in input order, as PER vectors. kind: 0 = Q4_1, 1 = Q8_0, 2 = Q4_0,
@@ -289,6 +369,7 @@ struct k_scales {
  * their low 6 bits; q[s + 4]'s nibbles and the top 2 bits of q[s - 4] and q[s] hold s >= 4): scales
  * 0-3 = u0 & 0x3f.., scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, minimums 0-3 = u1 & 0x3f..,
  * minimums 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4. Reads 16 bytes from q. */
+#if defined(__AVX2__) || defined(__AVX512F__)
 static inline __m128i k_unpacked(const uint8_t *q) {
     const __m128i u = _mm_loadu_si128((const __m128i *)q);
     const __m128i low = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));  /* u0 u2 u1 u2 */
@@ -298,29 +379,50 @@ static inline __m128i k_unpacked(const uint8_t *q) {
     const __m128i top = _mm_and_si128(_mm_srli_epi32(high, 6), _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
     return _mm_or_si128(_mm_and_si128(x, keep), _mm_slli_epi32(top, 4));
 }
+#else
+static inline void k_unpacked(const uint8_t *q, uint8_t bytes[16]) { /* the same in 32-bit words (little-endian) */
+    uint32_t u[4];
+    memcpy(u, q, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t minimums = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = minimums;
+    u[0] &= 0x3f3f3f3f;
+    memcpy(bytes, u, 16);
+}
+#endif
 
 static inline __attribute__((always_inline)) void k_scales_of(int kind, const uint8_t *sb, struct k_scales *k) {
     if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: d * scale and -(dmin * min) = (-dmin) * min per sub-block */
-        const __m128i codes = k_unpacked(sb + 4);
         const float d = half_at(sb), minus_dmin = -half_at(sb + 2);
 #if defined(__AVX512F__)
+        const __m128i codes = k_unpacked(sb + 4);
         const __m512 m = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(minus_dmin));
         _mm512_storeu_ps(k->scale, _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes))));
-#else
+#elif defined(__AVX2__)
+        const __m128i codes = k_unpacked(sb + 4);
         _mm256_storeu_ps(k->scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes))));
         _mm256_storeu_ps(k->scale + 8, _mm256_mul_ps(_mm256_set1_ps(minus_dmin),
                                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)))));
+#else
+        uint8_t codes[16];
+        k_unpacked(sb + 4, codes);
+        for (int i = 0; i < 16; i++)
+            k->scale[i] = (i < 8 ? d : minus_dmin) * (float)codes[i];
 #endif
     } else if (kind == 11) { /* Q6_K: d * an int8 scale per 16 */
         const float d = half_at(sb + 208);
 #if defined(__AVX512F__)
         const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192)));
         _mm512_storeu_ps(k->scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(codes)));
-#else
+#elif defined(__AVX2__)
         for (int h = 0; h < 2; h++) {
             const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 192 + 8 * h)));
             _mm256_storeu_ps(k->scale + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(codes)));
         }
+#else
+        for (int g = 0; g < 16; g++)
+            k->scale[g] = d * (float)((const int8_t *)(sb + 192))[g];
 #endif
     } else if (kind == 7) { /* Q2_K: d * a 4-bit scale, -(dmin * a 4-bit min) per 16 */
         const float d = half_at(sb + 80), dmin = half_at(sb + 82);

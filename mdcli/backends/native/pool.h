@@ -10,7 +10,14 @@
  * cores to torch's threads and to other processes.
  *
  * Included by each kernel source (gguf_blocks.c, attention.c): each library has its own workers. */
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define spin_pause() _mm_pause()
+#elif defined(__aarch64__)
+#define spin_pause() __asm__ volatile("yield")
+#else
+#define spin_pause() ((void)0)
+#endif
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -64,7 +71,7 @@ static void *worker(void *arg) {
     for (;;) {
         long now = atomic_load_explicit(&pool.generation, memory_order_acquire);
         for (int spin = 0; now == seen && spin < SPINS; spin++) {
-            _mm_pause();
+            spin_pause();
             now = atomic_load_explicit(&pool.generation, memory_order_acquire);
         }
         if (now == seen) {
@@ -135,6 +142,6 @@ static void parallel(int runs, run_fn fn, const void *job, int64_t scratch_float
     pthread_mutex_unlock(&pool.lock);
     take_runs((uint32_t)generation, scratch);
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.runs)
-        _mm_pause();
+        spin_pause();
     atomic_flag_clear(&busy);
 }

@@ -77,7 +77,7 @@ BLOCK = 32  # weights the kernel rebuilds at a time, every kind (a K-quant's sup
 # block is rebuilt once per forward, not once per pass. The rule: the kernel takes the widths at which
 # a whole step's products beat the tiles (AVX2) and oneDNN's packed copy (AVX-512), 16 rows on both
 # (notebook/gguf-blocks.md, "One rebuild for every row").
-MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16}
+MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16, "PLAIN": 16}  # PLAIN: unmeasured, AVX2's (its width)
 # With torch on one thread, where the tiles' GEMM gets no second core, the kernel's panels multiply
 # wider forwards too, up to the width where every run still found them faster than the tiles: 64 rows
 # on AVX2 (a question's prefill and a speculative step's guesses are 17-64 tokens; notebook/gguf-blocks.md,
@@ -143,18 +143,19 @@ class JoinedBlocks:
 def max_rows() -> int:
     """Forwards of up to this many tokens (a decode step's widths) multiply by the block kernel with
     torch on any number of threads (MAX_ROWS_BY_CAPABILITY; 0 where the kernel does not build)."""
-    return MAX_ROWS_BY_CAPABILITY.get(_capability(), 0)
+    return MAX_ROWS_BY_CAPABILITY[_capability()] if library() is not None else 0
 
 
 def kernel_rows(threads: int, capability: str | None = None) -> int:
     """Forwards of up to this many tokens multiply by the block kernel with torch on `threads`
     threads, wider ones tile by tile (the kernel runs on one thread; the tiles' GEMM on all):
     ONE_THREAD_ROWS_BY_CAPABILITY on one thread where measured, else MAX_ROWS_BY_CAPABILITY.
-    capability: the x86-64 vector width ("AVX2", "AVX512"), this CPU's when None."""
-    capability = _capability() if capability is None else capability
-    if threads == 1 and capability in ONE_THREAD_ROWS_BY_CAPABILITY:
-        return ONE_THREAD_ROWS_BY_CAPABILITY[capability]
-    return MAX_ROWS_BY_CAPABILITY.get(capability, 0)
+    capability: the ISA torch dispatches to ("AVX2", "AVX512"; any other takes the plain C build),
+    this CPU's when None."""
+    kind = _capability() if capability is None else native.build_kind(capability)
+    if threads == 1 and kind in ONE_THREAD_ROWS_BY_CAPABILITY:
+        return ONE_THREAD_ROWS_BY_CAPABILITY[kind]
+    return MAX_ROWS_BY_CAPABILITY[kind]
 
 
 def remember_source(model, path: Path | str) -> None:
@@ -339,9 +340,11 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
-    lib = native.load_x86(SOURCE)
-    if lib is None:
-        return None
+    return None if (lib := native.load_any(SOURCE)) is None else bound(lib)
+
+
+def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, a build of gguf_blocks.c, with its functions' argument and result types declared."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
     lib.set_threads.argtypes, lib.set_threads.restype = [ctypes.c_int], ctypes.c_int
@@ -386,5 +389,6 @@ def blocks_work() -> bool:
     return True
 
 
-def _capability() -> str | None:
-    return native.x86_capability()
+def _capability() -> str:
+    """This CPU's build of the kernel: "AVX512", "AVX2" or "PLAIN"."""
+    return native.build_kind(native.x86_capability())
