@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
-from mdcli.prefixes import common_prefix_length
+from mdcli.prefixes import trie_size
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.job import FieldError
 
@@ -24,12 +24,8 @@ if TYPE_CHECKING:
 
 
 def trie_tokens(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens the prompts take in the cache: the node count of their token trie."""
-    total, previous = 0, ()
-    for prompt in sorted(tuple(p) for p in prompts):
-        total += len(prompt) - common_prefix_length(prompt, previous)
-        previous = prompt
-    return total
+    """Tokens the prompts take in the cache: their token trie's size (mdcli.prefixes.trie_size)."""
+    return trie_size(prompts)
 
 
 def forest_peak_bytes(*, kv_per_token: int, cache_tokens: int, branches: int, vocab_size: int, dtype_bytes: int) -> int:
