@@ -168,7 +168,10 @@ def _cause(error: Exception) -> str:
     """The last line of an actor's failure that says something (the exception raised in it)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     told = [line for line in lines if "Error" in line.split(":", 1)[0]]
-    return (told or lines or [type(error).__name__])[-1][:300]
+    last = (told or lines or [type(error).__name__])[-1]
+    if last.startswith("mdcli.errors."):  # one of mdcli's own one-line errors: its words alone
+        last = last.split(": ", 1)[-1]
+    return last[:300]
 
 
 def ask_each_on_ray(options: LoadOptions, job: AskMany, inputs: Inputs, **settings) -> Iterator[Event]:
