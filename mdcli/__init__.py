@@ -16,7 +16,7 @@ __all__ = [
     "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins",
     "MarginsPrompts", "SamplingParams", "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",
-    "MIN_SEGMENT_TOKENS",
+    "MIN_SEGMENT_TOKENS", "CPU_BUDGET_TOKENS", "entry_key",
     "PromptCacheEntry", "clear_prompt_cache", "prompt_cache_entries",
     "Document", "Inputs", "Skipped", "joined_text", "named_text", "read_inputs",
     "ForestLayout", "plan_layout", "render_explanation", "describe_step", "first_verified_step",
