@@ -253,3 +253,24 @@ def test_margins_each_gives_every_document_the_answers_of_margins_on_it_alone(ti
         return [answers[n] for n in sorted(answers)]
 
     assert got == {str(p): margins_alone(p) for p in paths}
+
+
+def test_ctrl_c_midway_exits_130_with_every_finished_document_in_the_results_file(embedded, tmp_path):
+    paths = invoices(tmp_path / "docs", 8)
+    results = tmp_path / "out.jsonl"
+    args = [sys.executable, "-m", "mdcli", "ask-many", str(tmp_path / "docs"), "--each", "-q", QUESTIONS[0], "-n", "24",
+            "--budget-tokens", "1", "--output", str(results)]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if results.exists() and results.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    written = [json.loads(line) for line in results.read_text().splitlines()]
+    assert process.returncode == 130 and 1 <= len(written) < len(paths), stderr
+    assert "mdcli: interrupted" in stderr and "Traceback" not in stderr
+    assert sorted(line[3:].split(" :: ")[0] for line in stdout.splitlines() if line.startswith("## ")) == sorted(
+        r["document"]["path"] for r in written)  # stdout and the file hold the same finished documents
