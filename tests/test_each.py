@@ -274,3 +274,17 @@ def test_ctrl_c_midway_exits_130_with_every_finished_document_in_the_results_fil
     assert "mdcli: interrupted" in stderr and "Traceback" not in stderr
     assert sorted(line[3:].split(" :: ")[0] for line in stdout.splitlines() if line.startswith("## ")) == sorted(
         r["document"]["path"] for r in written)  # stdout and the file hold the same finished documents
+
+
+def test_each_keeps_no_document_in_the_prompt_cache_unless_asked(tiny_dir, tmp_path, prompt_cache_folder):
+    invoices(tmp_path / "docs", 2)
+    args = ["ask-many", str(tmp_path / "docs"), "--each", "-q", "Who?", "-n", "2", "-m", str(tiny_dir("llama"))]
+
+    def entries() -> set[Path]:
+        return {path for path in prompt_cache_folder.rglob("*.safetensors")}
+
+    before = entries()
+    assert mdcli(*args).exit_code == 0
+    assert entries() == before  # a folder of files would push every other entry out
+    assert mdcli(*args, "--prompt-cache", "auto").exit_code == 0
+    assert len(entries() - before) >= 1

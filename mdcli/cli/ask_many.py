@@ -141,7 +141,7 @@ def ask_many(
         mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         if each:
-            run_each(locals(), document, job, mode, results, announced)
+            run_each(locals(), document, job, mode, results, announced, ctx)
             return
         lm = load(load_options(locals(), announced=announced))
         events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)

@@ -61,9 +61,14 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
     return Output.auto, Path(value)
 
 
-def run_each(params: dict, sources: list[str], job, mode: Output, results: Path | None, announced: bool) -> None:
+def run_each(params: dict, sources: list[str], job, mode: Output, results: Path | None, announced: bool,
+             ctx: typer.Context) -> None:
     """Read every document (bad files become error records), skip those `results` already holds,
-    answer the rest here or on Ray, and write them; exit 1 when some document failed."""
+    answer the rest here or on Ray, and write them; exit 1 when some document failed.
+
+    The prompt cache is off unless --prompt-cache is typed: kept per document it would write each
+    one's keys and values (about 30 MB for a 500-token file on the embedded model), and a folder
+    of a few hundred would push every other entry out of its 2 GiB."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
     # lazy: the --each writer is needed only here
     from mdcli.render.each import EachWriter, ResultsFile, answered_keys
@@ -84,7 +89,9 @@ def run_each(params: dict, sources: list[str], job, mode: Output, results: Path 
         if not ray_each.available():
             raise UsageError("--workers and --ray-address need Ray, which is not installed", fix=RAY_EXTRA)
     results_file = ResultsFile(results) if results is not None else None  # unwritable: said before the model loads
-    options = load_options(params, announced=announced)
+    typed = ctx.get_parameter_source("prompt_cache")
+    cache = params["prompt_cache"] if typed is not None and typed.name not in ("DEFAULT", "DEFAULT_MAP") else "off"
+    options = load_options(params, announced=announced, prompt_cache=cache)
     writer_header = None
     if on_ray:
         events = ray_each.ask_each_on_ray(

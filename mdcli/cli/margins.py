@@ -41,6 +41,7 @@ class KeepMargins(str, Enum):
 
 
 def margins(
+    ctx: typer.Context,
     documents: Annotated[
         list[str],
         typer.Argument(
@@ -238,7 +239,7 @@ def margins(
         mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
         check_progress(quiet, progress)
         if each:
-            run_each(locals(), documents, job, mode, results, announced)
+            run_each(locals(), documents, job, mode, results, announced, ctx)
             return
         lm = load(load_options(locals(), announced=announced))
         events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
