@@ -19,9 +19,9 @@ from mdcli.prompt_cache.key import cache_folder
 from mdcli.prompt_cache.listing import Entry as PromptCacheEntry
 from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Event, Note
-from mdcli.core.run import Run, start_event
+from mdcli.core.run import Run
 from mdcli.core.sampling import SamplingParams
-from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany, unretrieved_notes
+from mdcli.strategies.ask_many import AskMany, unretrieved_notes
 from mdcli.strategies.each import CPU_BUDGET_TOKENS, entry_key, run_each
 from mdcli.documents.inputs import Document, Inputs, read_inputs
 from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
@@ -338,18 +338,10 @@ from mdcli.core.sampling import SamplingParams  # noqa: E402, F811
 from mdcli.strategies.segmenting import DEFAULT_SEGMENT_TOKENS, MIN_SEGMENT_TOKENS  # noqa: E402
 from mdcli.speculative.planner import Speculate, parse_speculate  # noqa: E402
 from mdcli.strategies.ask_many import DEFAULT_TEMPLATE as ASK_MANY_TEMPLATE  # noqa: E402
-from mdcli.strategies.ask_many import AskMany  # noqa: E402
-from mdcli.strategies.beam import Beam, BeamParams, parse_early_stopping  # noqa: E402
+from mdcli.strategies.beam import BeamParams, parse_early_stopping  # noqa: E402
 from mdcli.strategies.job import FieldError  # noqa: E402
-from mdcli.strategies.margins import (  # noqa: E402
-    DEFAULT_ANSWER_TOKENS,
-    DEFAULT_CLASSIFY_TOKENS,
-    DEFAULT_MARGIN_TOKENS,
-    Margins,
-    MarginsPrompts,
-)
-from mdcli.strategies.think import Think  # noqa: E402
-from mdcli.documents.inputs import Document, Inputs, Skipped, joined_text, named_text, read_inputs  # noqa: E402
+from mdcli.strategies.margins import DEFAULT_ANSWER_TOKENS, DEFAULT_CLASSIFY_TOKENS, DEFAULT_MARGIN_TOKENS  # noqa: E402
+from mdcli.documents.inputs import Skipped, joined_text, named_text  # noqa: E402
 
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
