@@ -22,9 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README_MAX_LINES = 250
 PYFLAKES_CHECKS = "F401,F811,F841"
-# files other work is rewriting now (issue 51: the API and the commands); each leaves this list when fixed,
-# and the test fails on an entry that no longer offends
-PYFLAKES_OFFENDERS = {"mdcli/cli/explain.py", "mdcli/cli/think.py"}
 
 
 def committed(folder: Path) -> list[str]:
@@ -75,7 +72,4 @@ def pyflakes_findings() -> dict[str, list[str]]:
 
 def test_pyflakes_finds_no_unused_import_redefinition_or_unused_variable():
     found = pyflakes_findings()
-    unexpected = {name: problems for name, problems in found.items() if name not in PYFLAKES_OFFENDERS}
-    assert not unexpected, f"ruff check --select {PYFLAKES_CHECKS}: {unexpected}"
-    fixed = PYFLAKES_OFFENDERS - set(found)
-    assert not fixed, f"clean now, remove them from PYFLAKES_OFFENDERS: {sorted(fixed)}"
+    assert not found, f"ruff check --select {PYFLAKES_CHECKS}: {found}"

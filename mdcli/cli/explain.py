@@ -12,7 +12,6 @@ from mdcli.cli.common import (
     ChunkOpt,
     DebugOpt,
     DeviceOpt,
-    ChunkTokensOpt,
     ModelOpt,
     NoChatOpt,
     RemoteCodeOpt,

@@ -11,7 +11,7 @@ import typer
 
 from mdcli.cli.common import (
     AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
-    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
+    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
     SpeculateOpt, StopOpt, SystemOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
     read_document, read_inputs, render, sampling_params, speculate_setting, stderr_line,
     VerboseOpt,
