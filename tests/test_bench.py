@@ -10,11 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mdcli.backends.select import KernelChoice
+from mdcli.backends.select import KernelChoice, select
 from mdcli.backends.weights import gguf_blocks
 from mdcli.bench.ask import APPROACHES, Case, run_case
 from mdcli.bench.harness import random_model
 from mdcli.cli.app import app
+from tests.test_engine_exactness import settings_with
 
 
 def test_every_approach_generates_the_forests_tokens_on_a_random_model():
@@ -214,6 +215,7 @@ def test_a_partial_step_profile_times_only_its_parts_by_name_and_leaves_the_rest
     from mdcli.bench.step import EngineStepper, StepProfile, median_step_seconds
 
     lm = random_model("tiny")
+    lm.forward.plan = select(lm.model, settings_with(cpu_kernels="auto"))  # this host's own plan, whatever the environment forces
     prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
     profile = StepProfile(lm, parts=("linears", "lm_head", "attention"))
     median_step_seconds({"mdcli": EngineStepper(lm, prompts, "mdcli")}, 2, observe=profile.observe)
@@ -273,7 +275,8 @@ def test_the_fused_step_variant_attends_on_the_kernel_where_the_plan_would_not()
     lm = random_model("tiny")
     if not fused.fused_serves(lm.model.config.hidden_size // lm.model.config.num_attention_heads):
         pytest.skip("mdcli's attention kernel does not build or serve this head size here")
-    lm.forward.plan = replace(lm.forward.plan, fused_attention=False)  # as on an Intel AVX-512 host
+    auto = select(lm.model, settings_with(cpu_kernels="auto"))  # this host's own plan, whatever the environment forces
+    lm.forward.plan = replace(auto, fused_attention=False)  # as on an Intel AVX-512 host
     prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12]]
     steppers = {name: EngineStepper(lm, prompts, name) for name in ("mdcli", "mdcli+fused")}
     for stepper in steppers.values():

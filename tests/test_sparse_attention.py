@@ -197,10 +197,10 @@ def test_the_plan_carries_the_mode_and_the_gather_cost_of_its_host():
     avx512 = Host("x86_64", "AVX512", "AMD", 1, onednn=lambda: True)
     avx2 = Host("x86_64", "AVX2", "AMD", 1, onednn=lambda: True)
     for mode in ("auto", "off", "always", "prefix"):
-        plan = select(model, settings_with(sparse_attention=mode), avx512)
+        plan = select(model, settings_with(sparse_attention=mode, cpu_kernels="auto"), avx512)
         assert plan.sparse_attention == mode and FastForward(model, replace(plan, packed=False)).sparse_mode == mode
-    assert select(model, settings_with(), avx512).gather_cost == GATHER_COST_AVX512
-    assert select(model, settings_with(), avx2).gather_cost == GATHER_COST
+    assert select(model, settings_with(cpu_kernels="auto"), avx512).gather_cost == GATHER_COST_AVX512
+    assert select(model, settings_with(cpu_kernels="auto"), avx2).gather_cost == GATHER_COST
     allowed = torch.eye(4, dtype=torch.bool)  # four lone queries, each seeing its own slot only
     additive = torch.zeros(4, 4).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
     assert plan_for(additive, mode="off") is None
