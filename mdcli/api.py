@@ -99,13 +99,7 @@ def ask_many(
     keywords (system, template, chat_template, sampling, max_new_tokens=256, stop, documents,
     retrieve, chunk_tokens: see strategies.ask_many.AskMany); `max_forward_tokens`, `compact_ratio` and `speculate` go to the run."""
     engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
-    if isinstance(document, AskMany):
-        job = document
-    else:
-        for name in ("template", "sampling"):  # not given (None or empty): the job's default
-            if name in options and not options[name]:
-                del options[name]
-        job = AskMany(document=document, questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
+    job = document if isinstance(document, AskMany) else _ask_many_job(options, document=document, questions=questions)
     specs = job.branches(model.tokenizer, model.context_length)
     notes = unretrieved_notes(specs) if job.retrieve is not None else []
     return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, notes=notes, **engine_options)
@@ -137,17 +131,18 @@ def ask_each(
         inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
         return run_each(model, questions, inputs.documents, inputs.skipped, answered=frozenset(answered),
                         **engine_options)
-    if isinstance(questions, AskMany):
-        job = questions
-    else:
-        for name in ("template", "sampling"):  # not given (None or empty): the job's default
-            if name in options and not options[name]:
-                del options[name]
-        job = AskMany(questions=list(questions), **{k: _listed(k, v) for k, v in options.items()})
+    job = questions if isinstance(questions, AskMany) else _ask_many_job(options, questions=questions)
     job.model_copy(update={"document": "(each)", "documents": []}).validate()
     inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
     return run_each(model, job, inputs.documents, inputs.skipped, answered=frozenset(answered),
                     budget_tokens=budget_tokens, **engine_options)
+
+
+def _ask_many_job(options: dict, questions, **fields) -> AskMany:
+    """An AskMany job of `questions` from the API's keywords (`options`, the job's fields) and
+    `fields`; a template or sampling given empty or None takes the job's default."""
+    given = {k: _listed(k, v) for k, v in options.items() if not (k in ("template", "sampling") and not v)}
+    return AskMany(questions=list(questions), **fields, **given)
 
 
 def _each_inputs(documents: Sequence[str | Path | Document]) -> Inputs:
