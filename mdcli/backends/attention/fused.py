@@ -89,7 +89,7 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
     scratch = _scratch(lib.attention_scratch_floats(n, heads // groups, m, dim))
-    _use_threads(lib, torch.get_num_threads())
+    native.use_threads(lib, torch.get_num_threads())
     lib.attention(
         queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
         n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
@@ -127,15 +127,6 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.set_threads.argtypes, lib.set_threads.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
-
-_THREADS: dict[int, int] = {}  # each build's thread count, as last set (by id of its library)
-
-
-def _use_threads(lib: ctypes.CDLL, threads: int) -> None:
-    """Split the kernel's groups over `threads` threads (torch's count: the cores its own operations use)."""
-    if _THREADS.get(id(lib)) != threads:
-        lib.set_threads(threads)
-        _THREADS[id(lib)] = threads
 
 
 @cache

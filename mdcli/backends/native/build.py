@@ -49,6 +49,17 @@ def load_any(source: Path) -> ctypes.CDLL | None:
     return load(source, X86_FLAGS.get(kind, PLAIN_FLAGS))
 
 
+_THREADS: dict[int, int] = {}  # each loaded kernel's thread count, as last set (by id of its library)
+
+
+def use_threads(lib: ctypes.CDLL, threads: int) -> None:
+    """Split `lib`'s jobs over `threads` threads (pool.h's set_threads; torch's count, the cores its own
+    operations use between the kernel's calls), calling into it only when the count changes."""
+    if _THREADS.get(id(lib)) != threads:
+        lib.set_threads(threads)
+        _THREADS[id(lib)] = threads
+
+
 def load_x86(source: Path) -> ctypes.CDLL | None:
     """`source` built for this x86-64 CPU's vector width (X86_FLAGS); None on other CPUs or where it cannot be built."""
     flags = X86_FLAGS.get(x86_capability())

@@ -264,7 +264,7 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -
     float32 with unit column stride: columns of a wider output may be filled), on as many threads
     as torch is given, each on its run of W's rows (the same numbers at any count)."""
     lib = library()
-    _use_threads(lib, torch.get_num_threads())
+    native.use_threads(lib, torch.get_num_threads())
     rows = flat.shape[0]
     scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr()  # wide panels; a narrow pass's inputs in lane order
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
@@ -292,17 +292,6 @@ def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, mo
                 torch.mm(flat, scratch[:rows].t(), out=out[:, start:start + rows])
             else:
                 out[:, start:start + rows] = matmul(flat, scratch[:rows])
-
-
-_THREADS = {"in force": 1}  # the kernel's thread count, as last set
-
-
-def _use_threads(lib, threads: int) -> None:
-    """Split the kernel's products over `threads` threads (torch's count: the same cores its own
-    operations use between the products)."""
-    if threads != _THREADS["in force"]:
-        lib.set_threads(threads)
-        _THREADS["in force"] = threads
 
 
 def tile_rows(out_features: int, most: int = TILE_ROWS) -> int:
