@@ -76,6 +76,42 @@ def test_each_document_in_a_shared_forest_gets_the_tokens_of_its_run_alone(embed
                                                   for e in done]
 
 
+def test_a_document_admitted_mid_forest_as_another_finishes_gets_the_tokens_of_its_run_alone(embedded, tmp_path):
+    from mdcli.core.steps import StepLoop
+
+    paths = invoices(tmp_path / "docs", 5)
+    for n, path in enumerate(paths):  # documents of different lengths, answers of different lengths
+        path.write_text(path.read_text() + "Notes: " + "the goods were delivered on time. " * (3 * n) + "\n")
+    questions = ["What is the total? Answer with one number.", "Who is the supplier? Answer with the name only."]
+    joined: list[list[int]] = []  # at each admission, the tokens each live branch had generated
+    join = StepLoop.join
+
+    def spy(loop, tips):
+        joined.append([len(tip.tokens) for tip in loop.live])
+        join(loop, tips)
+
+    StepLoop.join = spy
+    try:  # room for about two documents: the next is admitted as one finishes
+        got = answered(api.ask_each(embedded, paths, questions, max_new_tokens=24, budget_tokens=400))
+    finally:
+        StepLoop.join = join
+    assert any(tokens and min(tokens) > 0 for tokens in joined), f"no document was admitted mid-decode: {joined}"
+    assert got == {str(p): alone(embedded, p, questions, max_new_tokens=24) for p in paths}
+
+
+def test_documents_are_indexed_in_input_order_with_unreadable_files_where_they_were_found(tiny_dir, tmp_path):
+    model = api.load_model(str(tiny_dir("llama")), quiet=True)
+    invoices(tmp_path / "docs", 3)
+    (tmp_path / "docs" / "invoice0b.pdf").write_bytes(b"%PDF\x00binary")
+    (tmp_path / "docs" / "a-empty.txt").write_text("")
+    inputs = api.read_inputs([str(tmp_path / "docs")], lenient=True)
+    done = sorted((e for e in api.ask_each(model, inputs, ["Who?"], max_new_tokens=2) if isinstance(e, DocumentDone)),
+                  key=lambda e: e.index)
+    assert [e.index for e in done] == [0, 1, 2, 3, 4]
+    assert [Path(e.document.path).name for e in done] == [
+        "a-empty.txt", "invoice0.txt", "invoice0b.pdf", "invoice1.txt", "invoice2.txt"]
+
+
 @pytest.mark.parametrize("budget", [1, 10_000])  # a forest per document; every document in one forest
 def test_sampled_answers_are_those_of_each_document_alone_whatever_the_forest(tiny_dir, tmp_path, budget):
     model = api.load_model(str(tiny_dir("llama")), quiet=True)

@@ -82,7 +82,7 @@ hanging off any row at position `depth`; the tip then keeps its own depth counte
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -218,11 +218,17 @@ class StepLoop:
             if note is not None:
                 yield note
 
-    def run_tips(self, tips: list[Tip]) -> Iterator[Event]:
-        """Step the given tips (and every tip forked from them) until none is live."""
+    def run_tips(self, tips: list[Tip], admit: Callable[[StepLoop], Iterator[Event]] | None = None) -> Iterator[Event]:
+        """Step the given tips (and every tip forked from them) until none is live. `admit`, when
+        given, runs before every step (the first too) and may lay new tips down mid-run (`join`):
+        --each admits the next document as others finish; the loop ends when nothing is live after it."""
         started = time.perf_counter()
         self.live = list(tips)
-        while self.live:
+        while True:
+            if admit is not None:
+                yield from admit(self)
+            if not self.live:
+                break
             yield from self._step() if self.speculation is None else time_step(self, self._step())
             if self.notes:
                 yield from self.notes
@@ -231,6 +237,11 @@ class StepLoop:
             if progress is not None:
                 yield progress
         self.counters.decode_seconds += time.perf_counter() - started
+
+    def join(self, tips: list[Tip]) -> None:
+        """Tips laid down between steps (prefilled: each has its row and logits) decode from the
+        next step on, beside the live ones (an `admit` hook's; see run_tips)."""
+        self.live.extend(tips)
 
     # -- the verbs -----------------------------------------------------------------------------
 

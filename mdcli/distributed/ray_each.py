@@ -26,7 +26,7 @@ from mdcli.errors import MdcliError
 from mdcli.events import DocumentDone, DocumentRef, Event, Note, Progress
 from mdcli.models.load import LoadOptions, load_model
 from mdcli.strategies.ask_many import AskMany
-from mdcli.strategies.each import document_sha256, entry_key, job_options, model_identity, run_each
+from mdcli.strategies.each import document_sha256, entry_key, input_places, job_options, model_identity, run_each
 
 try:  # the optional extra: without it, --workers says how to install it (cli/each.py)
     import ray
@@ -96,14 +96,15 @@ class RayEach:
                              fix="check that the same command without --workers loads it") from None
         options = job_options(self.job)
         todo, already = [], 0
-        for place, document in enumerate(self.inputs.documents):
+        places, skipped_places = input_places(len(self.inputs.documents), self.inputs.skipped)
+        for place, document in zip(places, self.inputs.documents):
             key = entry_key(document.path, document_sha256(document.text), options, identity)
             if key in self.answered:
                 already += 1
             else:
                 todo.append((place, document))
-        refused = [DocumentDone(DocumentRef(s.path, None), len(self.inputs.documents) + n, [], error=f"skipped: {s.reason}")
-                   for n, s in enumerate(self.inputs.skipped)]
+        refused = [DocumentDone(DocumentRef(s.path, None), place, [], error=f"skipped: {s.reason}")
+                   for place, s in zip(skipped_places, self.inputs.skipped)]
         total, done = len(todo) + len(refused), 0
         if already:
             yield Note("each", f"{already} of {already + total} documents already answered in the output: skipped",

@@ -31,10 +31,12 @@ class Document:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A file inside a folder or glob that was not read, and why."""
+    """A file inside a folder or glob that was not read, and why; `before`: how many documents
+    were read ahead of it (its place in the input order, which --each's output keeps)."""
 
     path: str
     reason: str
+    before: int = 0
 
     def line(self) -> str:
         return f"skipped '{self.path}': {self.reason}"
@@ -155,7 +157,7 @@ def _walk(shown: str, folder: Path, inputs: Inputs) -> None:
         name = (Path(shown) / relative).as_posix()
         if path.is_dir():
             if path.name.startswith("."):
-                inputs.skipped.append(Skipped(name + "/", "hidden folder"))
+                inputs.skipped.append(Skipped(name + "/", "hidden folder", len(inputs.documents)))
             continue
         _add_found(path, name, inputs)
 
@@ -178,11 +180,11 @@ def _add_found(path: Path, name: str, inputs: Inputs) -> None:
     try:
         data = path.read_bytes()
     except OSError as error:
-        inputs.skipped.append(Skipped(name, f"cannot read it ({error.strerror})"))
+        inputs.skipped.append(Skipped(name, f"cannot read it ({error.strerror})", len(inputs.documents)))
         return
     problem = text_problem(data)
     if problem is not None:
-        inputs.skipped.append(Skipped(name, problem))
+        inputs.skipped.append(Skipped(name, problem, len(inputs.documents)))
     else:
         inputs.documents.append(Document(name, data.decode("utf-8-sig")))
 

@@ -2,29 +2,33 @@
 
 Each document is its own ask-many job (AskMany with that one document): its prompts are exactly
 those of `mdcli ask-many FILE -q ...` for that file alone, so its prefix is laid down once and its
-questions branch from it. Many documents' trees decode in one forest (one Run, one shared cache):
-the documents are packed, in input order, into forests of at most `budget_tokens` cache tokens (each
-document's prompt trie plus every question's new tokens), each document's prompts prefilled on
-their own (its prefix a causal run, not masked against the others), and the next forest starts
-when the previous one has finished. Admitting a document mid-forest as another finishes is not
-done: the step loop (core/steps.py) decodes a fixed set of roots from one prefill, and packing
-whole forests keeps that loop as it is. On a CPU core a forest of a document or two measured
-fastest (CPU_BUDGET_TOKENS), so there the gain is the one process and the one load.
+questions branch from it. Many documents' trees decode in one forest (one Run, one shared cache,
+one forward a step for every live branch). Documents are admitted in input order while the ones in
+flight hold at most `budget_tokens` cache tokens (each document's cost: its prompt trie plus every
+question's new tokens; one document is always admitted, however large): at the start, and before
+every step after a document has finished, so the forest stays full. A document admitted mid-forest
+is laid down between two steps (the slots of the finished ones reclaimed first), its prompts
+prefilled on their own (its prefix a causal run, not masked against the others), and its branches
+join the next step. On a CPU core a forest of a document or two measured fastest (CPU_BUDGET_TOKENS),
+so there the gain is the one process and the one load.
 
 A Margins job (margins --each) runs each document through margins on its own, one after another.
 
-Exactness: a branch's tokens do not depend on what else is in the forest, its sampler is seeded
-by its question's place in its document (the branch id it would have alone), and a context cap
-applies per branch as it does alone; so every document's answers are those of its run alone.
+Exactness: a branch's tokens do not depend on what else is in the forest, or on when it joined:
+its sampler is seeded by its question's place in its document (the branch id it would have
+alone), and a context cap applies per branch as it does alone; so every document's answers are
+those of its run alone.
 
 A document is reported once, whole, as soon as its last question finishes (`DocumentDone`), with
-a key (`entry_key`) that a rerun appending to the same output matches to skip it.
+a key (`entry_key`) that a rerun appending to the same output matches to skip it. `index` is its
+place in the input, a file that could not be read counted where it was found.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -133,7 +137,9 @@ def run_each(
     A Margins job runs each document on its own (its three phases, its own forests), one after
     the other in this process: the answers are those of `mdcli margins FILE` on each file."""
     options, identity = job_options(job), model_identity(model)
-    places = list(indices) if indices is not None else list(range(len(documents)))
+    places, skipped_places = input_places(len(documents), skipped)
+    if indices is not None:
+        places = list(indices)
     prepared, already = [], 0
     for place, document in zip(places, documents):
         sha = document_sha256(document.text)
@@ -146,8 +152,8 @@ def run_each(
         else:
             prepared.append(_prepare(model, job, place, document, sha, key))
     refused = [
-        _Prepared(len(places) + n, DocumentRef(s.path, None), None, asked(job), [], error=f"skipped: {s.reason}")
-        for n, s in enumerate(skipped)
+        _Prepared(place, DocumentRef(s.path, None), None, asked(job), [], error=f"skipped: {s.reason}")
+        for place, s in zip(skipped_places, skipped)
     ]
     total = len(prepared) + len(refused)
     if already:
@@ -161,30 +167,28 @@ def run_each(
         yield Progress("documents", done, total, "documents")
     engine = {"max_forward_tokens": max_forward_tokens, "compact_ratio": compact_ratio, "speculate": speculate}
     budget = budget_tokens if budget_tokens is not None else default_budget(model)
-    runs = pack([p for p in prepared if p.error is None], budget) if isinstance(job, AskMany) else [[p] for p in prepared]
-    for batch in runs:
-        if isinstance(job, Margins):
-            events = _run_margins(model, job, batch[0], engine)
-        else:
-            events = _run_forest(model, batch, job.retrieve is not None, **engine)
-        for event in events:
-            yield event
-            if isinstance(event, DocumentDone):
-                done += 1
-                yield Progress("documents", done, total, "documents")
+    if isinstance(job, Margins):
+        events = (event for item in prepared for event in _run_margins(model, job, item, engine))
+    else:
+        events = _run_admitting(model, [p for p in prepared if p.error is None], budget, job.retrieve is not None,
+                                **engine)
+    for event in events:
+        yield event
+        if isinstance(event, DocumentDone):
+            done += 1
+            yield Progress("documents", done, total, "documents")
 
 
-def pack(prepared: list[_Prepared], budget: int) -> Iterator[list[_Prepared]]:
-    """Consecutive documents, as many as fit in `budget` cache tokens (at least one each time)."""
-    batch, used = [], 0
-    for item in prepared:
-        if batch and used + item.cost > budget:
-            yield batch
-            batch, used = [], 0
-        batch.append(item)
-        used += item.cost
-    if batch:
-        yield batch
+def input_places(documents: int, skipped: Sequence[Skipped]) -> tuple[list[int], list[int]]:
+    """Each document's and each skipped file's place in the input order: a skipped file sits after
+    the `before` documents read ahead of it (documents.inputs.Skipped), skipped files that sit
+    together in their listed order."""
+    ranked = sorted(range(len(skipped)), key=lambda n: skipped[n].before)  # stable: listed order kept
+    skipped_places = [0] * len(skipped)
+    for rank, n in enumerate(ranked):
+        skipped_places[n] = min(skipped[n].before, documents) + rank
+    places = [d + sum(1 for s in skipped if s.before <= d) for d in range(documents)]
+    return places, skipped_places
 
 
 def _prepare(model: LoadedModel, job: AskMany, index: int, document: Document, sha: str, key: str) -> _Prepared:
@@ -228,42 +232,56 @@ def _run_margins(model: LoadedModel, job: Margins, item: _Prepared, engine: dict
     yield _done(item, [answers[n] for n in sorted(answers)])
 
 
-def _run_forest(model: LoadedModel, batch: list[_Prepared], retrieves: bool, max_forward_tokens: int,
-                compact_ratio: float, speculate: str) -> Iterator[Event]:
-    """One forest of every branch of `batch`; each document's DocumentDone when its last branch ends."""
-    specs = [spec for item in batch for spec in item.specs]
-    check_forest_fits(
-        model, prompt_tokens=trie_tokens([spec.prompt_ids for spec in specs]), branches=len(specs),
-        new_tokens=max(spec.max_new_tokens for spec in specs), what=f"a forest of {len(batch)} documents",
-        fix="lower --budget-tokens, or -n",
-    )
+def _run_admitting(model: LoadedModel, queue: list[_Prepared], budget: int, retrieves: bool,
+                   max_forward_tokens: int, compact_ratio: float, speculate: str) -> Iterator[Event]:
+    """Every document of `queue` in one forest, admitted as room frees up (module docstring); each
+    document's DocumentDone when its last branch ends."""
     run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
     loop = StepLoop(run, Independent(None), model.tokenizer, model.eos_token_ids)
-    owner: dict[int, tuple[_Prepared, int]] = {}
-    tips: list[list[Tip]] = []
-    for item in batch:
-        tips.append([_tip(loop, spec) for spec in item.specs])
-        owner.update({tip.id: (item, number) for number, tip in enumerate(tips[-1])})
-    if retrieves:
-        yield from (note for item in batch for note in unretrieved_notes(item.specs))
-    roots = [tip for document in tips for tip in document]
-    yield from loop.capped_notes(roots)
-    for document in tips:  # one document at a time: its prefix laid down as a plain causal run, not masked
-        for event in loop.prefill(document, "prefill"):  # against the other documents' slots
-            if isinstance(event, Note):
-                yield event
-    answers: dict[int, dict[int, Answer]] = {item.index: {} for item in batch}
-    for event in loop.run_tips(roots):
+    waiting = deque(queue)
+    flight: dict[int, _Prepared] = {}  # index -> a document admitted and not yet done
+    owner: dict[int, tuple[_Prepared, int]] = {}  # branch id -> (its document, its question number)
+
+    def room() -> bool:
+        return bool(waiting) and (not flight or sum(d.cost for d in flight.values()) + waiting[0].cost <= budget)
+
+    def admit(loop: StepLoop) -> Iterator[Event]:
+        if room() and loop.live:  # the finished documents' slots go before the next is laid down
+            loop.compact(loop.live)
+        elif room():
+            run.empty_cache()
+        while room():
+            item = waiting.popleft()
+            flight[item.index] = item
+            check_forest_fits(
+                model, prompt_tokens=sum(d.cost for d in flight.values()),
+                branches=sum(len(d.specs) for d in flight.values()), new_tokens=0,
+                what=f"a forest of {len(flight)} documents", fix="lower --budget-tokens, or -n",
+            )
+            tips = [_tip(loop, spec) for spec in item.specs]
+            owner.update({tip.id: (item, number) for number, tip in enumerate(tips)})
+            if retrieves:
+                yield from unretrieved_notes(item.specs)
+            yield from loop.capped_notes(tips)
+            # laid down alone: its prefix a plain causal run, not masked against the others' slots
+            for event in loop.prefill(tips, "prefill"):
+                if isinstance(event, Note):
+                    yield event
+            loop.join(tips)
+
+    answers: dict[int, dict[int, Answer]] = {item.index: {} for item in queue}
+    for event in loop.run_tips([], admit):
         if isinstance(event, Note):
             yield event
         elif isinstance(event, Finish) and event.branch in owner:
-            item, number = owner[event.branch]
+            item, number = owner.pop(event.branch)
             got = answers[item.index]
             got[number] = Answer(
                 question=item.questions[number], text=event.text, token_ids=event.token_ids,
                 finish_reason=event.finish_reason, cumulative_logprob=event.cumulative_logprob, parsed=event.parsed,
             )
             if len(got) == len(item.specs):
+                del flight[item.index], answers[item.index]
                 yield _done(item, [got[n] for n in range(len(item.specs))])
 
 
