@@ -272,11 +272,17 @@ def test_progress_counts_documents_with_a_rate_and_an_eta_and_a_cut_line_is_pass
     assert answered_keys(results, 1) == {"k0", "k1"}  # the cut line is skipped, the next record intact
 
 
-def test_margins_each_gives_every_document_the_answers_of_margins_on_it_alone(tiny_dir, tmp_path):
+@pytest.mark.parametrize("budget", [1, 100_000])  # a forest per document; every document in one forest
+def test_margins_each_gives_every_document_the_answers_of_margins_on_it_alone(tiny_dir, tmp_path, budget):
+    from mdcli.strategies.each import run_each
+
     model = api.load_model(str(tiny_dir("llama")), quiet=True)
-    paths = invoices(tmp_path / "docs", 2)
-    job = api.Margins(documents=["(each)"], questions=QUESTIONS, margin_tokens=4, classify_tokens=3, answer_tokens=5)
-    got = answered(api.ask_each(model, [tmp_path / "docs"], job))
+    paths = invoices(tmp_path / "docs", 3)
+    paths[1].write_text(paths[1].read_text() * 4)  # more segments than the others
+    job = api.Margins(documents=["(each)"], questions=QUESTIONS, margin_tokens=4, classify_tokens=3, answer_tokens=5,
+                      segment_tokens=32, sampling=api.SamplingParams(temperature=0.9, seed=3))
+    documents = api.read_inputs([str(tmp_path / "docs")]).documents
+    got = answered(run_each(model, job, documents, budget_tokens=budget))
 
     def margins_alone(path: Path) -> list[list[int]]:
         one = job.model_copy(update={"documents": [path.read_text()], "names": [path.name]})

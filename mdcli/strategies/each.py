@@ -12,7 +12,9 @@ prefilled on their own (its prefix a causal run, not masked against the others),
 join the next step. On a CPU core a forest of a document or two measured fastest (CPU_BUDGET_TOKENS),
 so there the gain is the one process and the one load.
 
-A Margins job (margins --each) runs each document through margins on its own, one after another.
+A Margins job (margins --each) packs consecutive documents, as many as `budget_tokens` holds of
+their margins (at least one), into one forest that runs margins' three phases for all of them
+(strategies/each_margins.py).
 
 Exactness: a branch's tokens do not depend on what else is in the forest, or on when it joined:
 its sampler is seeded by its question's place in its document (the branch id it would have
@@ -43,7 +45,8 @@ from mdcli.errors import MdcliError
 from mdcli.events import Answer, DocumentDone, DocumentRef, Event, Finish, Note, Progress
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.ask_many import AskMany, unretrieved_notes
-from mdcli.strategies.margins import Margins, run_margins
+from mdcli.strategies.each_margins import MarginsDocument, answer_margins, prepare_margins
+from mdcli.strategies.margins import Margins
 from mdcli.strategies.memory import check_forest_fits, trie_tokens
 
 if TYPE_CHECKING:
@@ -100,7 +103,7 @@ class _Prepared:
     specs: list[BranchSpec]
     cost: int = 0  # cache tokens: the prompts' trie and every branch's new tokens
     error: str | None = None
-    text: str = ""  # margins: the document, run on its own
+    margins: MarginsDocument | None = None  # margins: its job on this document alone
 
 
 def default_budget(model: LoadedModel) -> int:
@@ -132,10 +135,11 @@ def run_each(
     each document that cannot run, e.g. one too long for the model), each followed by
     `Progress("documents", done, total, "documents")`; and the forests' notes. A document whose
     key is in `answered` is not run (one `each` note counts them). `indices`: each document's
-    place in the input order (default: 0, 1, ...; the skipped files follow the documents).
+    place in the input order (default: each document's and each skipped file's place as read,
+    documents.inputs.Skipped.before).
 
-    A Margins job runs each document on its own (its three phases, its own forests), one after
-    the other in this process: the answers are those of `mdcli margins FILE` on each file."""
+    A Margins job packs documents into forests of margins' three phases (module docstring): the
+    answers are those of `mdcli margins FILE` on each file."""
     options, identity = job_options(job), model_identity(model)
     places, skipped_places = input_places(len(documents), skipped)
     if indices is not None:
@@ -148,7 +152,7 @@ def run_each(
             already += 1
             continue
         if isinstance(job, Margins):
-            prepared.append(_Prepared(place, DocumentRef(document.path, sha), key, asked(job), [], text=document.text))
+            prepared.append(_prepare_margins(model, job, place, document, sha, key))
         else:
             prepared.append(_prepare(model, job, place, document, sha, key))
     refused = [
@@ -168,7 +172,8 @@ def run_each(
     engine = {"max_forward_tokens": max_forward_tokens, "compact_ratio": compact_ratio, "speculate": speculate}
     budget = budget_tokens if budget_tokens is not None else default_budget(model)
     if isinstance(job, Margins):
-        events = (event for item in prepared for event in _run_margins(model, job, item, engine))
+        ready = [p for p in prepared if p.error is None]
+        events = (event for batch in pack(ready, budget) for event in _run_margins(model, batch, engine))
     else:
         events = _run_admitting(model, [p for p in prepared if p.error is None], budget, job.retrieve is not None,
                                 **engine)
@@ -208,28 +213,48 @@ def _prepare(model: LoadedModel, job: AskMany, index: int, document: Document, s
     return _Prepared(index, ref, key, list(job.questions), specs, cost)
 
 
-def _run_margins(model: LoadedModel, job: Margins, item: _Prepared, engine: dict) -> Iterator[Event]:
-    """margins on one document alone, named as `mdcli margins FILE` names it; its answers (the
-    branches its `answer-sources` notes name) as one DocumentDone, or its error."""
-    one = job.model_copy(update={"documents": [item.text], "names": [PurePath(item.document.path).name]})
-    numbers: dict[int, int] = {}  # answer branch -> question number (1-based)
-    answers: dict[int, Answer] = {}
+def pack(prepared: list[_Prepared], budget: int) -> Iterator[list[_Prepared]]:
+    """Consecutive documents, as many as fit in `budget` cache tokens (at least one each time)."""
+    batch, used = [], 0
+    for item in prepared:
+        if batch and used + item.cost > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append(item)
+        used += item.cost
+    if batch:
+        yield batch
+
+
+def _prepare_margins(model: LoadedModel, job: Margins, index: int, document: Document, sha: str,
+                     key: str) -> _Prepared:
+    """The document's margins job, named as `mdcli margins FILE` names it; an error it cannot run with."""
+    item = _Prepared(index, DocumentRef(document.path, sha), key, asked(job), [])
     try:
-        one.validate()
-        for event in run_margins(model, one, **engine):
-            if isinstance(event, Note) and event.kind == "answer-sources":
-                numbers[event.data["branch"]] = event.data["question"]
-            elif isinstance(event, Finish) and event.branch in numbers:
-                number = numbers[event.branch]
-                answers[number] = Answer(
-                    question=item.questions[number - 1], text=event.text, token_ids=event.token_ids,
-                    finish_reason=event.finish_reason, cumulative_logprob=event.cumulative_logprob, parsed=event.parsed,
-                )
+        item.margins = prepare_margins(model, job, document.text, PurePath(document.path).name)
     except MdcliError as error:
         item.error = error.line()
-        yield _done(item, [])
+        return item
+    item.cost = item.margins.cost
+    return item
+
+
+def _run_margins(model: LoadedModel, batch: list[_Prepared], engine: dict) -> Iterator[Event]:
+    """margins on a batch of documents in one forest (each_margins); each document's DocumentDone as
+    its answers are done. A batch that fails (a prompt too long for the model, say) runs again one
+    document at a time, so that only the document at fault becomes an error record."""
+    try:
+        finished = list(answer_margins(model, [item.margins for item in batch], engine))
+    except MdcliError as error:
+        if len(batch) > 1:
+            for item in batch:
+                yield from _run_margins(model, [item], engine)
+            return
+        batch[0].error = error.line()
+        yield _done(batch[0], [])
         return
-    yield _done(item, [answers[n] for n in sorted(answers)])
+    for place, answers in finished:
+        yield _done(batch[place], answers)
 
 
 def _run_admitting(model: LoadedModel, queue: list[_Prepared], budget: int, retrieves: bool,
