@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "load_model", "load_tokenizer", "ask_each", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
-    "LoadedModel", "LoadOptions", "host_report", "changed_settings",
+    "LoadedModel", "LoadOptions", "RunOptions", "host_report", "changed_settings",
     "ASK_MANY_TEMPLATE", "AskMany", "unretrieved_notes", "Beam", "BeamParams", "BranchSpec", "Constraint", "Explore", "Margins",
     "MarginsPrompts", "SamplingParams", "Speculate", "Think", "FieldError", "parse_early_stopping", "parse_speculate",
     "DEFAULT_ANSWER_TOKENS", "DEFAULT_CLASSIFY_TOKENS", "DEFAULT_MARGIN_TOKENS", "DEFAULT_SEGMENT_TOKENS",

@@ -19,15 +19,15 @@ from mdcli.prompt_cache.key import cache_folder
 from mdcli.prompt_cache.listing import Entry as PromptCacheEntry
 from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import Event, Note
-from mdcli.core.run import Run
 from mdcli.core.sampling import SamplingParams
 from mdcli.strategies.ask_many import AskMany, unretrieved_notes
 from mdcli.strategies.each import CPU_BUDGET_TOKENS, entry_key, run_each
 from mdcli.documents.inputs import Document, Inputs, read_inputs
-from mdcli.strategies.beam import DEFAULT_COMPACT_RATIO, Beam, beam_prompts, check_beam_fits, run_beam
+from mdcli.strategies.beam import Beam, beam_prompts, check_beam_fits, run_beam
 from mdcli.strategies.explore import Explore, run_explore
 from mdcli.strategies.margins import Margins, MarginsPrompts, run_margins
 from mdcli.strategies.memory import check_forest_fits, trie_tokens
+from mdcli.strategies.job import RunOptions, run_options
 from mdcli.strategies.think import Think, run_think
 
 if TYPE_CHECKING:
@@ -40,21 +40,19 @@ def run_specs(
     *,
     strategy: str,
     seed: int | None = None,
-    max_forward_tokens: int = 1024,
-    compact_ratio: float = 0.25,
-    speculate: str = "off",
+    options: RunOptions | None = None,
     notes: Sequence[Note] = (),
+    **engine,
 ) -> Iterator[Event]:
     """Decode independent branches (with optional follow-up children) in one shared cache.
     `notes` follow the start event (facts about how the branches were built, e.g. a question
-    that retrieved no passage).
-    `speculate`: "off" (default here; the command line's is "auto") | "auto" | N draft tokens per
-    branch per step (mdcli/speculative/planner.py);
-    the tokens are the same either way. A forest too large for the device's free memory is
-    refused when this is called, before any event (strategies/memory.py)."""
+    that retrieved no passage). `options` (a RunOptions, or its fields as keywords: speculate
+    "off" by default here, the command line's is "auto"): how the engine runs; the tokens are the
+    same either way. A forest too large for the device's free memory is refused when this is
+    called, before any event (strategies/memory.py)."""
+    options = run_options(options, engine, every=True)
     check_specs_fit(model, specs)
-    return _run_specs(model, specs, strategy=strategy, seed=seed, max_forward_tokens=max_forward_tokens,
-                      compact_ratio=compact_ratio, speculate=speculate, notes=tuple(notes))
+    return _run_specs(model, specs, strategy=strategy, seed=seed, options=options, notes=tuple(notes))
 
 
 def check_specs_fit(model: LoadedModel, specs: list[BranchSpec]) -> None:
@@ -76,8 +74,8 @@ def check_specs_fit(model: LoadedModel, specs: list[BranchSpec]) -> None:
 
 
 def _run_specs(model: LoadedModel, specs: list[BranchSpec], *, strategy: str, seed: int | None,
-               max_forward_tokens: int, compact_ratio: float, speculate: str, notes: tuple[Note, ...]) -> Iterator[Event]:
-    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+               options: RunOptions, notes: tuple[Note, ...]) -> Iterator[Event]:
+    run = options.run(model)
     decoder = Decoder(run, model.tokenizer, model.eos_token_ids)
     branches = decoder.announce(specs)
     yield run.start(strategy, seed, branches)
@@ -91,18 +89,21 @@ def ask_many(
     model: LoadedModel,
     document: str | AskMany,
     questions: list[str] | tuple[str, ...] = (),
-    **options,
+    *,
+    options: RunOptions | None = None,
+    **fields,
 ) -> Iterator[Event]:
     """Answer every question about `document`, all decoding together over the document's cache.
 
     `document` is an AskMany job, or the document text with `questions` and the job's fields as
     keywords (system, template, chat_template, sampling, max_new_tokens=256, stop, documents,
-    retrieve, chunk_tokens: see strategies.ask_many.AskMany); `max_forward_tokens`, `compact_ratio` and `speculate` go to the run."""
-    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
-    job = document if isinstance(document, AskMany) else _ask_many_job(options, document=document, questions=questions)
+    retrieve, chunk_tokens: see strategies.ask_many.AskMany). `options`, a RunOptions (or its
+    fields as keywords, as for every function here), go to the run."""
+    options = run_options(options, fields)
+    job = document if isinstance(document, AskMany) else _ask_many_job(fields, document=document, questions=questions)
     specs = job.branches(model.tokenizer, model.context_length)
     notes = unretrieved_notes(specs) if job.retrieve is not None else []
-    return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, notes=notes, **engine_options)
+    return run_specs(model, specs, strategy="ask-many", seed=job.sampling.seed, notes=notes, options=options)
 
 
 def ask_each(
@@ -112,7 +113,8 @@ def ask_each(
     *,
     answered: Sequence[str] = (),
     budget_tokens: int | None = None,
-    **options,
+    options: RunOptions | None = None,
+    **fields,
 ) -> Iterator[Event]:
     """The same questions about every document, each document its own tree, many trees decoding in
     one forest (strategies/each.py): each document's answers are those of `ask_many` on it alone.
@@ -124,14 +126,16 @@ def ask_each(
     one after the other, each answer the branch its `answer-sources` note names. `answered`: keys (DocumentDone.key) of documents not to run again.
     `budget_tokens`: a forest's most cache tokens (default: strategies.each.default_budget).
     Yields a DocumentDone per document as it finishes, a Progress("documents", ...) after each, and
-    the forests' notes. Arguments are checked here, before the first event is asked for."""
-    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    the forests' notes. `options`: how each forest runs (RunOptions, or its fields as keywords).
+    Arguments are checked here, before the first event is asked for."""
+    # strategies.each takes the run's options as keywords; compact_ratio None is its own default
+    engine_options = {name: value for name, value in run_options(options, fields) if value is not None}
     if isinstance(questions, Margins):
         questions.model_copy(update={"documents": ["(each)"], "names": ["(each)"]}).validate()
         inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
         return run_each(model, questions, inputs.documents, inputs.skipped, answered=frozenset(answered),
                         **engine_options)
-    job = questions if isinstance(questions, AskMany) else _ask_many_job(options, questions=questions)
+    job = questions if isinstance(questions, AskMany) else _ask_many_job(fields, questions=questions)
     job.model_copy(update={"document": "(each)", "documents": []}).validate()
     inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
     return run_each(model, job, inputs.documents, inputs.skipped, answered=frozenset(answered),
@@ -177,7 +181,8 @@ def margins(
     classify_tokens: int | None = None,
     answer_tokens: int | None = None,
     memory_budget_bytes: int | None = None,
-    **engine_options,
+    options: RunOptions | None = None,
+    **engine,
 ) -> Iterator[Event]:
     """Writing in the Margins: a margin per segment (all at once), each classified relevant or
     not (all at once), then one answer from the relevant margins. `query` asks one question;
@@ -189,9 +194,10 @@ def margins(
 
     `documents` is a Margins job, or the document text(s) with the job's fields as keywords: a
     keyword left None takes the job's default (strategies.margins.Margins, MarginsOptions;
-    `context` is its `layout`, `max_new_tokens` its `margin_tokens`). `max_forward_tokens`,
-    `compact_ratio` and `speculate` go to the run. Arguments are checked here, before the first
-    event is asked for."""
+    `context` is its `layout`, `max_new_tokens` its `margin_tokens`). `options` (RunOptions, or
+    its fields as keywords) go to the run. Arguments are checked here, before the first event is
+    asked for."""
+    options = run_options(options, engine, every=True)
     fields = {
         "query": query, "questions": questions, "names": names, "layout": context, "segment_tokens": segment_tokens,
         "keep": keep, "classify": classify, "with_segments": with_segments, "prompts": prompts,
@@ -208,7 +214,7 @@ def margins(
             given["questions"] = list(given["questions"])
         job = Margins(documents=[documents] if isinstance(documents, str) else list(documents), **given)
     job.validate()
-    return run_margins(model, job, **engine_options)
+    return run_margins(model, job, options)
 
 
 # -- beam search ---------------------------------------------------------------------------------
@@ -219,9 +225,8 @@ def beam_search(
     prompt: str | Beam,
     questions: list[str] | tuple[str, ...] = (),
     *,
-    max_forward_tokens: int = 1024,
-    compact_ratio: float | None = None,
-    **options,
+    options: RunOptions | None = None,
+    **fields,
 ) -> Iterator[Event]:
     """Beam search with the rules and scores of `generate(num_beams=width, do_sample=False)`,
     every beam a leaf of one shared cache.
@@ -230,39 +235,41 @@ def beam_search(
     num_return=1, length_penalty=1.0, early_stopping=False, max_new_tokens=64, system, template,
     chat_template: see strategies.beam.Beam). Without `questions`, `prompt` is the prompt text: one
     beam set. With them, `prompt` is a document and each question gets its own beam set (the
-    ask-many template), all stepping in the same forward. Options are checked, and a width that
-    cannot fit in memory refused, here, before anything runs; the events come when the returned
-    iterator is consumed.
+    ask-many template), all stepping in the same forward. `options` (RunOptions, or its fields as
+    keywords) go to the run; beam search does not speculate, and says why. Options are checked,
+    and a width that cannot fit in memory refused, here, before anything runs; the events come
+    when the returned iterator is consumed.
     """
-    job = prompt if isinstance(prompt, Beam) else Beam(prompt=prompt, questions=list(questions), **options)
+    options = run_options(options, fields)
+    job = prompt if isinstance(prompt, Beam) else Beam(prompt=prompt, questions=list(questions), **fields)
     job.validate()
     prompts = beam_prompts(model.tokenizer, job.prompt, job.questions, job.system, job.template, job.chat_template)
     params = job.params
     check_beam_fits(model, [len(p.prompt_ids) for p in prompts], params)
-    ratio = DEFAULT_COMPACT_RATIO if compact_ratio is None else compact_ratio
-    return run_beam(model, prompts, params, max_forward_tokens=max_forward_tokens, compact_ratio=ratio)
+    return run_beam(model, prompts, params, options)
 
 
-def explore(model: LoadedModel, prompt: str | Explore, **options) -> Iterator[Event]:
+def explore(model: LoadedModel, prompt: str | Explore, *, options: RunOptions | None = None, **fields) -> Iterator[Event]:
     """Step-level search: at each step boundary `k` sampled candidates per kept path decode
     together, are scored ("logprob" or "judge"), and the best `keep` go on (see
     mdcli/strategies/explore.py). `prompt` is an Explore job, or the prompt text with the job's
     fields as keywords (k=4, keep=1, chunk_tokens=None, score="logprob", system, chat_template,
     sampling: temperature 0.8 when not given, since greedy candidates would be identical,
-    max_new_tokens=256); `max_forward_tokens` and `compact_ratio` go to the run. Arguments are
-    checked here, before the first event is asked for."""
-    engine_options = {name: options.pop(name) for name in ("max_forward_tokens", "compact_ratio") if name in options}
+    max_new_tokens=256); `options` (RunOptions, or its fields as keywords) go to the run; explore
+    does not speculate, and says why. Arguments are checked here, before the first event is
+    asked for."""
+    options = run_options(options, fields)
     if isinstance(prompt, Explore):
         job = prompt
     else:
-        if options.get("sampling", ...) is None:
-            del options["sampling"]
-        job = Explore(prompt=prompt, **options)
+        if fields.get("sampling", ...) is None:
+            del fields["sampling"]
+        job = Explore(prompt=prompt, **fields)
     job.validate()
-    return run_explore(model, job, **engine_options)
+    return run_explore(model, job, options)
 
 
-def think(model: LoadedModel, question: str | Think, **options) -> Iterator[Event]:
+def think(model: LoadedModel, question: str | Think, *, options: RunOptions | None = None, **fields) -> Iterator[Event]:
     """Parallel chains of thought: `paths` independent paths (or, with `plan=True`, one path per
     item of an outline the model writes first) decode together over the question's cache, then
     `merge` ("reencode": exact conclusion, "attend": approximate Multiverse-style conclusion,
@@ -273,21 +280,18 @@ def think(model: LoadedModel, question: str | Think, **options) -> Iterator[Even
     strategies.think.Think: paths=4, plan, max_paths=8, merge, vote, answer_pattern,
     path_instructions, system, chat_template, sampling (None: sampled where greedy paths would be
     identical), max_new_tokens=256, plan_tokens (None: min(128, max_new_tokens)), conclusion_tokens
-    (None: max_new_tokens), stop); `max_forward_tokens`, `compact_ratio` and `speculate` go to the
+    (None: max_new_tokens), stop); `options` (RunOptions, or its fields as keywords) go to the
     run. Arguments are checked here, before the first event is asked for.
     """
-    engine_options = {name: options.pop(name) for name in _ENGINE_OPTIONS if name in options}
+    options = run_options(options, fields)
     if isinstance(question, Think):
         job = question
     else:
-        if options.get("sampling", ...) is None:
-            del options["sampling"]
-        job = Think(question=question, **{k: _listed(k, v) for k, v in options.items()})
+        if fields.get("sampling", ...) is None:
+            del fields["sampling"]
+        job = Think(question=question, **{k: _listed(k, v) for k, v in fields.items()})
     job.validate()
-    return run_think(model, job, **engine_options)
-
-
-_ENGINE_OPTIONS = ("max_forward_tokens", "compact_ratio", "speculate")
+    return run_think(model, job, options)
 
 
 # -- the prompt cache's folder ---------------------------------------------------------------------
@@ -341,8 +345,8 @@ from mdcli.documents.inputs import Skipped, joined_text, named_text  # noqa: E40
 __all__ = [
     # running: each returns an iterator of events (mdcli.events)
     "ask_each", "ask_many", "beam_search", "explore", "margins", "run_specs", "think",
-    # loading
-    "LoadedModel", "LoadOptions", "load_model", "load_tokenizer",
+    # loading, and how a run runs (every function above takes `options=RunOptions(...)`)
+    "LoadedModel", "LoadOptions", "load_model", "load_tokenizer", "RunOptions",
     # what `mdcli info` reports: the host, the settings that differ from their defaults
     "host_report", "changed_settings",
     # the jobs and settings the functions above build, for checking arguments before a model is loaded

@@ -127,7 +127,7 @@ class Note:
 @dataclass(frozen=True, slots=True)
 class Progress:
     """How far a long phase has got. A prefill reports in tokens before its first forward and
-    after each one (a forward feeds at most `max_forward_tokens`), e.g. ``Progress("prefill",
+    after each one (a forward feeds at most --max-forward-tokens), e.g. ``Progress("prefill",
     1024, 1819)``; a decode reports branches finished after each step, e.g.
     ``Progress("decode", 3, 8, "branches")``. Renderers show it on stderr; it changes no answer."""
 

@@ -25,6 +25,7 @@ from mdcli.core.decoding import BranchSpec
 from mdcli.core.engine import ChainResult, Engine
 from mdcli.core.forest import Forest, layout_chains, pad_rows
 from mdcli.core.run import prefill_prompts
+from mdcli.strategies.job import RunOptions, run_options
 
 
 TOKEN_GRID_LIMIT = 48
@@ -125,11 +126,13 @@ class _ModelFreeEngine:
         return [ChainResult(row=ends[i], logits=None) for i in range(len(chains))]
 
 
-def plan_layout(prompts: Sequence[Sequence[int]], *, max_forward_tokens: int = 1024) -> ForestLayout:
-    """Where a run would put these prompts' tokens: slots, positions (depths), parents, edges."""
+def plan_layout(prompts: Sequence[Sequence[int]], options: RunOptions | None = None, **engine_options) -> ForestLayout:
+    """Where a run with `options` (RunOptions, or its fields as keywords) would put these prompts'
+    tokens: slots, positions (depths), parents, edges."""
+    options = run_options(options, engine_options, every=True)
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
-    engine = _ModelFreeEngine(max_forward_tokens)
+    engine = _ModelFreeEngine(options.max_forward_tokens)
     results = prefill_prompts(engine, [list(prompt) for prompt in prompts])  # type: ignore[arg-type]
     forest = engine.forest
     n = len(forest)

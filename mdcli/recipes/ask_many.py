@@ -31,7 +31,7 @@ from mdcli.recipes.templates import ask_many_default_template, fill
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 
 class AskManyRecipe(BranchesRecipe):
@@ -90,13 +90,13 @@ class AskManyRecipe(BranchesRecipe):
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
         """run_specs, with a note for each question that retrieved nothing (`retrieve:` only)."""
         specs = self.specs(model.tokenizer, values)
         return api.run_specs(
-            model, specs, strategy=self.strategy_name(), seed=self.sampling.seed, max_forward_tokens=max_forward_tokens,
-            speculate=speculation, notes=unretrieved_notes(specs) if self.retrieve is not None else (),
+            model, specs, strategy=self.strategy_name(), seed=self.sampling.seed, options=options,
+            notes=unretrieved_notes(specs) if self.retrieve is not None else (),
         )
 
     def _index(self, tokenizer, values: dict[str, str]) -> ChunkIndex:

@@ -12,11 +12,13 @@ from mdcli.recipes.errors import Problem, short
 from mdcli.recipes.schema import RecipeBase, TemplateSite
 from mdcli.recipes.templates import ask_many_default_template, escape_dollars, fill
 from mdcli.strategies.beam import BeamOptions, BeamParams
+from mdcli.strategies.beam.search import REFUSES
 
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
     from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 
 class BeamRecipe(RecipeBase, BeamOptions):
@@ -69,25 +71,24 @@ class BeamRecipe(RecipeBase, BeamOptions):
         """Never: the candidates are ranked across beams at every step."""
         if flag is not None or self.speculate is not None:
             raise RecipeError(
-                f"{self.source}: speculate: beam search does not speculate (its candidates are ranked across "
-                "beams at every step)", fix="remove speculate from the recipe and --speculate from the command")
+                f"{self.source}: speculate: beam search does not speculate ({REFUSES['speculate']})", fix="remove speculate from the recipe and --speculate from the command")
         return None
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
-        options = {name: getattr(self, name) for name in BeamOptions.model_fields}
-        options |= {
+        fields = {name: getattr(self, name) for name in BeamOptions.model_fields}
+        fields |= {
             "max_new_tokens": self.sampling.new_tokens(BeamParams.model_fields["max_new_tokens"].default),
-            "system": self.system, "chat_template": self.chat_template, "max_forward_tokens": max_forward_tokens,
+            "system": self.system, "chat_template": self.chat_template, "options": options,
         }
         if self.questions is None:
-            return api.beam_search(model, fill(self.prompt, values), **options)
+            return api.beam_search(model, fill(self.prompt, values), **fields)
         # the API's template is in ask-many form ($document, $question): fill the recipe's own
         # variables now (escaped, so a `$` in a value stays literal) and leave those two to the API
         escaped = {name: escape_dollars(value) for name, value in values.items()}
         template = fill(self.template or ask_many_default_template(),
                         {**escaped, "context": "$document", "question": "$question"})
         questions = [fill(question, values) for question in self.questions]
-        return api.beam_search(model, context, questions, template=template, **options)
+        return api.beam_search(model, context, questions, template=template, **fields)

@@ -22,7 +22,7 @@ from mdcli.recipes.templates import fill
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 
 class BranchesRecipe(RecipeBase):
@@ -48,11 +48,11 @@ class BranchesRecipe(RecipeBase):
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
         return api.run_specs(
             model, self.specs(model.tokenizer, values), strategy=self.strategy_name(), seed=self.sampling.seed,
-            max_forward_tokens=max_forward_tokens, speculate=speculation,
+            options=options,
         )
 
 

@@ -16,12 +16,12 @@ from mdcli.recipes.checks import context_documents
 from mdcli.recipes.errors import Problem, recipe_error
 from mdcli.recipes.schema import RecipeBase
 from mdcli.recipes.templates import RESERVED_VARIABLES, template_variables
+from mdcli.strategies.job import RunOptions, run_options
 
 if TYPE_CHECKING:
     from mdcli.core.decoding import BranchSpec
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
 
 
 def resolved_seed(recipe: RecipeBase) -> int | None:
@@ -42,13 +42,15 @@ def compile_recipe(
 
 def recipe_events(
     recipe: RecipeBase, model: LoadedModel, *, input_text: str | Sequence[Document] | None = None, vars: dict[str, str] | None = None,
-    max_forward_tokens: int = 1024, speculate: str | Speculate | None = None,
+    options: RunOptions | None = None, **engine,
 ) -> Iterator[Event]:
     """The events of running `recipe` (sampling overrides already applied with with_sampling).
-    Arguments are checked here, before the first event is asked for. Raises RecipeError/UsageError."""
-    speculation = recipe.speculation(speculate)
+    `options` (RunOptions, or its fields as keywords): how the engine runs; a `speculate` set there
+    wins over the recipe's, which is auto when it has none. Arguments are checked here, before the
+    first event is asked for. Raises RecipeError/UsageError."""
+    options = recipe.run_options(run_options(options, engine, every=True))
     values, context = values_and_context(recipe, input_text, vars)
-    return recipe.events(model, values, context, max_forward_tokens=max_forward_tokens, speculation=speculation)
+    return recipe.events(model, values, context, options=options)
 
 
 def check_run_inputs(

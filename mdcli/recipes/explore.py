@@ -10,12 +10,13 @@ from mdcli.errors import RecipeError
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import RecipeBase, Sampling, TemplateSite
 from mdcli.recipes.templates import fill
-from mdcli.strategies.explore import DEFAULT_TEMPERATURE, Explore, ExploreOptions
+from mdcli.strategies.explore import DEFAULT_TEMPERATURE, REFUSES, Explore, ExploreOptions
 
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
     from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 
 class ExploreRecipe(RecipeBase, ExploreOptions):
@@ -46,13 +47,12 @@ class ExploreRecipe(RecipeBase, ExploreOptions):
         """Never: candidates stop at step boundaries to be ranked against each other."""
         if flag is not None or self.speculate is not None:
             raise RecipeError(
-                f"{self.source}: speculate: explore does not speculate (its candidates stop at every step to be "
-                "ranked)", fix="remove speculate from the recipe and --speculate from the command")
+                f"{self.source}: speculate: explore does not speculate ({REFUSES['speculate']})", fix="remove speculate from the recipe and --speculate from the command")
         return None
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
         settings = Sampling(temperature=DEFAULT_TEMPERATURE).then(self.sampling)
         job = Explore(
@@ -60,4 +60,4 @@ class ExploreRecipe(RecipeBase, ExploreOptions):
             sampling=settings.params(), max_new_tokens=settings.new_tokens(Explore.model_fields["max_new_tokens"].default),
             **{name: getattr(self, name) for name in ExploreOptions.model_fields},
         )
-        return api.explore(model, job, max_forward_tokens=max_forward_tokens)
+        return api.explore(model, job, options=options)

@@ -29,7 +29,7 @@ from mdcli.strategies.margins.job import Margins, MarginsOptions, MarginsPrompts
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 _TEMPLATE_FIELDS = {"margin_template": "margin", "classification_template": "classification",
                     "answer_template": "answer"}
@@ -92,11 +92,11 @@ class MarginsRecipe(RecipeBase, MarginsOptions):
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
         job = self.job(values, context)
         job.validate()  # here, before the first event is asked for
-        return run_margins(model, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+        return run_margins(model, job, options)
 
     def job(self, values: dict[str, str], context: str) -> Margins:
         """The strategies.margins job this recipe runs, its variables' values known. A context of

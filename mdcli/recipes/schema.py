@@ -23,14 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from mdcli.constraints import Constraint
 from mdcli.errors import RecipeError
 from mdcli.core.sampling import SamplingParams
-from mdcli.speculative.planner import parse_speculate
+from mdcli.speculative.planner import Speculate, parse_speculate
 from mdcli.strategies.ask_many import AskMany
+from mdcli.strategies.job import RunOptions
 
 if TYPE_CHECKING:
     from mdcli.core.decoding import BranchSpec
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
 
 RECIPE_VERSION = 1
 DEFAULT_MAX_NEW_TOKENS = AskMany.model_fields["max_new_tokens"].default  # per branch, when no layer states it
@@ -190,6 +190,12 @@ class RecipeBase(Strict):
         """--speculate wins over the recipe's `speculate`."""
         return parse_speculate(flag if flag is not None else self.speculate)
 
+    def run_options(self, options: RunOptions) -> RunOptions:
+        """The run's options: a `speculate` set in `options` (--speculate) wins over the recipe's,
+        and a recipe that cannot speculate refuses either (`speculation`)."""
+        flag = options.speculate if "speculate" in options.model_fields_set else None
+        return options.model_copy(update={"speculate": self.speculation(flag) or Speculate("off")})
+
     def branch_specs(self, tokenizer, *, input_text: str | None, vars: dict[str, str] | None) -> list[BranchSpec]:
         """The root BranchSpecs (children nested) of a recipe that is a list of branches."""
         raise RecipeError(
@@ -199,7 +205,7 @@ class RecipeBase(Strict):
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
         """The events of running the recipe: `values` are its variables ($context included when it
         has one), `context` its context text. Arguments are checked before the first event."""

@@ -17,7 +17,7 @@ from mdcli.strategies.think import Think, ThinkOptions
 if TYPE_CHECKING:
     from mdcli.events import Event
     from mdcli.models.load import LoadedModel
-    from mdcli.speculative.planner import Speculate
+    from mdcli.strategies.job import RunOptions
 
 
 class ThinkRecipe(RecipeBase, ThinkOptions):
@@ -65,6 +65,6 @@ class ThinkRecipe(RecipeBase, ThinkOptions):
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,
-        max_forward_tokens: int, speculation: Speculate | None,
+        options: RunOptions,
     ) -> Iterator[Event]:
-        return api.think(model, self.job(values), max_forward_tokens=max_forward_tokens, speculate=speculation)
+        return api.think(model, self.job(values), options=options)

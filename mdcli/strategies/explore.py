@@ -53,7 +53,7 @@ from mdcli.strategies.prompts import continuation_token_ids, prompt_token_ids
 from mdcli.core.run import Run
 from mdcli.core.sampling import Sampler, SamplingParams
 from mdcli.core.steps import Policy, StepLoop, Tip
-from mdcli.strategies.job import FieldError, Job, Options
+from mdcli.strategies.job import FieldError, Job, Options, RunOptions, run_options
 
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
@@ -308,11 +308,20 @@ def _rating(tokenizer, chat_template: bool) -> tuple[list[int], tuple[int, int]]
     return ids, (yes, no)
 
 
-def run_explore(
-    model: LoadedModel, job: Explore, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25
-) -> Iterator[Event]:
-    """The events of an explore run: Start, the search, Done (over one Run)."""
-    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio)
+# What explore cannot honour of RunOptions, and why (RunOptions.refuse).
+REFUSES = {"speculate": "its candidates stop at every step to be ranked"}
+
+
+def run_explore(model: LoadedModel, job: Explore, options: RunOptions | None = None, **engine) -> Iterator[Event]:
+    """The events of an explore run: Start, the search, Done (over one Run). `options` (or
+    RunOptions' fields as keywords): how the engine runs; speculation is refused (REFUSES), here,
+    before the first event."""
+    options = run_options(options, engine, every=True).refuse("explore", **REFUSES)
+    return _explore_events(model, job, options)
+
+
+def _explore_events(model: LoadedModel, job: Explore, options: RunOptions) -> Iterator[Event]:
+    run = options.run(model)
     search = ExploreSearch(run, job, model.tokenizer, model.eos_token_ids)
     yield run.start("explore", job.sampling.seed, search.announce())
     yield from search.run()

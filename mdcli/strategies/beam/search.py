@@ -31,7 +31,7 @@ from mdcli.strategies.beam.rules import (
     BeamSet,
     beam_memory_bytes,
 )
-from mdcli.strategies.job import FieldError
+from mdcli.strategies.job import FieldError, RunOptions, run_options
 from mdcli.strategies.prompts import fill_template, prompt_token_ids
 
 if TYPE_CHECKING:
@@ -269,11 +269,23 @@ def _unique(beams: list) -> list:
     return out
 
 
+# What beam search cannot honour of RunOptions, and why (RunOptions.refuse).
+REFUSES = {"speculate": "its candidates are ranked across beams at every step"}
+
+
 def run_beam(
-    model: LoadedModel, prompts: list[BeamPrompt], params: BeamParams, *, max_forward_tokens: int, compact_ratio: float
+    model: LoadedModel, prompts: list[BeamPrompt], params: BeamParams, options: RunOptions | None = None, **engine
 ) -> Iterator[Event]:
-    """The events of a beam run: Start, ignored-settings note, the search, Done."""
-    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio)
+    """The events of a beam run: Start, ignored-settings note, the search, Done. `options` (or
+    RunOptions' fields as keywords): how the engine runs (compaction: DEFAULT_COMPACT_RATIO unless
+    asked); speculation is refused (REFUSES), here, before the first event."""
+    options = run_options(options, engine, every=True).refuse("beam search", **REFUSES)
+    return _beam_events(model, prompts, params, options)
+
+
+def _beam_events(model: LoadedModel, prompts: list[BeamPrompt], params: BeamParams,
+                 options: RunOptions) -> Iterator[Event]:
+    run = options.run(model, compact_ratio=DEFAULT_COMPACT_RATIO)
     tokenizer = model.tokenizer
 
     def decode(token_ids: list[int]) -> str:

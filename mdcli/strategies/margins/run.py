@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 from mdcli.core.decoding import BranchSpec, Decoder
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note, Source
-from mdcli.core.run import Run
+from mdcli.strategies.job import RunOptions, run_options
 from mdcli.strategies.segmenting import Segment
 from mdcli.strategies.margins.fit import check_fits
 from mdcli.strategies.margins.job import MarginResult, Margins, parse_verdict
@@ -64,22 +64,22 @@ from mdcli.strategies.margins.job import MarginResult, Margins, parse_verdict
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
 
-def new_decoder(
-    model: LoadedModel, *, max_forward_tokens: int = 1024, compact_ratio: float = 0.25, speculate: str = "off"
-) -> Decoder:
-    """A Decoder over a new Run for `model` (one engine, one cache) for every phase."""
-    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+def new_decoder(model: LoadedModel, options: RunOptions | None = None, **engine) -> Decoder:
+    """A Decoder over a new Run for `model` (one engine, one cache) for every phase; `options` (or
+    RunOptions' fields as keywords) say how the engine runs."""
+    run = run_options(options, engine, every=True).run(model)
     return Decoder(run, model.tokenizer, model.eos_token_ids)
 
 
-def run_margins(model: LoadedModel, job: Margins, **engine_options) -> Iterator[Event]:
-    """The three phases over one decoder; see the module docstring for the event stream."""
+def run_margins(model: LoadedModel, job: Margins, options: RunOptions | None = None, **engine) -> Iterator[Event]:
+    """The three phases over one decoder; see the module docstring for the event stream. `options`
+    (or RunOptions' fields as keywords): how the engine runs; margins honours them all."""
     job.validate()
     tokenizer = model.tokenizer
     segments = job.segments(tokenizer)
     specs = job.margin_specs(tokenizer, segments)
     prefill_tokens = check_fits(model, job, segments, specs)
-    decoder = new_decoder(model, **engine_options)
+    decoder = new_decoder(model, options, **engine)
 
     count = len(segments)
     infos = grouped(job, decoder.announce(specs), [i // count for i in range(len(specs))])

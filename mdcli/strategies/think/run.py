@@ -41,10 +41,10 @@ import torch
 from mdcli.constraints import compile_for
 from mdcli.core.decoding import BranchSpec, Decoder, Independent
 from mdcli.core.forest import stack_rows
-from mdcli.core.run import Run
 from mdcli.core.steps import StepLoop
 from mdcli.errors import ContextTooLongError
 from mdcli.events import BranchInfo, Event, Finish, Fork, Note
+from mdcli.strategies.job import RunOptions, run_options
 from mdcli.strategies.memory import check_forest_fits
 from mdcli.strategies.think.job import CONCLUSION_SEED_KEY, Think
 from mdcli.strategies.think.text import (
@@ -88,17 +88,16 @@ class ThinkRun:
         self,
         model: LoadedModel,
         job: Think,
-        *,
-        max_forward_tokens: int = 1024,
-        compact_ratio: float = 0.25,
-        speculate: str = "off",
+        options: RunOptions | None = None,
+        **engine,
     ):
         self.model = model
         self.job = job
         self.tokenizer = model.tokenizer
-        # the attend merge reads every path's cached tokens: none may be compacted away meanwhile
-        ratio = math.inf if job.merge == "attend" else compact_ratio
-        self.run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=ratio, speculate=speculate)
+        options = run_options(options, engine, every=True)
+        if job.merge == "attend":  # it reads every path's cached tokens: none may be compacted away meanwhile
+            options = options.model_copy(update={"compact_ratio": math.inf})
+        self.run = options.run(model)
         self.engine = self.run.engine
         self.decoder = Decoder(self.run, model.tokenizer, model.eos_token_ids)
 
@@ -340,6 +339,7 @@ def _skipped_merge_note(mode: str, why: str) -> Note:
     return Note(kind="merge-skipped", message=f"no conclusion ({mode}): {why}", data={"mode": mode, "reason": why})
 
 
-def run_think(model: LoadedModel, job: Think, **engine_options) -> Iterator[Event]:
-    """The events of a think run (validate `job` first to fail before any output)."""
-    return ThinkRun(model, job, **engine_options).events()
+def run_think(model: LoadedModel, job: Think, options: RunOptions | None = None, **engine) -> Iterator[Event]:
+    """The events of a think run (validate `job` first to fail before any output); `options` (or
+    RunOptions' fields as keywords): how the engine runs; think honours them all."""
+    return ThinkRun(model, job, options, **engine).events()
