@@ -7,34 +7,29 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import (
-    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, ChunkTokensOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DocumentsArg, DtypeOpt, CpuWeightsOpt, PromptCacheOpt,
-    EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, RetrieveOpt, announce_loading, output_mode, read_inputs,
-    MaxNewOpt, MinPOpt, ModelOpt, NoChatOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    SpeculateOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
-    read_questions_file, render, sampling_params, speculate_setting,
-    VerboseOpt,
-)
+from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
 from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
+from mdcli.cli.groups import takes
+from mdcli.cli.options import (
+    DECODE, LOAD, OUTPUT, ChunkTokensOpt, DecodeFlags, DocumentsArg, LoadFlags, OutputFlags, QuestionsFileOpt,
+    RetrieveOpt, SaveRecipeOpt,
+)
 from mdcli.errors import UsageError
 
 
+@takes(loading=LOAD, decoding=DECODE, out=OUTPUT)
 def ask_many(
     ctx: typer.Context,
     document: DocumentsArg,
     question: Annotated[
         Optional[list[str]], typer.Option("--question", "-q", help="A question (repeatable).", show_default=False)
     ] = None,
-    questions_file: Annotated[
-        Optional[Path],
-        typer.Option("--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False),
-    ] = None,
+    questions_file: QuestionsFileOpt = None,
     template: Annotated[
         Optional[str],
         typer.Option("--template", help="User-turn template with $document and $question.", show_default=False),
     ] = None,
-    system: SystemOpt = None,
     retrieve: RetrieveOpt = None,
     chunk_tokens: ChunkTokensOpt = 256,
     recipe: Annotated[
@@ -44,47 +39,13 @@ def ask_many(
             show_default=False,
         ),
     ] = None,
-    save_recipe: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--save-recipe", help="Write these settings as a recipe YAML, then run as usual.", show_default=False
-        ),
-    ] = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    max_new_tokens: MaxNewOpt = 256,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    choices: ChoicesOpt = None,
-    regex: RegexOpt = None,
-    schema: SchemaOpt = None,
-    no_chat_template: NoChatOpt = False,
+    save_recipe: SaveRecipeOpt = None,
     output: EachOutputOpt = "auto",
     each: EachOpt = False,
     budget_tokens: BudgetTokensOpt = None,
     workers: WorkersOpt = None,
     ray_address: RayAddressOpt = None,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
-    max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "auto",
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Ask many questions about one document or many: every answer decodes at once over the shared cache.
 
@@ -108,20 +69,20 @@ def ask_many(
     and still runs; `mdcli run FILE --input DOC` then gives the same tokens. --recipe FILE starts
     from a saved or built-in ask-many recipe.
     """
-    with errors(debug), in_flags():
+    with errors(out.debug), in_flags():
         mode, results = split_output(output, each)
         if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
             raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         if each and (recipe is not None or save_recipe is not None):
             raise UsageError("--each does not take --recipe or --save-recipe", fix="give the questions with -q")
         if recipe is not None or save_recipe is not None:
-            _run_with_recipe(ctx, recipe, save_recipe, announced)
+            _run_with_recipe(ctx, recipe, save_recipe, announced, loading, decoding, out)
             return
 
-        speculation = speculate_setting(speculate)
+        options = decoding.run_options()
         questions = list(question or []) + read_questions_file(questions_file)
         job = api.AskMany(
             document="(each)" if each else "",  # --each: every document is read on its own, below
@@ -129,23 +90,22 @@ def ask_many(
             retrieve=retrieve,
             chunk_tokens=chunk_tokens,
             questions=questions,
-            system=system,
+            system=decoding.system,
             template=template or api.ASK_MANY_TEMPLATE,
-            chat_template=not no_chat_template,
-            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
-            max_new_tokens=max_new_tokens,
-            stop=tuple(stop or ()),
-            constraint=constraint_from_flags(choices, regex, schema),
+            chat_template=not decoding.no_chat_template,
+            sampling=decoding.sampling(),
+            max_new_tokens=decoding.max_new_tokens,
+            stop=decoding.stops(),
+            constraint=decoding.constraint(),
         )
         job.validate()  # before the model loads
-        mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
+        mode = out.mode(mode)
         if each:
-            run_each(locals(), document, job, mode, results, announced, ctx)
+            run_each(ctx, document, job, mode, results, announced, loading=loading, options=options, out=out,
+                     workers=workers, ray_address=ray_address, budget_tokens=budget_tokens)
             return
-        lm = load(load_options(locals(), announced=announced))
-        events = api.ask_many(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+        lm = load(loading.options(out, announced=announced))
+        out.render(api.ask_many(lm, job, options=options), mode, lm)
 
 
 # -- --recipe and --save-recipe --------------------------------------------------------------------
@@ -153,7 +113,8 @@ def ask_many(
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")
 
 
-def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None, announced: bool) -> None:
+def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None, announced: bool,
+                     loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags) -> None:
     """ask-many through a recipe: the --recipe file (if any) with the flags you typed on top.
 
     Without --recipe every flag counts, defaults included, so the saved file pins them all. With
@@ -163,8 +124,8 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
     from mdcli.recipes import ask_many_recipe, dump_recipe, sampling_from_flags
 
-    p = ctx.params
-    typed_speculation = speculate_setting(p["speculate"])  # a bad --speculate fails before anything else
+    p = ctx.params  # every option by name: a flag counts here by whether it was typed (_given)
+    typed_speculation = decoding.run_options().speculate  # a bad --speculate fails before anything else
     base = _base_recipe(recipe_name) if recipe_name is not None else None
 
     def flag(name: str):
@@ -182,30 +143,29 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
         questions=questions or None,
         template=flag("template") or (None if base is not None else api.ASK_MANY_TEMPLATE),
         system=flag("system"),
-        chat_template=None if flag("no_chat_template") is None else not p["no_chat_template"],
+        chat_template=None if flag("no_chat_template") is None else not decoding.no_chat_template,
         sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
         speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
         prompt_cache=flag("prompt_cache"),
         retrieve=flag("retrieve"),
         chunk_tokens=flag("chunk_tokens"),
-        constraint=constraint_from_flags(p["choices"], p["regex"], p["schema"]),
+        constraint=decoding.constraint(),
         source=recipe_name or "ask-many flags",
     )
-    speculation = plan.speculation(None)  # --speculate is in the plan, over the --recipe file's
+    options = decoding.run_options(speculate=plan.speculation(None))  # --speculate is in the plan, over the --recipe file's
     if save_to is not None:
         write_recipe(save_to, dump_recipe(plan))
-    mode = output_mode(split_output(p["output"], False)[0], jsonl=p["jsonl"], plain=p["plain"], json=p["as_json"])
-    check_progress(p["quiet"], p["progress"])
-    lm = load(load_options(p, announced=announced, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
+    mode = out.mode(split_output(p["output"], False)[0])
+    lm = load(loading.options(out, announced=announced, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
 
     specs = compile_recipe(plan, lm.tokenizer, input_text=documents)
     events = api.run_specs(
-        lm, specs, strategy="ask-many", seed=resolved_seed(plan), max_forward_tokens=p["max_forward_tokens"],
-        speculate=speculation, notes=api.unretrieved_notes(specs) if plan.retrieve is not None else (),
+        lm, specs, strategy="ask-many", seed=resolved_seed(plan), options=options,
+        notes=api.unretrieved_notes(specs) if plan.retrieve is not None else (),
     )
-    render(events, mode, p["quiet"], header=header(lm, p["verbose"]), progress=p["progress"])
+    out.render(events, mode, lm)
 
 
 def _base_recipe(name: str):

@@ -7,15 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, ModelOpt,
-    NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SystemOpt, check_progress, errors, header,
-    load, load_options, read_document, read_questions_file, render,
-    VerboseOpt,
-)
+from mdcli.cli.common import announce_loading, errors, load, read_document, read_questions_file
 from mdcli.cli.flags import in_flags
+from mdcli.cli.groups import takes
+from mdcli.cli.options import (
+    LOAD, OUTPUT, UNSAMPLED, DecodeFlags, LoadFlags, OutputFlags, QuestionsFileOpt, SaveRecipeOpt,
+)
 
 
+@takes(loading=LOAD, decoding=UNSAMPLED, out=OUTPUT)
 def beam(
     prompt: Annotated[
         str,
@@ -29,10 +29,7 @@ def beam(
         typer.Option("--question", "-q", help="A question about the document: one beam set each (repeatable).",
                      show_default=False),
     ] = None,
-    questions_file: Annotated[
-        Optional[Path],
-        typer.Option("--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False),
-    ] = None,
+    questions_file: QuestionsFileOpt = None,
     width: Annotated[int, typer.Option("--width", "-w", help="Beams kept per prompt (num_beams).")] = 4,
     num_return: Annotated[int, typer.Option("--num-return", help="Hypotheses returned per prompt, best first.")] = 1,
     length_penalty: Annotated[
@@ -50,32 +47,8 @@ def beam(
         Optional[str],
         typer.Option("--template", help="With -q: user-turn template with $document and $question.", show_default=False),
     ] = None,
-    system: SystemOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
-    save_recipe: Annotated[
-        Optional[Path],
-        typer.Option("--save-recipe", help="Write these settings as a recipe YAML, then run as usual.",
-                     show_default=False),
-    ] = None,
-    max_forward_tokens: ChunkOpt = 1024,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    save_recipe: SaveRecipeOpt = None,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Beam search, every beam a leaf of ONE shared KV cache: the sequences and scores of
     transformers' generate(num_beams=W, do_sample=False).
@@ -90,8 +63,8 @@ def beam(
     -n defaults to 64 here (every beam runs until EOS or -n). --save-recipe FILE writes the
     equivalent recipe; `mdcli run FILE` (with a document: `--input DOC`) gives the same hypotheses.
     """
-    with errors(debug), in_flags():
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+    with errors(out.debug), in_flags():
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(question or []) + read_questions_file(questions_file)
@@ -103,9 +76,9 @@ def beam(
             length_penalty=length_penalty,
             early_stopping=api.parse_early_stopping(early_stopping),
             max_new_tokens=max_new_tokens,
-            system=system,
+            system=decoding.system,
             template=template,
-            chat_template=not no_chat_template,
+            chat_template=not decoding.no_chat_template,
         )
         job.validate()  # before the model loads
         if _is_input_file(prompt):
@@ -119,11 +92,10 @@ def beam(
             from mdcli.recipes import beam_recipe_text
 
             write_recipe(save_recipe, beam_recipe_text(job))
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=announced))
-        events = api.beam_search(lm, job, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+        mode = out.mode()
+        options = decoding.run_options()
+        lm = load(loading.options(out, announced=announced))
+        out.render(api.beam_search(lm, job, options=options), mode, lm)
 
 
 def _is_input_file(argument: str) -> bool:

@@ -11,17 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.bench import BASELINE_KERNELS, BASELINE_KERNELS_HELP
-from mdcli.cli.common import (
-    AttnOpt,
-    CpuWeightsOpt,
-    DebugOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
-    QuietOpt,
-    errors,
-    load, load_options,
-)
+from mdcli.cli.common import errors, load
+from mdcli.cli.groups import takes
+from mdcli.cli.options import LOAD, OUTPUT, LoadFlags, OutputFlags
 from mdcli.errors import UsageError
 
 APPROACH_HELP = (
@@ -33,16 +25,12 @@ APPROACH_HELP = (
 )
 
 
+@takes(loading=LOAD.only("model", "device", "dtype", "attn", "cpu_weights"), out=OUTPUT.only("quiet", "debug"))
 def bench(
-    model: ModelOpt = None,
     random_model: Annotated[
         Optional[str],
         typer.Option("--random-model", help="Random weights of a named shape instead: tiny, llama-135m, llama-1b, llama-3b, qwen3-0.6b."),
     ] = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    cpu_weights: CpuWeightsOpt = "float32",
     branches: Annotated[str, typer.Option("--branches", help="Comma list of branch counts.")] = "1,8",
     context: Annotated[str, typer.Option("--context", help="Comma list of document lengths in tokens.")] = "1500",
     new_tokens: Annotated[str, typer.Option("--new-tokens", help="Comma list of tokens generated per branch.")] = "64",
@@ -73,15 +61,14 @@ def bench(
     markdown_path: Annotated[
         Optional[Path], typer.Option("--markdown", help="Write the Markdown report (machine, command, table) here.")
     ] = None,
-    quiet: QuietOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, out: OutputFlags,
 ) -> None:
     """Compare mdcli's forest with generate per branch, batched generate and a prefix-copy batch.
 
     Every approach gets the same prompts (one document, N questions) and generates exactly the
     same number of greedy tokens; the table says whether each produced the forest's tokens.
     """
-    with errors(debug):
+    with errors(out.debug):
         if whole_process:
             _whole_process(branches, context, new_tokens, repeats, json_path, markdown_path)
             return
@@ -110,14 +97,14 @@ def bench(
                  for b in _ints(branches, "--branches")]
         if plot_path is not None:
             _require_matplotlib()
-        used_threads = set_bench_threads(threads, device)  # before the load, whose plan reads them
+        used_threads = set_bench_threads(threads, loading.device)  # before the load, whose plan reads them
         if random_model:
-            if cpu_weights != "float32":
-                raise UsageError(f"--cpu-weights {cpu_weights} applies to a loaded model, not --random-model",
+            if loading.cpu_weights != "float32":
+                raise UsageError(f"--cpu-weights {loading.cpu_weights} applies to a loaded model, not --random-model",
                                  fix="drop one of them")
-            lm = make_random(random_model, device=device, dtype=dtype, attn=attn)
+            lm = make_random(random_model, device=loading.device, dtype=loading.dtype, attn=loading.attn)
         else:
-            lm = load(load_options(locals()))
+            lm = load(loading.options(out))
         facts = machine_facts(used_threads, lm.forward.plan) | {
             "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "cpu_weights": lm.cpu_weights,
             "baseline_kernels": baseline_kernels,
@@ -125,7 +112,7 @@ def bench(
         measure = functools.partial(run_case, baseline_kernels=baseline_kernels)
         if warmup:
             measure(lm, Case(2, 64, 4), chosen)
-        results = _sweep(lm, cases, chosen, repeats, quiet, measure, combine_repeats)
+        results = _sweep(lm, cases, chosen, repeats, out.quiet, measure, combine_repeats)
         memory = process_memory()  # after every run: the whole process's peak
         table = rows(results, peak_bandwidth)
         command = "mdcli " + " ".join(sys.argv[1:])

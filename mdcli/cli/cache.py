@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import DebugOpt, errors
+from mdcli.cli.common import errors
+from mdcli.cli.options import DebugOpt
 
 app = typer.Typer(
     name="cache",

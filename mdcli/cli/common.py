@@ -1,7 +1,6 @@
 """Options and plumbing shared by every command: loading, rendering, errors, input files.
 
-Shared options are `Annotated` aliases declared on each command (Typer options on the app callback
-would have to come before the subcommand name).
+The shared options themselves are declared once, in mdcli/cli/options.py.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import sys
 from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
@@ -24,127 +22,6 @@ class Output(str, Enum):
     plain = "plain"
     jsonl = "jsonl"
     json = "json"
-
-
-# -- options shared by every generating command (declared per command: see architecture notes) --
-
-ModelOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model",
-        "-m",
-        envvar="MDCLI_MODEL",
-        help="Hugging Face id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-        show_default=False,
-    ),
-]
-DeviceOpt = Annotated[
-    str,
-    typer.Option("--device", help="auto | cpu | cuda | cuda:N (auto: $MDCLI_DEVICE if set, else CUDA when present)."),
-]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 on capable CUDA, fp32 on CPU).")
-]
-AttnOpt = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa | eager.")]
-FourBitOpt = Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit weights (CUDA only).")]
-EightBitOpt = Annotated[bool, typer.Option("--load-in-8bit", help="bitsandbytes 8-bit weights (CUDA only).")]
-CpuWeightsOpt = Annotated[
-    str,
-    typer.Option("--cpu-weights", help="float32 | int8: int8 quantizes the projections for CPU decoding (a quarter "
-                 "of the bytes per step; exact up to near-ties, as bf16)."),
-]
-DeviceMapOpt = Annotated[
-    Optional[str], typer.Option("--device-map", help="Passed to from_pretrained, e.g. 'auto' (accelerate).")
-]
-RemoteCodeOpt = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code to run. Off by default.")
-]
-MaxNewOpt = Annotated[
-    int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens generated per branch, in every phase.")
-]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy (exact, default).")]
-TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (1 = off).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).")]
-MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x top prob.")]
-SeedOpt = Annotated[
-    Optional[int], typer.Option("--seed", help="Sampling seed; each branch gets its own stream from it.")
-]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop a branch at this text, cut from the answer with the whitespace before it (repeatable).")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System prompt.")]
-NoChatOpt = Annotated[
-    bool, typer.Option("--no-chat-template", help="Feed plain text even if the model has a chat template.")
-]
-OutputOpt = Annotated[
-    Output,
-    typer.Option(
-        "--output", "-o",
-        help="auto (live panels on a terminal, plain text otherwise) | live | plain | jsonl | json. Every mode "
-        "prints the same answers: live and plain the same text on stdout; jsonl and json the same records.",
-    ),
-]
-JsonlOpt = Annotated[
-    bool, typer.Option("--jsonl", help="Same as --output jsonl: one JSON event per line, then an `answers` line.")
-]
-JsonOpt = Annotated[
-    bool,
-    typer.Option("--json", help="Same as --output json: one JSON document at the end, every answer in question order."),
-]
-PlainOpt = Annotated[bool, typer.Option("--plain", help="Same as --output plain: plain text even on a terminal.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress or summary on stderr.")]
-ProgressOpt = Annotated[
-    bool,
-    typer.Option(
-        "--progress",
-        help="Progress lines on stderr (prefill tokens, finished branches) every few seconds even when it is not "
-        "a terminal, e.g. a log file (a terminal always shows a status line).",
-    ),
-]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-VerboseOpt = Annotated[
-    bool, typer.Option("--verbose", help="Also name the kernel plan chosen at load in the header (all of it: mdcli info).")
-]
-SpeculateOpt = Annotated[
-    str,
-    typer.Option(
-        "--speculate",
-        help="Speculative decoding: auto | off | N (most draft tokens per branch per step). Drafts come from "
-        "the text each branch reads; the model verifies them, so the tokens never change, only the forwards. "
-        "auto guesses only where its measured costs say a guess saves time: on one CPU core it pays for long "
-        "answers that quote their sources; on a GPU, where a wider forward costs about what a plain one does, "
-        "every branch guesses; elsewhere it stays within a few percent of off.",
-    ),
-]
-PromptCacheOpt = Annotated[
-    str,
-    typer.Option(
-        "--prompt-cache",
-        help="auto | off | DIR: keep the keys and values of the prompts' shared start (the document) on disk and "
-        "reuse them in a later run over the same start, for the same model, dtype and kernels; the tokens never "
-        "change. auto: mdcli's cache folder (MDCLI_PROMPT_CACHE_DIR), capped at MDCLI_PROMPT_CACHE_MB.",
-    ),
-]
-DocumentsArg = Annotated[
-    list[str],
-    typer.Argument(
-        help="Documents: files, folders (read recursively, text files only, sorted), globs, or - for stdin.",
-        show_default=False, metavar="DOCUMENTS",
-    ),
-]
-RetrieveOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--retrieve", min=1, show_default=False,
-        help="Give each question only its K best passages (BM25), tagged [n] path:lines and listed as its Sources. "
-        "Default: every question reads every document.",
-    ),
-]
-ChunkTokensOpt = Annotated[
-    int,
-    typer.Option("--chunk-tokens", min=16, help="With --retrieve: most tokens in one passage (cut on paragraphs, then lines)."),
-]
-ChunkOpt = Annotated[
-    int, typer.Option("--max-forward-tokens", min=16, help="Largest number of new tokens fed in one forward pass.")
-]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -167,7 +44,7 @@ def announce_loading(model: str | None, quiet: bool, progress: bool = False) -> 
     """On a terminal (or with --progress), say which model loads before torch and transformers are
     imported (about 3 s on a CPU host: docs/performance.md#start-up), so the first seconds are not
     silent; returns whether it did. A command that does not call this has the loader say it, on a
-    terminal or with --progress only. `load_options(..., announced=True)` drops the loader's own
+    terminal or with --progress only. `LoadFlags.options(..., announced=True)` drops the loader's own
     line about the same model."""
     if quiet or not (progress or _is_terminal(sys.stderr)):
         return False
@@ -180,21 +57,6 @@ def _is_terminal(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-ChoicesOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--choices", help="The answer is exactly one of these (repeatable: --choices A --choices B).",
-                 show_default=False),
-]
-RegexOpt = Annotated[
-    Optional[str], typer.Option("--regex", help="The answer matches this regular expression in full.", show_default=False)
-]
-SchemaOpt = Annotated[
-    Optional[str],
-    typer.Option("--schema", help="The answer is JSON valid under this schema: a file, JSON, or llm's concise form "
-                 "'name, age int'. Plain output is the JSON alone, one document per line.", show_default=False),
-]
 
 
 def constraint_from_flags(choices: list[str] | None, regex: str | None, schema: str | None):
@@ -275,28 +137,6 @@ def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, 
         return api.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     except ValueError as error:
         raise UsageError(str(error), fix="see mdcli --help") from error
-
-
-def load_options(params: dict, **overrides):
-    """A command's loading flags (its `ctx.params` or locals, by name) as api.LoadOptions, with
-    `overrides` on top. `quiet`: progress lines on stderr unless it is set."""
-    from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
-
-    names = ("model", "device", "dtype", "attn", "load_in_4bit", "load_in_8bit", "device_map", "trust_remote_code",
-             "cpu_weights", "prompt_cache")
-    fields = {name: params[name] for name in names if name in params}
-    quiet = overrides.pop("quiet", params.get("quiet", False))
-    announced = overrides.pop("announced", False)  # announce_loading said it: drop the loader's own line
-    # the loading line is progress: on a terminal or with --progress only (docs/cli.md); the loader's
-    # other lines (the embedded model's one-time conversion) always show
-    says_loading = not announced and (params.get("progress", False) or _is_terminal(sys.stderr))
-    progress = stderr_line if says_loading else _without_loading_line
-    return api.LoadOptions(**{**fields, **overrides}, progress=None if quiet else progress)
-
-
-def _without_loading_line(message: str) -> None:
-    if not message.startswith("loading "):
-        stderr_line(message)
 
 
 def load(options):

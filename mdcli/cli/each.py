@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import Output, _is_terminal, header, load, load_options, read_stdin_bytes
+from mdcli.cli.common import Output, _is_terminal, header, load, read_stdin_bytes
+from mdcli.cli.options import LoadFlags, OutputFlags
 from mdcli.errors import UsageError
 
 OUTPUT_MODES = tuple(mode.value for mode in Output)
@@ -61,10 +62,12 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
     return Output.auto, Path(value)
 
 
-def run_each(params: dict, sources: list[str], job, mode: Output, results: Path | None, announced: bool,
-             ctx: typer.Context) -> None:
+def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results: Path | None, announced: bool, *,
+             loading: LoadFlags, options, out: OutputFlags, workers: int | None, ray_address: str | None,
+             budget_tokens: int | None = None) -> None:
     """Read every document (bad files become error records), skip those `results` already holds,
-    answer the rest here or on Ray, and write them; exit 1 when some document failed.
+    answer the rest here or on Ray, and write them; exit 1 when some document failed. `options`:
+    the run's api.RunOptions.
 
     The prompt cache is off unless --prompt-cache is typed: kept per document it would write each
     one's keys and values (about 30 MB for a 500-token file on the embedded model), and a folder
@@ -73,7 +76,6 @@ def run_each(params: dict, sources: list[str], job, mode: Output, results: Path 
     # lazy: the --each writer is needed only here
     from mdcli.render.each import EachWriter, ResultsFile, answered_keys
 
-    workers, address = params["workers"], params["ray_address"]
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {workers})", fix="use a positive number")
     inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, lenient=True)
@@ -81,7 +83,7 @@ def run_each(params: dict, sources: list[str], job, mode: Output, results: Path 
     answered = answered_keys(results, questions) if results is not None else set()
     kind = "plain" if mode in (Output.auto, Output.live, Output.plain) else mode.value
     terminal = _is_terminal(sys.stderr)
-    on_ray = workers is not None or address is not None
+    on_ray = workers is not None or ray_address is not None
     if on_ray:
         # lazy: Ray (an optional extra) is imported only for --workers / --ray-address
         from mdcli.distributed import ray_each
@@ -90,23 +92,19 @@ def run_each(params: dict, sources: list[str], job, mode: Output, results: Path 
             raise UsageError("--workers and --ray-address need Ray, which is not installed", fix=RAY_EXTRA)
     results_file = ResultsFile(results) if results is not None else None  # unwritable: said before the model loads
     typed = ctx.get_parameter_source("prompt_cache")
-    cache = params["prompt_cache"] if typed is not None and typed.name not in ("DEFAULT", "DEFAULT_MAP") else "off"
-    options = load_options(params, announced=announced, prompt_cache=cache)
+    cache = loading.prompt_cache if typed is not None and typed.name not in ("DEFAULT", "DEFAULT_MAP") else "off"
+    load_options = loading.options(out, announced=announced, prompt_cache=cache)
     writer_header = None
     if on_ray:
         events = ray_each.ask_each_on_ray(
-            options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers,
-            address=address, budget_tokens=params.get("budget_tokens"), max_forward_tokens=params["max_forward_tokens"],
-            speculate=params["speculate"],
+            load_options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers,
+            address=ray_address, budget_tokens=budget_tokens, **ray_each_engine(options),
         )
     else:
-        lm = load(options)
-        writer_header = header(lm, params["verbose"])
-        engine = {"max_forward_tokens": params["max_forward_tokens"], "speculate": params["speculate"]}
-        if params.get("budget_tokens") is not None:
-            engine["budget_tokens"] = params["budget_tokens"]
-        events = api.ask_each(lm, inputs, job, answered=answered, **engine)
-    writer = EachWriter(kind, sys.stdout, sys.stderr, quiet=params["quiet"], progress=params["progress"],
+        lm = load(load_options)
+        writer_header = header(lm, out.verbose)
+        events = api.ask_each(lm, inputs, job, answered=answered, budget_tokens=budget_tokens, options=options)
+    writer = EachWriter(kind, sys.stdout, sys.stderr, quiet=out.quiet, progress=out.progress,
                         header=writer_header, results=results_file,
                         terminal=terminal)
     interrupted = False
@@ -120,3 +118,8 @@ def run_each(params: dict, sources: list[str], job, mode: Output, results: Path 
         writer.close(interrupted)
     if writer.failed:
         raise typer.Exit(1)
+
+
+def ray_each_engine(options) -> dict:
+    """The run's options (api.RunOptions) as RayEach's keywords: those set, by their names."""
+    return {name: value for name, value in options if value is not None}

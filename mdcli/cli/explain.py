@@ -8,18 +8,9 @@ from typing import Annotated
 
 import typer
 
-from mdcli.cli.common import (
-    ChunkOpt,
-    DebugOpt,
-    DeviceOpt,
-    ModelOpt,
-    NoChatOpt,
-    RemoteCodeOpt,
-    RetrieveOpt,
-    SystemOpt,
-    errors,
-    load, load_options,
-)
+from mdcli.cli.common import errors, load
+from mdcli.cli.groups import takes
+from mdcli.cli.options import LOAD, OUTPUT, UNSAMPLED, DecodeFlags, LoadFlags, OutputFlags, RetrieveOpt
 from mdcli.cli.run import InputOpt, RecipeArg, VarOpt, load_with_overrides, recipe_input
 from mdcli.errors import MdcliError, UsageError
 
@@ -36,6 +27,11 @@ SpeculateStepOpt = Annotated[
 ]
 
 
+@takes(
+    loading=LOAD.only("model", "device", "trust_remote_code"),
+    decoding=UNSAMPLED,
+    out=OUTPUT.only("debug"),
+)
 def explain(
     recipe: RecipeArg,
     input: InputOpt = None,
@@ -47,13 +43,7 @@ def explain(
                                  help="With --retrieve: most tokens in one passage (default: the recipe's, else 256).")
     ] = None,
     speculate: SpeculateStepOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    trust_remote_code: RemoteCodeOpt = False,
-    system: SystemOpt = None,
-    no_chat_template: NoChatOpt = False,
-    max_forward_tokens: ChunkOpt = 1024,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Show how a recipe's branches share one cache: the tree of shared prompt prefixes (token
     counts, positions, follow-ups) and the attention mask that keeps every branch exact.
@@ -74,7 +64,7 @@ def explain(
     what the engine did: every branch's next token and guessed tokens at their positions, and the
     mask rows that let all of them be checked in one forward.
     """
-    with errors(debug):
+    with errors(out.debug):
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
         # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
         from mdcli.recipes import Sampling, check_run_inputs, compile_recipe, parse_vars
@@ -82,7 +72,7 @@ def explain(
 
         values = parse_vars(var or [])
         plan = load_with_overrides(
-            recipe, values, system=system, no_chat_template=no_chat_template, sampling=Sampling()
+            recipe, values, system=decoding.system, no_chat_template=decoding.no_chat_template, sampling=Sampling()
         )
         plan = with_retrieval(plan, retrieve, chunk_tokens)
         input_text = recipe_input(plan, input)
@@ -92,17 +82,16 @@ def explain(
                              fix="give one of them")
         if speculate is not None:
             plan.speculation(str(speculate))  # a recipe that cannot speculate says so before the model loads
-            explain_speculative_step(plan, input_text, values, speculate, model, device, trust_remote_code,
-                                     max_forward_tokens)
+            explain_speculative_step(plan, input_text, values, speculate, loading, decoding)
             return
-        tokenizer = load_tokenizer(model, trust_remote_code)
+        tokenizer = load_tokenizer(loading.model, loading.trust_remote_code)
 
         title = f"{plan.source} ({plan.strategy})"
         if plan.strategy == "margins":
             roots, title = margin_phase(plan, tokenizer, input_text, values)
         else:
             roots = compile_recipe(plan, tokenizer, input_text=input_text, vars=values)
-        layout = api.plan_layout([root.prompt_ids for root in roots], max_forward_tokens=max_forward_tokens)
+        layout = api.plan_layout([root.prompt_ids for root in roots], decoding.run_options(speculate="off"))
         console = make_console(sys.stdout, color=not color_disabled(False), wrap_off_a_terminal=False)
         api.render_explanation(
             console, roots, layout, lambda token: tokenizer.decode([token]),
@@ -125,17 +114,15 @@ def with_retrieval(plan, retrieve: int | None, chunk_tokens: int | None):
     return plan.model_copy(update=update)
 
 
-def explain_speculative_step(plan, input_text, values, most: int, model, device, trust_remote_code,
-                             max_forward_tokens: int) -> None:
+def explain_speculative_step(plan, input_text, values, most: int, loading: LoadFlags, decoding: DecodeFlags) -> None:
     """Run the recipe until a speculative step accepts a guess, and print that step."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
     from mdcli.recipes import recipe_events  # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
 
-    lm = load(load_options({"model": model, "device": device, "trust_remote_code": trust_remote_code}))
+    lm = load(loading.options())
 
     def run(setting):
-        return recipe_events(plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens,
-                             speculate=setting)
+        return recipe_events(plan, lm, input_text=input_text, vars=values, options=decoding.run_options(speculate=setting))
 
     step = api.first_verified_step(run, most)
     if step is None:

@@ -7,15 +7,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import (
-    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode, MaxNewOpt,
-    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SystemOpt,
-    TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_document, render, sampling_params,
-    VerboseOpt,
-)
+from mdcli.cli.common import announce_loading, errors, load, read_document
 from mdcli.cli.flags import in_flags
+from mdcli.cli.groups import takes
+from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags, SaveRecipeOpt
 
 
+@takes(loading=LOAD, decoding=DECODE.without("stop", "speculate"), out=OUTPUT)
 def explore(
     prompt: Annotated[
         str, typer.Argument(help="The prompt: text, a file holding it, or - for stdin.", show_default=False)
@@ -50,40 +48,8 @@ def explore(
             help="Sampling temperature of the candidates; 0 = greedy (then the k candidates are all the same).",
         ),
     ] = 0.8,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    seed: SeedOpt = None,
-    max_new_tokens: MaxNewOpt = 256,
-    choices: ChoicesOpt = None,
-    regex: RegexOpt = None,
-    schema: SchemaOpt = None,
-    system: SystemOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
-    save_recipe: Annotated[
-        Optional[Path],
-        typer.Option("--save-recipe", help="Write these settings as a recipe YAML, then run as usual.",
-                     show_default=False),
-    ] = None,
-    max_forward_tokens: ChunkOpt = 1024,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    save_recipe: SaveRecipeOpt = None,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Step-level search: at each step (a sentence or line, or --chunk-tokens) -k sampled
     candidates decode together in one forest; the best --keep by --score go on, the rest leave
@@ -96,8 +62,8 @@ def explore(
     final finish. --save-recipe FILE writes the equivalent recipe; `mdcli run FILE` gives the same
     tokens.
     """
-    with errors(debug), in_flags():
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+    with errors(out.debug), in_flags():
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         # here, not at the top: mdcli.api brings pydantic (~0.2 s) that `mdcli --help` need not pay
         from mdcli.api import Explore
         from mdcli.api import explore as run_explore
@@ -108,11 +74,11 @@ def explore(
             keep=keep,
             chunk_tokens=chunk_tokens,
             score=score,
-            system=system,
-            chat_template=not no_chat_template,
-            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
-            max_new_tokens=max_new_tokens,
-            constraint=constraint_from_flags(choices, regex, schema),
+            system=decoding.system,
+            chat_template=not decoding.no_chat_template,
+            sampling=decoding.sampling(),
+            max_new_tokens=decoding.max_new_tokens,
+            constraint=decoding.constraint(),
         )
         job.validate()  # bad input exits 2 before the model loads
         if save_recipe is not None:
@@ -121,11 +87,10 @@ def explore(
             from mdcli.recipes import explore_recipe_text
 
             write_recipe(save_recipe, explore_recipe_text(job))
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=announced))
-        events = run_explore(lm, job, max_forward_tokens=max_forward_tokens)
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+        mode = out.mode()
+        options = decoding.run_options()
+        lm = load(loading.options(out, announced=announced))
+        out.render(run_explore(lm, job, options=options), mode, lm)
 
 
 def read_prompt(source: str) -> str:

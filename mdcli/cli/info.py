@@ -13,41 +13,29 @@ from typing import Annotated
 import typer
 
 from mdcli import __version__
-from mdcli.cli.common import (
-    CpuWeightsOpt,
-    DebugOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
-    RemoteCodeOpt,
-    errors,
-    load,
-    load_options,
-)
+from mdcli.cli.common import errors, load
+from mdcli.cli.groups import takes
+from mdcli.cli.options import LOAD, OUTPUT, LoadFlags, OutputFlags
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="The same facts as one JSON object, for bug reports.")]
 NoModelOpt = Annotated[bool, typer.Option("--no-model", help="The host and versions only: load no model.")]
 
 
+@takes(loading=LOAD.only("model", "device", "dtype", "cpu_weights", "trust_remote_code"), out=OUTPUT.only("debug"))
 def info(
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    cpu_weights: CpuWeightsOpt = "float32",
-    trust_remote_code: RemoteCodeOpt = False,
     json_output: JsonOpt = False,
     no_model: NoModelOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, out: OutputFlags,
 ) -> None:
     """Print the host (CPU, ISA, cores, memory, GPU), the torch and transformers versions, the
     settings that differ from their defaults, and the kernel plan chosen for -m MODEL (default:
     the embedded model) with its reasons."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-    with errors(debug):
+    with errors(out.debug):
         report = {"mdcli": __version__, "host": api.host_report(), "settings": api.changed_settings()}
         if not no_model:
-            lm = load(load_options(locals(), quiet=True))
+            lm = load(loading.options(quiet=True))
             report["model"] = {"name": lm.name, "device": str(lm.device),
                                "dtype": str(lm.dtype).removeprefix("torch."), "dtype_reason": lm.dtype_reason,
                                "attn": lm.attn, "cpu_weights": lm.cpu_weights}

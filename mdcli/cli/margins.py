@@ -9,15 +9,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import (
-    AttnOpt, ChunkOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
-    MinPOpt, ModelOpt, NoChatOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt, SpeculateOpt,
-    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options, read_inputs,
-    read_questions_file, render, sampling_params, speculate_setting,
-    VerboseOpt,
-)
+from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
 from mdcli.cli.each import EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
+from mdcli.cli.groups import takes
+from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags, QuestionsFileOpt
 from mdcli.errors import UsageError
 
 # The job model's defaults (strategies.margins: DEFAULT_*_TOKENS, for the help text), as literals:
@@ -40,6 +36,7 @@ class KeepMargins(str, Enum):
     all = "all"
 
 
+@takes(loading=LOAD, decoding=DECODE.without("stop", "choices", "regex", "schema"), out=OUTPUT)
 def margins(
     ctx: typer.Context,
     documents: Annotated[
@@ -57,12 +54,7 @@ def margins(
             show_default=False,
         ),
     ] = None,
-    questions_file: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--questions-file", help="More questions, one per line (blank lines skipped).", show_default=False
-        ),
-    ] = None,
+    questions_file: QuestionsFileOpt = None,
     show_margins: Annotated[
         bool,
         typer.Option("--show-margins", help="Plain output: print each question's margins and which were kept."),
@@ -133,36 +125,11 @@ def margins(
         Optional[str],
         typer.Option("--answer-template", help="Answer prompt with $notes and $query.", show_default=False),
     ] = None,
-    system: SystemOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    seed: SeedOpt = None,
-    no_chat_template: NoChatOpt = False,
     output: EachOutputOpt = "auto",
     each: EachOpt = False,
     workers: WorkersOpt = None,
     ray_address: RayAddressOpt = None,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
-    max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "auto",
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
     relevant or not (all at once), then one answer from the relevant margins.
@@ -188,17 +155,17 @@ def margins(
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC...` on the same
     documents gives the same tokens.
     """
-    with errors(debug), in_flags():
+    with errors(out.debug), in_flags():
         mode, results = split_output(output, each)
         if not each and (workers is not None or ray_address is not None):
             raise UsageError("--workers and --ray-address go with --each", fix="add --each")
         if each and save_recipe is not None:
             raise UsageError("--each does not take --save-recipe", fix="save the recipe from a run on one document")
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
         questions = list(query or []) + read_questions_file(questions_file)
-        speculation = speculate_setting(speculate)
+        options = decoding.run_options()
         # --each: every document is read on its own, by run_each, and run as `margins FILE` would
         texts, names, paths = (["(each)"], ["(each)"], ["(each)"]) if each else read_documents(documents)
         job = api.Margins(
@@ -212,10 +179,10 @@ def margins(
             classify_constraint=not no_classify_constraint,
             with_segments=with_segments,
             prompts=prompts_with(
-                api.MarginsPrompts(system=system), margin_template, classification_template, answer_template
+                api.MarginsPrompts(system=decoding.system), margin_template, classification_template, answer_template
             ),
-            chat_template=not no_chat_template,
-            sampling=sampling_params(temperature, top_p, top_k, min_p, seed),
+            chat_template=not decoding.no_chat_template,
+            sampling=decoding.sampling(),
             margin_tokens=max_new_tokens,
             classify_tokens=classify_tokens,
             answer_tokens=answer_tokens,
@@ -234,16 +201,15 @@ def margins(
 
             write_recipe(save_recipe, margins_recipe_text(
                 job, given_layout=context is not None,
-                speculate=speculation.recipe_value(),
+                speculate=options.speculate.recipe_value(),
             ))
-        mode = output_mode(mode, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
+        mode = out.mode(mode)
         if each:
-            run_each(locals(), documents, job, mode, results, announced, ctx)
+            run_each(ctx, documents, job, mode, results, announced, loading=loading, options=options, out=out,
+                     workers=workers, ray_address=ray_address)
             return
-        lm = load(load_options(locals(), announced=announced))
-        events = api.margins(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress, show_margins=show_margins)
+        lm = load(loading.options(out, announced=announced))
+        out.render(api.margins(lm, job, options=options), mode, lm, show_margins=show_margins)
 
 
 def read_documents(sources: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from mdcli.cli.common import DebugOpt, errors
+from mdcli.cli.common import errors
+from mdcli.cli.options import DebugOpt
 from mdcli.errors import RecipeError
 
 app = typer.Typer(

@@ -7,50 +7,9 @@ from typing import Annotated
 
 import typer
 
-from mdcli.cli.common import (
-    AttnOpt,
-    ChoicesOpt,
-    ChunkOpt,
-    RegexOpt,
-    SchemaOpt,
-    constraint_from_flags,
-    DebugOpt,
-    DeviceMapOpt,
-    DeviceOpt,
-    DtypeOpt,
-    CpuWeightsOpt, PromptCacheOpt, EightBitOpt,
-    FourBitOpt,
-    JsonlOpt,
-    JsonOpt,
-    PlainOpt,
-    announce_loading,
-    output_mode,
-    MaxNewOpt,
-    MinPOpt,
-    ModelOpt,
-    NoChatOpt,
-    Output,
-    OutputOpt,
-    ProgressOpt,
-    QuietOpt,
-    RemoteCodeOpt,
-    SeedOpt,
-    SpeculateOpt,
-    StopOpt,
-    SystemOpt,
-    TemperatureOpt,
-    TopKOpt,
-    TopPOpt,
-    check_progress,
-    errors,
-    header,
-    load, load_options,
-    read_document,
-    read_inputs,
-    render,
-    speculate_setting,
-    VerboseOpt,
-)
+from mdcli.cli.common import announce_loading, errors, load, read_document, read_inputs
+from mdcli.cli.groups import takes
+from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags
 from mdcli.errors import RecipeError, UsageError
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe file, or the name of a built-in recipe.", show_default=False)]
@@ -68,43 +27,17 @@ VarOpt = Annotated[
 ]
 
 
+# None = not given: the recipe's value stands (its prompt cache, sampling and speculation, else the defaults)
+@takes(
+    loading=LOAD.defaults(prompt_cache=None),
+    decoding=DECODE.defaults(max_new_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None, speculate=None),
+    out=OUTPUT,
+)
 def run(
     recipe: RecipeArg,
     input: InputOpt = None,
     var: VarOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
-    # None = not given: the recipe's value stands
-    max_new_tokens: MaxNewOpt = None,  # type: ignore[assignment]
-    temperature: TemperatureOpt = None,  # type: ignore[assignment]
-    top_p: TopPOpt = None,  # type: ignore[assignment]
-    top_k: TopKOpt = None,  # type: ignore[assignment]
-    min_p: MinPOpt = None,  # type: ignore[assignment]
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    choices: ChoicesOpt = None,
-    regex: RegexOpt = None,
-    schema: SchemaOpt = None,
-    system: SystemOpt = None,
-    no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
-    max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = None,  # type: ignore[assignment]  # None = not given: the recipe's, else auto
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
 
@@ -113,31 +46,28 @@ def run(
     tree, think and explore recipes). See docs/recipes.md for the format and
     `mdcli recipes list` for the built-in recipes.
     """
-    with errors(debug):
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+    with errors(out.debug):
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
         from mdcli.recipes import check_run_inputs, parse_vars, recipe_events, sampling_from_flags, with_constraint
 
-        speculate_setting(speculate)  # a bad value fails before anything loads
+        options = decoding.run_options()  # a bad value fails before anything loads; a --speculate given wins
         values = parse_vars(var or [])
+        d = decoding
         plan = load_with_overrides(
-            recipe, values, system=system, no_chat_template=no_chat_template,
+            recipe, values, system=d.system, no_chat_template=d.no_chat_template,
             sampling=sampling_from_flags(
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                max_new_tokens=max_new_tokens, stop=stop,
+                temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p, seed=d.seed,
+                max_new_tokens=d.max_new_tokens, stop=d.stop,
             ),
         )
-        plan = with_constraint(plan, constraint_from_flags(choices, regex, schema))
+        plan = with_constraint(plan, d.constraint())
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=announced, prompt_cache=prompt_cache or plan.prompt_cache or "auto"))
-        events = recipe_events(
-            plan, lm, input_text=input_text, vars=values, max_forward_tokens=max_forward_tokens, speculate=speculate
-        )
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+        mode = out.mode()
+        lm = load(loading.options(out, announced=announced, prompt_cache=loading.prompt_cache or plan.prompt_cache or "auto"))
+        out.render(recipe_events(plan, lm, input_text=input_text, vars=values, options=options), mode, lm)
 
 
 def load_with_overrides(recipe: str, values: dict[str, str], *, system, no_chat_template, sampling):

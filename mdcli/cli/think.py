@@ -10,13 +10,11 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import (
-    AttnOpt, ChoicesOpt, ChunkOpt, RegexOpt, SchemaOpt, constraint_from_flags, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, CpuWeightsOpt, PromptCacheOpt, EightBitOpt, FourBitOpt, JsonlOpt, JsonOpt, PlainOpt, announce_loading, output_mode,
-    MinPOpt, ModelOpt, NoChatOpt, Output, OutputOpt, ProgressOpt, QuietOpt, RemoteCodeOpt, SeedOpt,
-    SpeculateOpt, StopOpt, SystemOpt, TopKOpt, TopPOpt, check_progress, errors, header, load, load_options,
-    read_document, read_inputs, render, sampling_params, speculate_setting, stderr_line,
-    VerboseOpt,
+    Output, announce_loading, errors, load, read_document, read_inputs, sampling_params, stderr_line,
 )
 from mdcli.cli.flags import in_flags
+from mdcli.cli.groups import takes
+from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags
 from mdcli.errors import UsageError
 
 _QUESTION_FILE_SUFFIXES = (".txt", ".md", ".text")
@@ -28,6 +26,7 @@ class MergeMode(str, Enum):
     none = "none"
 
 
+@takes(loading=LOAD, decoding=DECODE, out=OUTPUT)
 def think(
     question: Annotated[
         str,
@@ -96,17 +95,6 @@ def think(
         typer.Option("--conclusion-tokens", min=1, show_default=False,
                      help="Most tokens for the conclusion. Default: -n."),
     ] = None,
-    system: SystemOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    attn: AttnOpt = "sdpa",
-    load_in_4bit: FourBitOpt = False,
-    load_in_8bit: EightBitOpt = False,
-    cpu_weights: CpuWeightsOpt = "float32",
-    prompt_cache: PromptCacheOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    trust_remote_code: RemoteCodeOpt = False,
     max_new_tokens: Annotated[
         int,
         typer.Option("--max-new-tokens", "-n", min=1,
@@ -125,30 +113,12 @@ def think(
     greedy: Annotated[
         bool, typer.Option("--greedy", help="Greedy paths, as -t 0: exact, each path model.generate's answer.")
     ] = False,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    choices: ChoicesOpt = None,
-    regex: RegexOpt = None,
-    schema: SchemaOpt = None,
-    no_chat_template: NoChatOpt = False,
-    output: OutputOpt = Output.auto,
-    jsonl: JsonlOpt = False,
-    as_json: JsonOpt = False,
-    plain: PlainOpt = False,
-    quiet: QuietOpt = False,
-    progress: ProgressOpt = False,
     save_recipe: Annotated[
         Optional[Path],
         typer.Option("--save-recipe", help="Write these settings as a recipe YAML (not with --context), then run as "
                      "usual.", show_default=False),
     ] = None,
-    max_forward_tokens: ChunkOpt = 1024,
-    speculate: SpeculateOpt = "auto",
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Think along several paths at once, then conclude.
 
@@ -167,11 +137,11 @@ def think(
     answer says so and still exits 0: the paths were produced; there was just nothing to count.
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE` gives the same tokens.
     """
-    with errors(debug), in_flags():
-        announced = announce_loading(model, quiet, progress)  # before the imports below, which take seconds
+    with errors(out.debug), in_flags():
+        announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
-        speculation = speculate_setting(speculate)
+        options = decoding.run_options()
         instructions = list(path_instruction or ())
         if question == "-" and "-" in (context or []):
             raise UsageError("the question and --context both read stdin (-)", fix="give one of them as a file")
@@ -185,42 +155,40 @@ def think(
             vote=vote,
             answer_pattern=answer_pattern,
             path_instructions=instructions,
-            system=system,
-            chat_template=not no_chat_template,
+            system=decoding.system,
+            chat_template=not decoding.no_chat_template,
             sampling=None,  # the job's default for these paths; the flags given go on top below
             max_new_tokens=max_new_tokens,
             plan_tokens=plan_tokens,
             conclusion_tokens=conclusion_tokens,
-            stop=tuple(stop or ()),
-            constraint=constraint_from_flags(choices, regex, schema),
+            stop=decoding.stops(),
+            constraint=decoding.constraint(),
         )
-        job = job.model_copy(update={"sampling": paths_sampling(job.sampling, temperature, greedy, top_p, top_k,
-                                                                 min_p, seed)})
+        job = job.model_copy(update={"sampling": paths_sampling(job.sampling, greedy, decoding)})
         job.validate()  # before the model loads
         if save_recipe is not None:
             # lazy: the recipe code costs `mdcli --help` ~150 ms (pydantic, yaml)
             from mdcli.cli.ask_many import write_recipe
             from mdcli.recipes import think_recipe_text
 
-            write_recipe(save_recipe, think_recipe_text(job, speculate=speculation.recipe_value()))
-        mode = output_mode(output, jsonl=jsonl, plain=plain, json=as_json)
-        check_progress(quiet, progress)
-        lm = load(load_options(locals(), announced=announced))
-        events = api.think(lm, job, max_forward_tokens=max_forward_tokens, speculate=speculation)
+            write_recipe(save_recipe, think_recipe_text(job, speculate=options.speculate.recipe_value()))
+        mode = out.mode()
+        lm = load(loading.options(out, announced=announced))
+        events = api.think(lm, job, options=options)
         if mode == Output.jsonl:
             events = say_when_no_vote(events)
-        render(events, mode, quiet, header=header(lm, verbose), progress=progress)
+        out.render(events, mode, lm)
 
 
-def paths_sampling(default, temperature: float | None, greedy: bool, top_p: float, top_k: int, min_p: float,
-                   seed: int | None):
+def paths_sampling(default, greedy: bool, decoding: DecodeFlags):
     """The paths' sampling: the job's default (`default`) with the flags given on top; --greedy is -t 0."""
+    temperature, seed = decoding.temperature, decoding.seed
     if greedy and temperature not in (None, 0.0):
         raise UsageError(f"--greedy and -t {temperature} contradict each other", fix="give one of them")
     if greedy:
         temperature = 0.0
     return sampling_params(
-        default.temperature if temperature is None else temperature, top_p, top_k, min_p,
+        default.temperature if temperature is None else temperature, decoding.top_p, decoding.top_k, decoding.min_p,
         default.seed if seed is None else seed,
     )
 
