@@ -128,18 +128,17 @@ def ask_each(
     Yields a DocumentDone per document as it finishes, a Progress("documents", ...) after each, and
     the forests' notes. `options`: how each forest runs (RunOptions, or its fields as keywords).
     Arguments are checked here, before the first event is asked for."""
-    # strategies.each takes the run's options as keywords; compact_ratio None is its own default
-    engine_options = {name: value for name, value in run_options(options, fields) if value is not None}
+    options = run_options(options, fields)
     if isinstance(questions, Margins):
         questions.model_copy(update={"documents": ["(each)"], "names": ["(each)"]}).validate()
         inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
         return run_each(model, questions, inputs.documents, inputs.skipped, answered=frozenset(answered),
-                        **engine_options)
+                        options=options)
     job = questions if isinstance(questions, AskMany) else _ask_many_job(fields, questions=questions)
     job.model_copy(update={"document": "(each)", "documents": []}).validate()
     inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
     return run_each(model, job, inputs.documents, inputs.skipped, answered=frozenset(answered),
-                    budget_tokens=budget_tokens, **engine_options)
+                    budget_tokens=budget_tokens, options=options)
 
 
 def _ask_many_job(options: dict, questions, **fields) -> AskMany:

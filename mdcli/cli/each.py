@@ -98,7 +98,7 @@ def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results:
     if on_ray:
         events = ray_each.ask_each_on_ray(
             load_options.model_copy(update={"progress": None}), job, inputs, answered=answered, workers=workers,
-            address=ray_address, budget_tokens=budget_tokens, **ray_each_engine(options),
+            address=ray_address, budget_tokens=budget_tokens, run_options=options,
         )
     else:
         lm = load(load_options)
@@ -118,8 +118,3 @@ def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results:
         writer.close(interrupted)
     if writer.failed:
         raise typer.Exit(1)
-
-
-def ray_each_engine(options) -> dict:
-    """The run's options (api.RunOptions) as RayEach's keywords: those set, by their names."""
-    return {name: value for name, value in options if value is not None}

@@ -27,6 +27,7 @@ from mdcli.events import DocumentDone, DocumentRef, Event, Note, Progress
 from mdcli.models.load import LoadOptions, load_model
 from mdcli.strategies.ask_many import AskMany
 from mdcli.strategies.each import document_sha256, entry_key, input_places, job_options, model_identity, run_each
+from mdcli.strategies.job import RunOptions
 
 try:  # the optional extra: without it, --workers says how to install it (cli/each.py)
     import ray
@@ -63,7 +64,7 @@ class RayEach:
 
     def __init__(self, options: LoadOptions, job: AskMany, inputs: Inputs, *, answered: set[str] | frozenset[str] = frozenset(),
                  workers: int | None = None, address: str | None = None, budget_tokens: int | None = None,
-                 max_forward_tokens: int = 1024, speculate: str = "off", chunk_documents: int | None = None) -> None:
+                 run_options: RunOptions | None = None, chunk_documents: int | None = None) -> None:
         if ray is None:
             raise MdcliError("Ray is not installed", fix='pip install "mdcli[ray]"')
         self.started_ray = not ray.is_initialized()
@@ -75,7 +76,7 @@ class RayEach:
         self.options = options.model_copy(update={"progress": None, "quiet": True})
         self.job, self.inputs, self.answered = job, inputs, answered
         self.workers, self.chunk_documents = workers, chunk_documents
-        self.engine = {"budget_tokens": budget_tokens, "max_forward_tokens": max_forward_tokens, "speculate": speculate}
+        self.engine = {"budget_tokens": budget_tokens, "options": run_options or RunOptions()}  # each chunk's run
         self.actor_class = ray.remote(num_cpus=1)(EachWorker)
         self.actors = [self.actor_class.remote(self.options) for _ in range(workers)]
 

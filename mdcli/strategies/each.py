@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 from mdcli.backends.host import available_memory_bytes
 from mdcli.core.decoding import BranchSpec, Independent
-from mdcli.core.run import Run
 from mdcli.core.steps import StepLoop, Tip
 from mdcli.documents.inputs import Document, Skipped
 from mdcli.errors import MdcliError
@@ -46,6 +45,7 @@ from mdcli.events import Answer, DocumentDone, DocumentRef, Event, Finish, Note,
 from mdcli.models.memory import kv_bytes_per_token
 from mdcli.strategies.ask_many import AskMany, unretrieved_notes
 from mdcli.strategies.each_margins import MarginsDocument, answer_margins, prepare_margins
+from mdcli.strategies.job import RunOptions, run_options
 from mdcli.strategies.margins import Margins
 from mdcli.strategies.memory import check_forest_fits, trie_tokens
 
@@ -125,9 +125,8 @@ def run_each(
     answered: frozenset[str] | set[str] = frozenset(),
     indices: Sequence[int] | None = None,
     budget_tokens: int | None = None,
-    max_forward_tokens: int = 1024,
-    compact_ratio: float = 0.25,
-    speculate: str = "off",
+    options: RunOptions | None = None,
+    **engine,
 ) -> Iterator[Event]:
     """Answer `job`'s questions about every document, one tree per document (module docstring).
 
@@ -140,6 +139,7 @@ def run_each(
 
     A Margins job packs documents into forests of margins' three phases (module docstring): the
     answers are those of `mdcli margins FILE` on each file."""
+    forests = run_options(options, engine, every=True)  # how each forest runs (RunOptions, or its fields as keywords)
     options, identity = job_options(job), model_identity(model)
     places, skipped_places = input_places(len(documents), skipped)
     if indices is not None:
@@ -169,14 +169,13 @@ def run_each(
         done += 1
         yield _done(item, [])
         yield Progress("documents", done, total, "documents")
-    engine = {"max_forward_tokens": max_forward_tokens, "compact_ratio": compact_ratio, "speculate": speculate}
     budget = budget_tokens if budget_tokens is not None else default_budget(model)
     if isinstance(job, Margins):
         ready = [p for p in prepared if p.error is None]
-        events = (event for batch in pack(ready, budget) for event in _run_margins(model, batch, engine))
+        events = (event for batch in pack(ready, budget) for event in _run_margins(model, batch, forests))
     else:
         events = _run_admitting(model, [p for p in prepared if p.error is None], budget, job.retrieve is not None,
-                                **engine)
+                                forests)
     for event in events:
         yield event
         if isinstance(event, DocumentDone):
@@ -239,16 +238,16 @@ def _prepare_margins(model: LoadedModel, job: Margins, index: int, document: Doc
     return item
 
 
-def _run_margins(model: LoadedModel, batch: list[_Prepared], engine: dict) -> Iterator[Event]:
+def _run_margins(model: LoadedModel, batch: list[_Prepared], options: RunOptions) -> Iterator[Event]:
     """margins on a batch of documents in one forest (each_margins); each document's DocumentDone as
     its answers are done. A batch that fails (a prompt too long for the model, say) runs again one
     document at a time, so that only the document at fault becomes an error record."""
     try:
-        finished = list(answer_margins(model, [item.margins for item in batch], engine))
+        finished = list(answer_margins(model, [item.margins for item in batch], options))
     except MdcliError as error:
         if len(batch) > 1:
             for item in batch:
-                yield from _run_margins(model, [item], engine)
+                yield from _run_margins(model, [item], options)
             return
         batch[0].error = error.line()
         yield _done(batch[0], [])
@@ -258,10 +257,10 @@ def _run_margins(model: LoadedModel, batch: list[_Prepared], engine: dict) -> It
 
 
 def _run_admitting(model: LoadedModel, queue: list[_Prepared], budget: int, retrieves: bool,
-                   max_forward_tokens: int, compact_ratio: float, speculate: str) -> Iterator[Event]:
+                   options: RunOptions) -> Iterator[Event]:
     """Every document of `queue` in one forest, admitted as room frees up (module docstring); each
     document's DocumentDone when its last branch ends."""
-    run = Run.for_model(model, max_forward_tokens=max_forward_tokens, compact_ratio=compact_ratio, speculate=speculate)
+    run = options.run(model)
     loop = StepLoop(run, Independent(None), model.tokenizer, model.eos_token_ids)
     waiting = deque(queue)
     flight: dict[int, _Prepared] = {}  # index -> a document admitted and not yet done

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from mdcli.core.decoding import BranchSpec
 from mdcli.events import Answer, Finish
 from mdcli.strategies.margins import MarginResult, Margins, check_fits, new_decoder
+from mdcli.strategies.job import RunOptions
 from mdcli.strategies.margins.run import classification_note
 from mdcli.strategies.memory import trie_tokens
 from mdcli.strategies.segmenting import Segment
@@ -48,10 +49,10 @@ def prepare_margins(model: LoadedModel, job: Margins, text: str, name: str) -> M
     return MarginsDocument(one, segments, specs, cost)
 
 
-def answer_margins(model: LoadedModel, documents: list[MarginsDocument], engine: dict) -> Iterator[tuple[int, list[Answer]]]:
+def answer_margins(model: LoadedModel, documents: list[MarginsDocument], options: RunOptions) -> Iterator[tuple[int, list[Answer]]]:
     """Every document's three phases in one forest; yields (its place in `documents`, its answers
-    in question order) as each document's last answer finishes. `engine`: the run's options."""
-    decoder = new_decoder(model, **engine)
+    in question order) as each document's last answer finishes. `options`: the run's options."""
+    decoder = new_decoder(model, options)
     tokenizer = decoder.tokenizer
     infos = iter(decoder.announce([spec for document in documents for spec in document.specs]))
     finishes = {event.branch: event for event in decoder.decode("margins") if isinstance(event, Finish)}
