@@ -401,7 +401,7 @@ class StepLoop:
         self.live = [t for t, _ in fed] + self._waiting
 
     def forward(self, fed: list[tuple[Tip, list[int]]]) -> None:
-        """ONE forward for every chain (several, when chains exceed max_forward_tokens)."""
+        """ONE forward for every chain (several, when chains exceed the engine's forward budget)."""
         rows = [t.row for t, _ in fed]
         chains = [chain for _, chain in fed]
         if self.explicit_depths:

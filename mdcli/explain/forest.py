@@ -42,7 +42,7 @@ class Edge:
     """A radix-tree edge: a run of cache slots read by exactly the same prompts.
 
     `slots` are in depth order; they are contiguous unless a long prompt was fed in several
-    forwards (`max_forward_tokens`) together with other prompts."""
+    forwards (--max-forward-tokens) together with other prompts."""
 
     id: int
     parent: int | None  # the edge this one hangs off
@@ -110,9 +110,10 @@ class _ModelFreeEngine:
     extend = Engine.extend
     extend_steps = Engine.extend_steps
 
-    def __init__(self, max_forward_tokens: int) -> None:
+    def __init__(self, options: RunOptions) -> None:
         self.forest = Forest("cpu")
-        self.max_forward_tokens = max_forward_tokens
+        for name, value in options.engine_settings().items():  # what Engine.extend reads of them
+            setattr(self, name, value)
 
     def __len__(self) -> int:
         return len(self.forest)
@@ -132,7 +133,7 @@ def plan_layout(prompts: Sequence[Sequence[int]], options: RunOptions | None = N
     options = run_options(options, engine_options, every=True)
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
-    engine = _ModelFreeEngine(options.max_forward_tokens)
+    engine = _ModelFreeEngine(options)
     results = prefill_prompts(engine, [list(prompt) for prompt in prompts])  # type: ignore[arg-type]
     forest = engine.forest
     n = len(forest)

@@ -109,11 +109,15 @@ class RunOptions(Job):
                                  fix="leave {speculate} off")
         return self
 
+    def engine_settings(self) -> dict[str, Any]:
+        """What of these options the Engine itself holds (core.engine.Engine's keywords)."""
+        return {"max_forward_tokens": self.max_forward_tokens}
+
     def run(self, model: RunnableModel, *, compact_ratio: float = 0.25) -> Run:
         """A new Run for `model` with these options (`compact_ratio`: the strategy's own, where
         none was asked for)."""
         return Run.for_model(
-            model, max_forward_tokens=self.max_forward_tokens, speculate=self.speculate,
+            model, **self.engine_settings(), speculate=self.speculate,
             compact_ratio=compact_ratio if self.compact_ratio is None else self.compact_ratio,
         )
 
