@@ -154,6 +154,16 @@ def load_prefix(cache: Cache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> No
             cache.update(keys, values, index)
 
 
+def append(cache: Cache, other: Cache) -> None:
+    """Lay every slot of `other` (a cache of the same model, filled apart) after this one's, layer
+    by layer, through the layers' own `update`, as a prefill of those tokens here would have left
+    their keys and values had it attended to nothing already here."""
+    with torch.inference_mode():  # as the model's forward makes its buffers
+        for index, layer in enumerate(_layers(other)):
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
+                cache.update(layer.keys, layer.values, index)
+
+
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by keys and values (what a per-branch copy would multiply)."""
     total = 0

@@ -223,6 +223,17 @@ class Engine:
     def cache_bytes(self) -> int:
         return kv.cache_bytes(self.cache)
 
+    def append_apart(self, other: Engine) -> int:
+        """Lay `other`'s cache and forest (filled apart, over the same forward) after this one's;
+        returns where its slot 0 now sits. Its rows map to this cache as `[zeros(offset), row]`."""
+        offset = len(self.forest)
+        kv.append(self.cache, other.cache)
+        parent = other.forest.parent
+        self.forest.append(other.forest.tokens, other.forest.depth, torch.where(parent >= 0, parent + offset, parent))
+        self.forwards += other.forwards
+        self.peak_tokens = max(self.peak_tokens, len(self.forest))
+        return offset
+
     # -- a prompt cache's prefixes -------------------------------------------------------------
 
     def load_prefix(self, ids: list[int], prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

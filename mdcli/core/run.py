@@ -240,6 +240,20 @@ class Run:
         yield from self._store_notes()
         return results
 
+    def prefill_apart(self, prompts: list[list[int]], phase: str) -> Generator[Progress, None, list[ChainResult]]:
+        """Feed prompts as a radix tree in a cache of their own (each document's prefix a plain
+        causal run, as when it runs alone, not masked against the slots here), then lay that cache
+        after this run's: --each admits a document mid-forest so. Rows are over this run's cache."""
+        started, engine = time.perf_counter(), self.engine
+        apart = Engine(engine.model_forward, sliding_window=engine.sliding_window,
+                       mixed_layer_types=engine.mixed_layer_types, max_forward_tokens=engine.max_forward_tokens)
+        results = yield from progress_events(phase, prefill_steps(apart, prompts))
+        offset = engine.append_apart(apart)
+        self.counters.prefill_tokens += len(apart)
+        self.counters.prefill_seconds += time.perf_counter() - started
+        head = torch.zeros(offset, dtype=torch.bool, device=engine.device)
+        return [ChainResult(row=torch.cat([head, result.row]), logits=result.logits) for result in results]
+
     # -- the prompt cache ----------------------------------------------------------------------
 
     def _shared_prefix(self, prompts: list[list[int]]) -> list[int]:

@@ -197,9 +197,11 @@ class StepLoop:
             constraint_label=None if constraint is None else constraint.description,
         )
 
-    def prefill(self, tips: list[Tip], phase: str) -> Iterator[Event]:
-        """Feed the tips' prompts as one radix tree (sharing what the cache holds)."""
-        results = yield from self.run.prefill([t.path_ids for t in tips], phase)
+    def prefill(self, tips: list[Tip], phase: str, apart: bool = False) -> Iterator[Event]:
+        """Feed the tips' prompts as one radix tree (sharing what the cache holds; `apart`: nothing,
+        laid down in a cache of their own and appended, Run.prefill_apart)."""
+        prompts = [t.path_ids for t in tips]
+        results = yield from (self.run.prefill_apart(prompts, phase) if apart else self.run.prefill(prompts, phase))
         for tip, result in zip(tips, results):
             tip.row, tip.logits, tip.cached = result.row, result.logits, len(tip.path_ids)
 

@@ -287,8 +287,9 @@ def _run_admitting(model: LoadedModel, queue: list[_Prepared], budget: int, retr
             if retrieves:
                 yield from unretrieved_notes(item.specs)
             yield from loop.capped_notes(tips)
-            # laid down alone: its prefix a plain causal run, not masked against the others' slots
-            for event in loop.prefill(tips, "prefill"):
+            # laid down alone, in a cache of its own when others are in this one: its prefix a plain
+            # causal run, not masked against the others' slots
+            for event in loop.prefill(tips, "prefill", apart=len(run.engine) > 0):
                 if isinstance(event, Note):
                     yield event
             loop.join(tips)
