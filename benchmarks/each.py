@@ -11,7 +11,11 @@ Approaches, all on the embedded model, greedy, `--new-tokens` each, the same que
                (file, question) on ask-many's own prompt, timed on the same sample and scaled
   workers-K    `--each --workers K` on Ray (with --workers 1,2), the whole folder
 Every approach's tokens are compared with --each's on the files it ran: "same tokens" or the count
-that differ. Whole-process wall times (imports and load included), one thread per process.
+that differ. Whole processes (imports and load included), one thread per process, each timed two
+ways: wall seconds, and the CPU seconds (user + system) the process and its children used, which a
+busy shared host inflates far less than the wall. `--rounds R` runs the three approaches R times,
+in turns of alternating order (each, shell loop, generate; then generate, shell loop, each; ...),
+so a load that comes and goes falls on each alike; the table gives each approach's median round.
 Writes <out>.md (the CPU named) and <out>.json.
 """
 
@@ -22,6 +26,8 @@ import json
 import os
 import platform
 import random
+import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -53,24 +59,30 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of every child process waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def questions_args(questions: list[str]) -> list[str]:
     return [arg for q in questions for arg in ("-q", q)]
 
 
-def run_each(folder: Path, out: Path, questions: list[str], new_tokens: int, extra: list[str]) -> tuple[float, dict]:
+def run_each(folder: Path, out: Path, questions: list[str], new_tokens: int, extra: list[str]) -> tuple[float, float, dict]:
     out.unlink(missing_ok=True)
     command = [sys.executable, "-m", "mdcli", "ask-many", str(folder), "--each", *questions_args(questions), "-n",
                str(new_tokens), "--output", str(out), "--quiet", "--prompt-cache", "off", *extra]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), children_cpu()
     subprocess.run(command, check=True, env=env(), stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, children_cpu() - cpu
     tokens = {(r["document"]["path"], r["question"]): r["token_ids"]
               for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "answer"}
-    return seconds, tokens
+    return seconds, cpu, tokens
 
 
-def run_shell_loop(files: list[Path], questions: list[str], new_tokens: int) -> tuple[float, dict]:
-    tokens, started = {}, time.perf_counter()
+def run_shell_loop(files: list[Path], questions: list[str], new_tokens: int) -> tuple[float, float, dict]:
+    tokens, started, cpu = {}, time.perf_counter(), children_cpu()
     for path in files:
         command = [sys.executable, "-m", "mdcli", "ask-many", str(path), *questions_args(questions), "-n", str(new_tokens),
                    "--jsonl", "--quiet", "--prompt-cache", "off"]
@@ -79,7 +91,7 @@ def run_shell_loop(files: list[Path], questions: list[str], new_tokens: int) -> 
             record = json.loads(line)
             if record["type"] == "finish":
                 tokens[str(path), record["label"]] = record["token_ids"]
-    return time.perf_counter() - started, tokens
+    return time.perf_counter() - started, children_cpu() - cpu, tokens
 
 
 GENERATE_LOOP = r"""
@@ -106,16 +118,16 @@ print(json.dumps({"seconds": time.perf_counter() - started, "tokens": out}))
 """
 
 
-def run_generate_loop(files: list[Path], questions: list[str], new_tokens: int) -> tuple[float, dict]:
+def run_generate_loop(files: list[Path], questions: list[str], new_tokens: int) -> tuple[float, float, dict]:
     from mdcli.models.embedded import embedded_model_dir
 
     command = [sys.executable, "-c", GENERATE_LOOP, str(embedded_model_dir()), str(new_tokens), json.dumps(questions),
                *map(str, files)]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), children_cpu()
     result = subprocess.run(command, check=True, env=env(), capture_output=True, text=True)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, children_cpu() - cpu
     body = json.loads(result.stdout.splitlines()[-1])
-    return seconds, {tuple(key.split("\t")): value for key, value in body["tokens"].items()}
+    return seconds, cpu, {tuple(key.split("\t")): value for key, value in body["tokens"].items()}
 
 
 def differing(reference: dict, other: dict) -> int:
@@ -129,6 +141,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--workers", default="", help="e.g. 1,2: also --each on Ray with these worker counts")
     parser.add_argument("--budget-tokens", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="turns of the three approaches, order alternating")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/mdcli-each-bench"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -136,30 +149,46 @@ def main() -> int:
     write_corpus(folder, args.files)
     files = sorted(folder.glob("*.txt"))
     sample = files[: args.sample]
+    scale = args.files / len(sample)
     extra = [] if args.budget_tokens is None else ["--budget-tokens", str(args.budget_tokens)]
-    rows, report = [], {"files": args.files, "sample": args.sample, "new_tokens": args.new_tokens,
-                        "questions": QUESTIONS, "cpu": cpu_name(), "runs": {}}
-
-    each_seconds, each_tokens = run_each(folder, args.workdir / "each.jsonl", QUESTIONS, args.new_tokens, extra)
-    rows.append(("each (one process)", each_seconds, "measured", "reference"))
-    loop_seconds, loop_tokens = run_shell_loop(sample, QUESTIONS, args.new_tokens)
-    scaled = loop_seconds * args.files / len(sample)
-    rows.append(("shell loop of ask-many", scaled, f"{loop_seconds:.1f} s for {len(sample)} files, scaled",
-                 f"{differing(each_tokens, loop_tokens)} of {len(loop_tokens)} answers differ"))
-    gen_seconds, gen_tokens = run_generate_loop(sample, QUESTIONS, args.new_tokens)
-    scaled_gen = gen_seconds * args.files / len(sample)
-    rows.append(("Python loop of generate()", scaled_gen, f"{gen_seconds:.1f} s for {len(sample)} files, scaled",
-                 f"{differing(each_tokens, gen_tokens)} of {len(gen_tokens)} answers differ"))
+    approaches = {
+        "each (one process)": lambda: run_each(folder, args.workdir / "each.jsonl", QUESTIONS, args.new_tokens, extra),
+        "shell loop of ask-many": lambda: run_shell_loop(sample, QUESTIONS, args.new_tokens),
+        "Python loop of generate()": lambda: run_generate_loop(sample, QUESTIONS, args.new_tokens),
+    }
+    scaled = {"each (one process)": 1.0, "shell loop of ask-many": scale, "Python loop of generate()": scale}
+    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in approaches}
+    tokens: dict[str, dict] = {}
+    for turn in range(args.rounds):
+        for name in (list(approaches) if turn % 2 == 0 else list(reversed(approaches))):
+            seconds, cpu, got = approaches[name]()
+            rounds[name].append((seconds * scaled[name], cpu * scaled[name]))
+            tokens[name] = got
+            print(f"round {turn + 1}: {name}: {seconds:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr, flush=True)
+    reference = tokens["each (one process)"]
+    base_wall = statistics.median(w for w, _ in rounds["each (one process)"])
+    base_cpu = statistics.median(c for _, c in rounds["each (one process)"])
+    report = {"files": args.files, "sample": args.sample, "new_tokens": args.new_tokens, "questions": QUESTIONS,
+              "cpu": cpu_name(), "rounds": args.rounds, "runs": {}}
+    lines = [f"# ask-many --each: {args.files} files, {len(QUESTIONS)} questions, {args.new_tokens} new tokens", "",
+             f"CPU: {report['cpu']}; one thread per process (OMP_NUM_THREADS=1); whole processes; {args.rounds} "
+             "round(s), order alternating; each cell the median round (every round in the JSON).", "",
+             "| approach | wall s | vs --each | CPU s | vs --each | how | tokens |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for name, measured in rounds.items():
+        wall, cpu = statistics.median(w for w, _ in measured), statistics.median(c for _, c in measured)
+        how = "measured" if scaled[name] == 1.0 else f"{len(sample)} files a round, scaled to {args.files}"
+        same = "reference" if name == "each (one process)" else (
+            f"{differing(reference, tokens[name])} of {len(tokens[name])} answers differ")
+        lines.append(f"| {name} | {wall:.1f} | {wall / base_wall:.2f}x | {cpu:.1f} | {cpu / base_cpu:.2f}x | {how} | {same} |")
+        report["runs"][name] = {"wall_seconds": [w for w, _ in measured], "cpu_seconds": [c for _, c in measured],
+                                "how": how, "tokens": same}
     for workers in [int(w) for w in args.workers.split(",") if w]:
-        seconds, tokens = run_each(folder, args.workdir / f"workers{workers}.jsonl", QUESTIONS, args.new_tokens,
-                                   [*extra, "--workers", str(workers)])
-        rows.append((f"each --workers {workers}", seconds, "measured", f"{differing(each_tokens, tokens)} of {len(tokens)} answers differ"))
-    lines = [f"# ask-many --each: {args.files} files, {len(QUESTIONS)} questions, {args.new_tokens} new tokens",
-             "", f"CPU: {report['cpu']}; one thread per process (OMP_NUM_THREADS=1); whole-process wall times.", "",
-             "| approach | seconds | vs --each | how | tokens |", "| --- | ---: | ---: | --- | --- |"]
-    for name, seconds, how, tokens in rows:
-        lines.append(f"| {name} | {seconds:.1f} | {seconds / each_seconds:.2f}x | {how} | {tokens} |")
-        report["runs"][name] = {"seconds": seconds, "how": how, "tokens": tokens}
+        seconds, _, got = run_each(folder, args.workdir / f"workers{workers}.jsonl", QUESTIONS, args.new_tokens,
+                                   [*extra, "--workers", str(workers)])  # Ray's actors are not our children: wall only
+        same = f"{differing(reference, got)} of {len(got)} answers differ"
+        lines.append(f"| each --workers {workers} | {seconds:.1f} | {seconds / base_wall:.2f}x | | | measured once | {same} |")
+        report["runs"][f"each --workers {workers}"] = {"wall_seconds": [seconds], "how": "measured once", "tokens": same}
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
