@@ -65,6 +65,22 @@ def test_products_of_every_kind_are_float32_products_of_its_weights(kind, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", KERNEL_KINDS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_weight_row_gives_the_same_numbers_read_alone_or_beside_its_neighbour(kind, rows):
+    """One and two rows of x take two K-quant weight rows a pass: each output is summed as it is
+    with its weight row alone, bit for bit (37 rows: 18 pairs and one left over), so that no
+    output depends on where a thread's run of rows begins."""
+    rng = np.random.default_rng(rows)
+    blocks = torch.from_numpy(random_blocks(kind, 37, 768, rng))
+    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+    together = block_linear(x, BlockWeight(kind, blocks, 768))
+    for row in range(37):
+        alone = block_linear(x, BlockWeight(kind, blocks[row : row + 1], 768))
+        assert torch.equal(together[:, row : row + 1], alone), row
+
+
+@needs_kernel
 def test_a_matrix_joined_from_parts_of_different_kinds_fills_each_parts_columns():
     """q, k and v of a Q4_K_M layer (Q4_K, Q4_K, Q6_K) multiplied as one: the same numbers as each
     part alone, side by side, at a decode step's width and a prefill's."""
@@ -208,7 +224,7 @@ def test_products_are_the_same_numbers_on_any_thread_count(kind):
     weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 301, 512, rng)), 512)
     before = torch.get_num_threads()
     try:
-        for rows in (1, 5, 8, 12, 40):
+        for rows in (1, 2, 5, 8, 12, 40):
             x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
             torch.set_num_threads(1)
             alone = block_linear(x, weight, rows_on_kernel=64)

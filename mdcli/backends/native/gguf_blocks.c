@@ -33,6 +33,7 @@
 #define Q5_1_BYTES 24 /* float16 d, float16 m, then as Q5_0 */
 /* K-quants: 256 weights a super-block, read as 8 sub-blocks of 32 (ggml's block_q*_K layouts) */
 #define SUPER 8
+#define LINE_BYTES 64 /* a cache line */
 #define Q2_K_BYTES 84  /* 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit codes, d, dmin */
 #define Q3_K_BYTES 110 /* 32 bytes of high bits, 64 of 2-bit codes, 12 of packed 6-bit scales, d */
 #define Q4_K_BYTES 144 /* d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes of nibbles */
@@ -509,35 +510,56 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
     }
 }
 
-/* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block)
- * passed to body(b, w) one block of 32 at a time, w its PER vectors; a K-quant's scales decoded once
- * per super-block (b and count whole super-blocks for those); lookup: 4- and 5-bit codes looked up
- * in a table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
+/* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block) of W
+ * weight rows (1 or 2, `stride` bytes apart) passed to body(b, w) one block of 32 at a time, w[o]
+ * weight row o's PER vectors; a K-quant's scales decoded once per super-block (b and count whole
+ * super-blocks for those), a super-block ahead: decoded just before their use, their broadcast
+ * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
+ * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
+ * is read, a steady stream of hints (see AHEAD_BYTES). lookup: 4- and 5-bit codes looked up in a
+ * table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
  * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
  * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md). */
 #define LOOKUP_ROWS 2
-#define EACH_BLOCK(kind, base, first, count, lookup, body)                                                  \
+#define EACH_BLOCK(kind, W, base, stride, ahead, first, count, lookup, body)                      \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
-            for (int64_t B_ = (first) / SUPER; B_ < ((first) + (count)) / SUPER; B_++) {          \
-                const uint8_t *sb_ = (base) + B_ * bytes_of(kind);                                \
-                struct k_scales k_;                                                               \
-                k_scales_of(kind, sb_, &k_);                                                      \
-                __asm__("" : "+m"(k_)); /* read back by broadcast loads, not by shuffles */            \
+            const int64_t B0_ = (first) / SUPER, B1_ = ((first) + (count)) / SUPER;               \
+            struct k_scales ks_[2][2];                                                            \
+            if (B0_ < B1_)                                                                        \
+                _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                                                  \
+                    k_scales_of(kind, (base) + o_ * (stride) + B0_ * bytes_of(kind), &ks_[0][o_]); \
+            for (int64_t B_ = B0_; B_ < B1_; B_++) {                                              \
+                const int now_ = (int)((B_ - B0_) & 1);                                           \
+                if (ahead)                                                                        \
+                    _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                      \
+                        _Pragma("GCC unroll 4") for (int f_ = 0; f_ < bytes_of(kind); f_ += LINE_BYTES) \
+                            __builtin_prefetch((base) + o_ * (stride) + B_ * bytes_of(kind) + (ahead) + f_, 0, 0); \
+                if (B_ + 1 < B1_)                                                                 \
+                    _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                                              \
+                        k_scales_of(kind, (base) + o_ * (stride) + (B_ + 1) * bytes_of(kind), &ks_[now_ ^ 1][o_]); \
+                __asm__("" : "+m"(ks_)); /* read back by broadcast loads, not by shuffles */      \
                 _Pragma("GCC unroll 8") for (int s_ = 0; s_ < SUPER; s_++) {                      \
-                    vec w_[PER];                                                                  \
-                    k_weights(kind, sb_, s_, &k_, w_, lookup);                                            \
+                    vec w_[2][PER];                                                               \
+                    _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                                              \
+                        k_weights(kind, (base) + o_ * (stride) + B_ * bytes_of(kind), s_, &ks_[now_][o_], w_[o_], lookup); \
                     body(B_ * SUPER + s_, w_);                                                    \
                 }                                                                                 \
             }                                                                                     \
         } else {                                                                                  \
             for (int64_t b_ = (first); b_ < (first) + (count); b_++) {                            \
-                vec w_[PER];                                                                      \
-                if (kind == 5 || kind == 6)                                                       \
-                    q5_weights(kind == 6, (base) + b_ * bytes_of(kind), w_, lookup);                      \
-                else                                                                              \
-                    weights_of(kind, (base) + b_ * bytes_of(kind), w_, lookup);                           \
+                vec w_[2][PER];                                                                   \
+                if (ahead)                                                                      \
+                    _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                      \
+                        __builtin_prefetch((base) + o_ * (stride) + b_ * bytes_of(kind) + (ahead), 0, 0); \
+                _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++) {                                                \
+                    const uint8_t *block_ = (base) + o_ * (stride) + b_ * bytes_of(kind);         \
+                    if (kind == 5 || kind == 6)                                                   \
+                        q5_weights(kind == 6, block_, w_[o_], lookup);                            \
+                    else                                                                          \
+                        weights_of(kind, block_, w_[o_], lookup);                                 \
+                }                                                                                 \
                 body(b_, w_);                                                                     \
             }                                                                                     \
         }                                                                                         \
@@ -552,81 +574,118 @@ static inline int64_t row_bytes_of(int kind, int64_t k) {
  * by the code the products use. */
 #define STORE_BLOCK(b, w)                                   \
     for (int j_ = 0; j_ < PER; j_++)                        \
-        vstore(out + ((b) - first) * BLOCK + j_ * LANES, (w)[j_]);
+        vstore(out + ((b) - first) * BLOCK + j_ * LANES, (w)[0][j_]);
 
 static inline __attribute__((always_inline)) void blocks_out(int kind, const uint8_t *base, int64_t first,
                                                              int64_t count, float *out) {
-    EACH_BLOCK(kind, base, first, count, 0, STORE_BLOCK);
+    EACH_BLOCK(kind, 1, base, 0, 0, first, count, 0, STORE_BLOCK);
 }
 
 /* While one weight row is multiplied, the row AHEAD_ROWS on (the next panel, in the panels) is asked
  * into the caches: with the hardware prefetchers alone the step's products took 9-14% longer at 6-8
  * rows on a Zen 3 core, 1-15% at 1-4 rows, the same at 16 (weights are read once a step, so the hint
  * is non-temporal; notebook/gguf-blocks.md, "Weight rows fetched ahead"). A hint: it never faults
- * and never waits. Other distances build with -DAHEAD_ROWS=N (and span widths with -DSPAN=N, below),
- * for a benchmark to compare them on another host kind (benchmarks/native_kernels.py --define). */
+ * and never waits. The passes of up to ROWS rows ask for the bytes AHEAD_BYTES on (at least two rows
+ * on) block by block instead: a row's worth of hints at once overflowed the core's queue of misses
+ * when two rows were read together, and on a Zen 5 core the one-row products of a 1B model's Q8_0
+ * file took 0.78x the time. Other distances build with -DAHEAD_ROWS=N, -DAHEAD_BYTES=N (and span
+ * widths with -DSPAN=N, below), for a benchmark to compare them on another host kind
+ * (benchmarks/native_kernels.py --define). */
 #ifndef AHEAD_ROWS
 #define AHEAD_ROWS 6
 #endif
-#define LINE_BYTES 64
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES 8192
+#endif
 
-static inline void fetch(const uint8_t *p, int64_t bytes) {
+/* The rows on from a row of row_bytes that AHEAD_BYTES reaches, at least 2 (past a pair of rows). */
+static inline int64_t rows_ahead(int64_t row_bytes) {
+    const int64_t rows = (AHEAD_BYTES + row_bytes - 1) / row_bytes;
+    return rows < 2 ? 2 : rows;
+}
+
+static inline __attribute__((always_inline)) void fetch(const uint8_t *p, int64_t bytes) {
     for (int64_t f = 0; f < bytes; f += LINE_BYTES)
         __builtin_prefetch(p + f, 0, 0);
 }
 
-/* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of one weight row -> y[r * ldy], added
- * to it if `add`: each block turned into weights in registers once for the R rows, `chains`
- * multiply-add chains per row (2 in the passes of up to ROWS rows, 1 in the shared rebuilds). */
-static inline __attribute__((always_inline)) void pass(int kind, int R, int chains, const float *x, int64_t ldx,
-                                                       const uint8_t *row, int64_t b0, int64_t b1, float *y,
-                                                       int64_t ldy, int add) {
-    vec acc[8][2];
+/* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
+ * apart) -> y[r * ldy + o], added to it if `add`: each block turned into weights in registers once for
+ * the R rows, `chains` multiply-add chains per (row, weight row) (2 in the passes of up to ROWS rows,
+ * 1 in the shared rebuilds). Each output's sums are the same, in the same order, for W = 1 and 2. */
+static inline __attribute__((always_inline)) void pass(int kind, int R, int W, int chains, const float *x, int64_t ldx,
+                                                       const uint8_t *row, int64_t stride, int64_t ahead, int64_t b0, int64_t b1,
+                                                       float *y, int64_t ldy, int add) {
+    vec acc[8][2], acc_b[8][2]; /* weight row 0's, weight row 1's (W = 2): two arrays the size a lone row's had, kept in registers */
+#define ACC(r, o, c) (*((o) == 0 ? &acc[r][c] : &acc_b[r][c]))
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
-        acc[r][0] = acc[r][1] = vzero();
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++)
+            ACC(r, o, 0) = ACC(r, o, 1) = vzero();
     /* a lone row of a K-quant: a second pair of chains, the pairs swapped after each block, so that
      * the multiply-add's latency does not bound it (the swap is a renaming: EACH_BLOCK unrolls the
      * sub-blocks). Its sums are then in another order than the wider passes' (within rounding). */
     const int pairs = R == 1 && chains == 2 && IS_SUPER(kind);
-    vec spare0 = vzero(), spare1 = vzero();
+    vec spare[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}};
 #define ACCUMULATE(b, w)                                                                   \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
         const float *in = x + r * ldx + (b) * BLOCK;                                       \
-        _Pragma("GCC unroll 4") for (int j = 0; j < PER; j++)                              \
-            acc[r][j % chains] = vfma(vload(in + j * LANES), (w)[j], acc[r][j % chains]);  \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PER; j++) {                            \
+            const vec x_ = vload(in + j * LANES);                                          \
+            _Pragma("GCC unroll 2") for (int o = 0; o < W; o++)                            \
+                ACC(r, o, j % chains) = vfma(x_, (w)[o][j], ACC(r, o, j % chains));          \
+        }                                                                                  \
     }                                                                                      \
-    if (pairs) {                                                                           \
-        const vec t0 = acc[0][0], t1 = acc[0][1];                                          \
-        acc[0][0] = spare0, acc[0][1] = spare1, spare0 = t0, spare1 = t1;                  \
-    }
-    EACH_BLOCK(kind, row, b0, b1 - b0, R <= LOOKUP_ROWS, ACCUMULATE);
+    if (pairs)                                                                             \
+        _Pragma("GCC unroll 2") for (int o = 0; o < W; o++) {                              \
+            const vec t0 = ACC(0, o, 0), t1 = ACC(0, o, 1);                                \
+            ACC(0, o, 0) = spare[o][0], ACC(0, o, 1) = spare[o][1];                        \
+            spare[o][0] = t0, spare[o][1] = t1;                                            \
+        }
+    EACH_BLOCK(kind, W, row, stride, ahead, b0, b1 - b0, R <= LOOKUP_ROWS, ACCUMULATE);
 #undef ACCUMULATE
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        if (pairs)
-            acc[0][0] = vadd(acc[0][0], spare0), acc[0][1] = vadd(acc[0][1], spare1);
-        const float total = vsum(chains == 2 ? vadd(acc[r][0], acc[r][1]) : acc[r][0]);
-        y[r * ldy] = add ? y[r * ldy] + total : total;
-    }
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++) {
+            if (pairs)
+                ACC(0, o, 0) = vadd(ACC(0, o, 0), spare[o][0]), ACC(0, o, 1) = vadd(ACC(0, o, 1), spare[o][1]);
+            const float total = vsum(chains == 2 ? vadd(ACC(r, o, 0), ACC(r, o, 1)) : ACC(r, o, 0));
+            y[r * ldy + o] = add ? y[r * ldy + o] + total : total;
+        }
 }
+#undef ACC
+
+/* One and two rows of x times a K-quant, on AVX-512: two weight rows a pass, their blocks'
+ * rebuilds and multiply-adds interleaved (and x's vectors loaded once for both), each output
+ * summed as one weight row's pass sums it, bit for bit. The rebuilds' latencies then overlap: on a
+ * Zen 5 core the one-row products of a 1B model's Q4_K_M file took 0.84x the time (with the scales
+ * decoded a super-block ahead, 0.70x); the other kinds' took the same or longer (Q5_0, Q8_0, BF16:
+ * 1.0-1.25x), and so did the AVX2 build's (16 registers: 1.05x at one row, 1.29x at two). */
+#define PAIR_ROWS 2
+#if defined(__AVX512F__)
+#define PAIRED(kind) IS_SUPER(kind)
+#else
+#define PAIRED(kind) 0
+#endif
 
 #if ROWS == 8
 #define PASSES(kind) \
-    case 1: pass(kind, 1, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 2: pass(kind, 2, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 3: pass(kind, 3, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 4: pass(kind, 4, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 5: pass(kind, 5, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 6: pass(kind, 6, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 7: pass(kind, 7, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    default: pass(kind, 8, 2, xr, k, row, 0, blocks, yr, ldy, 0); break;
+    case 1: if (W_ == 2) pass(kind, 1, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 1, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 2: if (W_ == 2) pass(kind, 2, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 2, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 3: pass(kind, 3, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 4: pass(kind, 4, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 5: pass(kind, 5, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 6: pass(kind, 6, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 7: pass(kind, 7, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    default: pass(kind, 8, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break;
 #else
 #define PASSES(kind) \
-    case 1: pass(kind, 1, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 2: pass(kind, 2, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    case 3: pass(kind, 3, 2, xr, k, row, 0, blocks, yr, ldy, 0); break; \
-    default: pass(kind, 4, 2, xr, k, row, 0, blocks, yr, ldy, 0); break;
+    case 1: if (W_ == 2) pass(kind, 1, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 1, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 2: if (W_ == 2) pass(kind, 2, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 2, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    case 3: pass(kind, 3, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
+    default: pass(kind, 4, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break;
 #endif
 
 
@@ -648,10 +707,10 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int chai
 #endif
 
 #define SHARED_PASSES(kind) \
-    case 5: pass(kind, 5, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
-    case 6: pass(kind, 6, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
-    case 7: pass(kind, 7, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break; \
-    default: pass(kind, 8, 1, x, k, row, b0, b1, yr, ldy, b0 > 0); break;
+    case 5: pass(kind, 5, 1, 1, x, k, row, 0, 0, b0, b1, yr, ldy, b0 > 0); break; \
+    case 6: pass(kind, 6, 1, 1, x, k, row, 0, 0, b0, b1, yr, ldy, b0 > 0); break; \
+    case 7: pass(kind, 7, 1, 1, x, k, row, 0, 0, b0, b1, yr, ldy, b0 > 0); break; \
+    default: pass(kind, 8, 1, 1, x, k, row, 0, 0, b0, b1, yr, ldy, b0 > 0); break;
 
 /* y = x @ W^T for ROWS < m <= ONE_REBUILD_ROWS, a span of inputs at a time. */
 #define SHARED_PRODUCT(kind)                                                                       \
@@ -774,13 +833,14 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
             lane_ordered(x, m, k, k, scratch);                                                     \
             x_in = scratch;                                                                        \
         }                                                                                          \
-        for (int64_t j = 0; j < n; j++) {                                                          \
+        const int64_t ahead = rows_ahead(row_bytes) * row_bytes;                                   \
+        for (int64_t j = 0; j < n;) {                                                              \
+            const int W_ = PAIRED(kind) && m <= PAIR_ROWS && j + 1 < n ? 2 : 1;                   \
             const uint8_t *row = w + j * row_bytes;                                                \
-            if (j + AHEAD_ROWS < n)                                                                \
-                fetch(row + AHEAD_ROWS * row_bytes, row_bytes);                                    \
             const float *xr = x_in;                                                                \
             float *yr = y + j;                                                                     \
             switch (m) { PASSES(kind) }                                                            \
+            j += W_;                                                                               \
         }                                                                                          \
     }
 
