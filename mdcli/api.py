@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,7 +134,7 @@ def ask_each(
         questions.model_copy(update={"documents": ["(each)"], "names": ["(each)"]}).validate()
         inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
         return run_each(model, questions, inputs.documents, inputs.skipped, answered=frozenset(answered),
-                        options=options)
+                        budget_tokens=budget_tokens, options=options)
     job = questions if isinstance(questions, AskMany) else _ask_many_job(fields, questions=questions)
     job.model_copy(update={"document": "(each)", "documents": []}).validate()
     inputs = documents if isinstance(documents, Inputs) else _each_inputs(documents)
@@ -156,8 +157,9 @@ def _each_inputs(documents: Sequence[str | Path | Document]) -> Inputs:
             inputs.documents.append(item)
         else:
             found = read_inputs([str(item)], lenient=True)
+            ahead = len(inputs.documents)  # a skipped file's `before` counts every document read so far
+            inputs.skipped.extend(replace(s, before=s.before + ahead) for s in found.skipped)
             inputs.documents.extend(found.documents)
-            inputs.skipped.extend(found.skipped)
     return inputs
 
 

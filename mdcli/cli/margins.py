@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
-from mdcli.cli.each import EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
+from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.cli.groups import takes
 from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags, QuestionsFileOpt
@@ -127,6 +127,7 @@ def margins(
     ] = None,
     output: EachOutputOpt = "auto",
     each: EachOpt = False,
+    budget_tokens: BudgetTokensOpt = None,
     workers: WorkersOpt = None,
     ray_address: RayAddressOpt = None,
     *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
@@ -148,8 +149,9 @@ def margins(
     kept). --json gives the answers in question order; JSONL adds the margin and "classification
     N/M" branches, a "classification" note per margin and an "answer-sources" note per answer,
     each naming its question.
-    --each answers the questions of every document on its own, one document after another in one
-    process, each exactly as `mdcli margins FILE` would: `## path :: question` blocks, --output
+    --each answers the questions of every document on its own, each exactly as `mdcli margins FILE`
+    would, consecutive documents (as many as --budget-tokens holds of their margins) in one forest:
+    `## path :: question` blocks, --output
     FILE.jsonl appended per document and skipped on rerun, bad files as error records (exit 1),
     --workers N on Ray actors (docs/cli.md).
     --save-recipe FILE writes the equivalent recipe; `mdcli run FILE --input DOC...` on the same
@@ -157,8 +159,8 @@ def margins(
     """
     with errors(out.debug), in_flags():
         mode, results = split_output(output, each)
-        if not each and (workers is not None or ray_address is not None):
-            raise UsageError("--workers and --ray-address go with --each", fix="add --each")
+        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
+            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
         if each and save_recipe is not None:
             raise UsageError("--each does not take --save-recipe", fix="save the recipe from a run on one document")
         announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
@@ -206,7 +208,7 @@ def margins(
         mode = out.mode(mode)
         if each:
             run_each(ctx, documents, job, mode, results, announced, loading=loading, options=options, out=out,
-                     workers=workers, ray_address=ray_address)
+                     workers=workers, ray_address=ray_address, budget_tokens=budget_tokens)
             return
         lm = load(loading.options(out, announced=announced))
         out.render(api.margins(lm, job, options=options), mode, lm, show_margins=show_margins)
