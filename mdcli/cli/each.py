@@ -64,12 +64,12 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
 
 def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results: Path | None, announced: bool, *,
              loading: LoadFlags, options, out: OutputFlags, workers: int | None, ray_address: str | None,
-             budget_tokens: int | None = None) -> None:
+             budget_tokens: int | None = None, base: Path | None = None, prompt_cache: str = "off") -> None:
     """Read every document (bad files become error records), skip those `results` already holds,
     answer the rest here or on Ray, and write them; exit 1 when some document failed. `options`:
-    the run's api.RunOptions.
+    the run's api.RunOptions; `base`: the folder relative sources start from (a recipe's).
 
-    The prompt cache is off unless --prompt-cache is typed: kept per document it would write each
+    The prompt cache is `prompt_cache` (off, or a recipe's) unless --prompt-cache is typed: kept per document it would write each
     one's keys and values (about 30 MB for a 500-token file on the embedded model), and a folder
     of a few hundred would push every other entry out of its 2 GiB."""
     from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
@@ -78,7 +78,7 @@ def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results:
 
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {workers})", fix="use a positive number")
-    inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, lenient=True)
+    inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, base=base, lenient=True)
     questions = len(set(job.questions)) or 1  # margins with one --query and no questions list
     answered = answered_keys(results, questions) if results is not None else set()
     kind = "plain" if mode in (Output.auto, Output.live, Output.plain) else mode.value
@@ -92,7 +92,7 @@ def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results:
             raise UsageError("--workers and --ray-address need Ray, which is not installed", fix=RAY_EXTRA)
     results_file = ResultsFile(results) if results is not None else None  # unwritable: said before the model loads
     typed = ctx.get_parameter_source("prompt_cache")
-    cache = loading.prompt_cache if typed is not None and typed.name not in ("DEFAULT", "DEFAULT_MAP") else "off"
+    cache = loading.prompt_cache if typed is not None and typed.name not in ("DEFAULT", "DEFAULT_MAP") else prompt_cache
     load_options = loading.options(out, announced=announced, prompt_cache=cache)
     writer_header = None
     if on_ray:

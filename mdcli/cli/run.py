@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_document, read_inputs
+from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
 from mdcli.cli.groups import takes
 from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags
 from mdcli.errors import RecipeError, UsageError
@@ -34,9 +35,15 @@ VarOpt = Annotated[
     out=OUTPUT,
 )
 def run(
+    ctx: typer.Context,
     recipe: RecipeArg,
     input: InputOpt = None,
     var: VarOpt = None,
+    output: EachOutputOpt = "auto",
+    each: EachOpt = False,
+    budget_tokens: BudgetTokensOpt = None,
+    workers: WorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
@@ -45,8 +52,16 @@ def run(
     recipe everywhere, per-branch settings included; so do --choices / --regex / --schema (ask-many,
     tree, think and explore recipes). See docs/recipes.md for the format and
     `mdcli recipes list` for the built-in recipes.
+
+    --each runs an ask-many or margins recipe (`questions:`) on every document of its input (--input
+    FOLDER, files or globs; or its `context: {files: [...]}`) on its own, one tree per document, exactly
+    as `mdcli ask-many --each` / `mdcli margins --each` do: the same output, --output FILE.jsonl,
+    --budget-tokens, --workers and --ray-address. Other recipes are refused with --each.
     """
     with errors(out.debug):
+        mode, results = split_output(output, each)
+        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
+            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
         announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
@@ -63,9 +78,17 @@ def run(
             ),
         )
         plan = with_constraint(plan, d.constraint())
+        if each:
+            from mdcli.recipes import each_plan  # lazy: as above
+
+            job, sources, base = each_plan(plan, input, values)  # before the slow model load
+            run_each(ctx, sources, job, out.mode(mode), results, announced, loading=loading,
+                     options=plan.run_options(options), out=out, workers=workers, ray_address=ray_address,
+                     budget_tokens=budget_tokens, base=base, prompt_cache=plan.prompt_cache or "off")
+            return
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
-        mode = out.mode()
+        mode = out.mode(mode)
         lm = load(loading.options(out, announced=announced, prompt_cache=loading.prompt_cache or plan.prompt_cache or "auto"))
         out.render(recipe_events(plan, lm, input_text=input_text, vars=values, options=options), mode, lm)
 

@@ -36,7 +36,9 @@ from __future__ import annotations
 from mdcli.recipes.ask_many import AskManyRecipe
 from mdcli.recipes.beam import BeamRecipe
 from mdcli.recipes.checks import check_recipe
-from mdcli.recipes.compile import check_run_inputs, compile_recipe, recipe_events, resolved_seed, values_and_context
+from mdcli.recipes.compile import (
+    check_run_inputs, compile_recipe, each_plan, recipe_events, resolved_seed, values_and_context,
+)
 from mdcli.recipes.errors import format_path
 from mdcli.recipes.files import (
     BUILTIN_PACKAGE,
@@ -78,7 +80,7 @@ __all__ = [
     "AskManyRecipe", "BeamRecipe", "Branch", "Context", "MarginsRecipe", "Recipe", "RecipeBase", "Sampling",
     "TemplateSite", "ThinkRecipe", "TreeRecipe",
     "ask_many_default_template", "ask_many_recipe", "builtin_descriptions", "builtin_names", "builtin_text",
-    "check_recipe", "check_run_inputs", "compile_recipe", "document_template_to_recipe", "dump_recipe",
+    "check_recipe", "check_run_inputs", "compile_recipe", "each_plan", "document_template_to_recipe", "dump_recipe",
     "escape_dollars", "fill", "format_path", "load_recipe", "load_recipe_text", "margins_job", "margins_recipe_data",
     "margins_recipe_text", "explore_recipe_text", "think_recipe_text", "beam_recipe_text", "parse_vars", "parse_yaml", "read_recipe_source", "recipe_events", "resolved_seed",
     "sampling_from_flags", "strategy_names", "template_variables", "validate_recipe_data", "values_and_context",

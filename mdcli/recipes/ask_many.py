@@ -9,7 +9,7 @@ each question's $context is its K best passages of the context's documents (as `
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -26,7 +26,8 @@ from mdcli.recipes.branches import BranchesRecipe, branch_spec
 from mdcli.recipes.checks import check_branch_list, check_questions, question_sites
 from mdcli.recipes.errors import Problem
 from mdcli.recipes.schema import Branch, TemplateSite
-from mdcli.recipes.templates import ask_many_default_template, fill
+from mdcli.recipes.templates import ask_many_default_template, fill, recipe_template_to_document
+from mdcli.strategies.ask_many import DEFAULT_TEMPLATE, AskMany
 
 if TYPE_CHECKING:
     from mdcli.events import Event
@@ -44,6 +45,7 @@ class AskManyRecipe(BranchesRecipe):
     branches: list[Branch] | None = None
     retrieve: int | None = Field(None, ge=1)  # each question reads its K best passages of the context
     chunk_tokens: int | None = Field(None, ge=MIN_CHUNK_TOKENS)  # a passage's most tokens (default 256)
+    runs_each: ClassVar[bool] = True
 
     def check(self, var_names: set[str]) -> None:
         if self.retrieve is not None and (self.questions is None or self.context is None):
@@ -97,6 +99,22 @@ class AskManyRecipe(BranchesRecipe):
         return api.run_specs(
             model, specs, strategy=self.strategy_name(), seed=self.sampling.seed, options=options,
             notes=unretrieved_notes(specs) if self.retrieve is not None else (),
+        )
+
+    def each_job(self, values: dict[str, str]) -> AskMany:
+        """The ask-many job of `mdcli run RECIPE --each`: the recipe's questions, template (in
+        ask-many's form), system, sampling, retrieval and constraint, each document's prompts those
+        of this recipe run on it alone (and of `mdcli ask-many FILE` with the same settings)."""
+        if self.questions is None:
+            raise Problem(("branches",), "--each asks `questions:` of every document, not a branch list",
+                          "write the branches as `questions:` with a `template:`, or run it without --each")
+        settings = self.sampling
+        return AskMany(
+            questions=[fill(question, values) for question in self.questions],
+            template=DEFAULT_TEMPLATE if self.template is None else recipe_template_to_document(self.template, values),
+            system=self.system, chat_template=self.chat_template, sampling=settings.params(),
+            max_new_tokens=settings.new_tokens(), stop=settings.stop_strings(), retrieve=self.retrieve,
+            chunk_tokens=self.chunk_tokens or DEFAULT_CHUNK_TOKENS, constraint=self.constraint,
         )
 
     def _index(self, tokenizer, values: dict[str, str]) -> ChunkIndex:

@@ -1,6 +1,7 @@
 """From a checked recipe to a run: its variable values, its context text, then its events.
 
     check_run_inputs   the variables and the context source, before the slow model load
+    each_plan          `mdcli run RECIPE --each`: the job asked of every document, and where they are
     compile_recipe     a recipe with a branch list -> [BranchSpec] (tokenized; `mdcli explain`)
     recipe_events      any recipe -> its events (the strategy's own `events` method)
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mdcli.documents.inputs import Document, joined_text
 from mdcli.recipes.checks import context_documents
@@ -59,6 +60,34 @@ def check_run_inputs(
     """What compile_recipe checks before it needs a tokenizer: variables and the context source.
     Commands call it before loading the model, so a missing --input fails in a blink."""
     values_and_context(recipe, input_text, vars)
+
+
+def each_plan(
+    recipe: RecipeBase, sources: Sequence[str] | None, vars: dict[str, str] | None
+) -> tuple[Any, list[str], Path | None]:
+    """What `mdcli run RECIPE --each` runs: the job asked of every document on its own (the
+    strategy's `each_job`: ask-many and margins recipes), the documents' sources, and the folder
+    relative ones start from: the --input sources (`context: {input: true}`, from the current
+    folder), or `context: {file:}` / `{files:}` (from the recipe's). Raises RecipeError."""
+    context = recipe.context
+    try:
+        if not recipe.runs_each:
+            raise Problem(("strategy",), f"--each runs ask-many and margins recipes, not a {recipe.strategy_name()} "
+                          "recipe", "run it without --each")
+        if sources and not (context is not None and context.input):
+            raise Problem(("context",), "this recipe does not read --input", "drop --input, or set `context: {input: true}`")
+        if context is None or context.text is not None:
+            raise Problem(("context",), "--each asks every document on its own, and this recipe has none",
+                          "set `context: {input: true}` and give --input FOLDER, or `context: {files: [...]}`")
+        if context.input and not sources:
+            raise Problem(("context", "input"), "the recipe reads its documents from --input",
+                          "give --input FOLDER (files and globs too)")
+        job = recipe.each_job(_variable_values(recipe, vars or {}))
+    except Problem as problem:
+        raise recipe_error(recipe.source, problem.path, problem.problem, problem.fix) from None
+    if context.input:
+        return job, list(sources or ()), None
+    return job, list(context.files or [context.file]), recipe.base_dir
 
 
 def values_and_context(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
@@ -53,6 +53,7 @@ class MarginsRecipe(RecipeBase, MarginsOptions):
     margin_template: str | None = None  # None: the strategy's (MarginsPrompts)
     classification_template: str | None = None
     answer_template: str | None = None
+    runs_each: ClassVar[bool] = True
     # the rest of the fields are margins' own parameters, with their defaults and bounds: MarginsOptions
 
     @model_serializer(mode="wrap")
@@ -97,6 +98,11 @@ class MarginsRecipe(RecipeBase, MarginsOptions):
         job = self.job(values, context)
         job.validate()  # here, before the first event is asked for
         return run_margins(model, job, options)
+
+    def each_job(self, values: dict[str, str]) -> Margins:
+        """The job of `mdcli run RECIPE --each`: this recipe's on each document alone (api.ask_each
+        puts each document in)."""
+        return self.job(values, "(each)")
 
     def job(self, values: dict[str, str], context: str) -> Margins:
         """The strategies.margins job this recipe runs, its variables' values known. A context of

@@ -155,6 +155,8 @@ class RecipeBase(Strict):
 
     # the fix for a number out of range in one of this strategy's own fields, by field name
     field_fixes: ClassVar[dict[str, str]] = {}
+    # `mdcli run RECIPE --each` runs this strategy's recipes: each_job is the job asked of every document
+    runs_each: ClassVar[bool] = False
 
     # where the recipe came from: error messages name it, `context.file` is relative to it
     _source: str = PrivateAttr("recipe")
@@ -202,6 +204,12 @@ class RecipeBase(Strict):
             f"{self.source}: strategy: a {self.strategy_name()} recipe has no branch list to compile",
             fix=f"run it with: mdcli run {self.source.removesuffix(' (built-in)').removesuffix('.yaml')}",
         )
+
+    def each_job(self, values: dict[str, str]) -> Any:
+        """The job (an AskMany or a Margins) that `mdcli run RECIPE --each` asks of every document on
+        its own (api.ask_each), its variables' values known ($context aside); `runs_each` says there
+        is one. Raises errors.Problem."""
+        raise NotImplementedError(f"strategy {self.strategy_name()} has no --each")
 
     def events(
         self, model: LoadedModel, values: dict[str, str], context: str | None, *,

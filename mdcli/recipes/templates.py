@@ -67,5 +67,20 @@ def document_template_to_recipe(template: str) -> str:
     return Template.pattern.sub(rename, template)
 
 
+def recipe_template_to_document(template: str, values: dict[str, str]) -> str:
+    """An ask-many recipe template ($context, $question, `$name` variables) as an ask-many job's
+    `--template` ($document, $question), the variables filled in (their dollars kept literal): the
+    inverse of document_template_to_recipe, filling to the same text."""
+    def rename(match: re.Match) -> str:
+        name = match.group("named") or match.group("braced")
+        if name == "context":
+            return "$document" if match.group("named") else "${document}"
+        if name is None or name == "question":
+            return match.group(0)
+        return escape_dollars(values[name])
+
+    return Template.pattern.sub(rename, template)
+
+
 def ask_many_default_template() -> str:
     return document_template_to_recipe(ASK_MANY_DOCUMENT_TEMPLATE)
