@@ -66,11 +66,11 @@ def test_products_of_every_kind_are_float32_products_of_its_weights(kind, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", KERNEL_KINDS)
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
 def test_a_weight_row_gives_the_same_numbers_read_alone_or_beside_its_neighbour(kind, rows):
-    """One and two rows of x take two K-quant weight rows a pass: each output is summed as it is
-    with its weight row alone, bit for bit (37 rows: 18 pairs and one left over), so that no
-    output depends on where a thread's run of rows begins."""
+    """The narrow passes (up to 8 rows of x) take two K-quant weight rows a pass: each output is
+    summed as it is with its weight row alone, bit for bit (37 rows: 18 pairs and one left over),
+    so that no output depends on where a thread's run of rows begins."""
     rng = np.random.default_rng(rows)
     blocks = torch.from_numpy(random_blocks(kind, 37, 768, rng))
     x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))

@@ -659,35 +659,44 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
 }
 #undef ACC
 
-/* One and two rows of x times a K-quant, on AVX-512: two weight rows a pass, their blocks'
- * rebuilds and multiply-adds interleaved (and x's vectors loaded once for both), each output
- * summed as one weight row's pass sums it, bit for bit. The rebuilds' latencies then overlap: on a
- * Zen 5 core the one-row products of a 1B model's Q4_K_M file took 0.84x the time (with the scales
- * decoded a super-block ahead, 0.70x); the other kinds' took the same or longer (Q5_0, Q8_0, BF16:
- * 1.0-1.25x), and so did the AVX2 build's (16 registers: 1.05x at one row, 1.29x at two). */
-#define PAIR_ROWS 2
+/* The narrow passes (up to ROWS rows of x) times a K-quant, on AVX-512: two weight rows a pass,
+ * their blocks' rebuilds and multiply-adds interleaved and x's vectors loaded once for both, each
+ * output summed as a lone weight row's pass sums it, bit for bit (past 2 rows, one chain per row
+ * and weight row, alone or paired). The rebuilds' latencies then overlap, and at 3-8 rows x's
+ * vectors, read from the second cache (8 rows of 2,048 floats outgrow the first), serve twice the
+ * products. On a Zen 5 core a 1B model's Q4_K_M file's products took 0.69x the time at one and two
+ * rows (with the scales decoded a super-block ahead; 0.84x without), 0.60-0.78x at 3-8; the other
+ * kinds' took the same or longer at one row (Q5_0, Q8_0, BF16: 1.0-1.25x), and so did the AVX2
+ * build's (16 registers: 1.05x at one row, 1.29x at two). */
 #if defined(__AVX512F__)
 #define PAIRED(kind) IS_SUPER(kind)
 #else
 #define PAIRED(kind) 0
 #endif
+/* Multiply-add chains per (row of x, weight row) in a narrow pass of R rows. */
+#define NARROW_CHAINS(kind, R) (PAIRED(kind) && (R) > 2 ? 1 : 2)
+#define NARROW(kind, R)                                                                                          \
+    if (W_ == 2)                                                                                                 \
+        pass(kind, R, 2, NARROW_CHAINS(kind, R), xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0);         \
+    else                                                                                                         \
+        pass(kind, R, 1, NARROW_CHAINS(kind, R), xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0);
 
 #if ROWS == 8
 #define PASSES(kind) \
-    case 1: if (W_ == 2) pass(kind, 1, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 1, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 2: if (W_ == 2) pass(kind, 2, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 2, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 3: pass(kind, 3, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 4: pass(kind, 4, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 5: pass(kind, 5, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 6: pass(kind, 6, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 7: pass(kind, 7, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    default: pass(kind, 8, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break;
+    case 1: NARROW(kind, 1) break; \
+    case 2: NARROW(kind, 2) break; \
+    case 3: NARROW(kind, 3) break; \
+    case 4: NARROW(kind, 4) break; \
+    case 5: NARROW(kind, 5) break; \
+    case 6: NARROW(kind, 6) break; \
+    case 7: NARROW(kind, 7) break; \
+    default: NARROW(kind, 8) break;
 #else
 #define PASSES(kind) \
-    case 1: if (W_ == 2) pass(kind, 1, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 1, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 2: if (W_ == 2) pass(kind, 2, 2, 2, xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0); else pass(kind, 2, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    case 3: pass(kind, 3, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break; \
-    default: pass(kind, 4, 1, 2, xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0); break;
+    case 1: NARROW(kind, 1) break; \
+    case 2: NARROW(kind, 2) break; \
+    case 3: NARROW(kind, 3) break; \
+    default: NARROW(kind, 4) break;
 #endif
 
 
@@ -837,7 +846,7 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
         }                                                                                          \
         const int64_t ahead = rows_ahead(row_bytes) * row_bytes;                                   \
         for (int64_t j = 0; j < n;) {                                                              \
-            const int W_ = PAIRED(kind) && m <= PAIR_ROWS && j + 1 < n ? 2 : 1;                   \
+            const int W_ = PAIRED(kind) && j + 1 < n ? 2 : 1;                                    \
             const uint8_t *row = w + j * row_bytes;                                                \
             const float *xr = x_in;                                                                \
             float *yr = y + j;                                                                     \
