@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
-from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
+from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, run_each, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.cli.groups import takes
 from mdcli.cli.options import (
@@ -18,7 +18,7 @@ from mdcli.cli.options import (
 from mdcli.errors import UsageError
 
 
-@takes(loading=LOAD, decoding=DECODE, out=OUTPUT)
+@takes(loading=LOAD, decoding=DECODE, out=OUTPUT, each_run=EACH)
 def ask_many(
     ctx: typer.Context,
     document: DocumentsArg,
@@ -41,11 +41,7 @@ def ask_many(
     ] = None,
     save_recipe: SaveRecipeOpt = None,
     output: EachOutputOpt = "auto",
-    each: EachOpt = False,
-    budget_tokens: BudgetTokensOpt = None,
-    workers: WorkersOpt = None,
-    ray_address: RayAddressOpt = None,
-    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags, each_run: EachFlags,
 ) -> None:
     """Ask many questions about one document or many: every answer decodes at once over the shared cache.
 
@@ -70,9 +66,8 @@ def ask_many(
     from a saved or built-in ask-many recipe.
     """
     with errors(out.debug), in_flags():
-        mode, results = split_output(output, each)
-        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
-            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
+        mode, results = each_run.destination(output)
+        each = each_run.each
         announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         from mdcli import api  # lazy: `mdcli --help` must not load the decoding stack
 
@@ -102,7 +97,7 @@ def ask_many(
         mode = out.mode(mode)
         if each:
             run_each(ctx, document, job, mode, results, announced, loading=loading, options=options, out=out,
-                     workers=workers, ray_address=ray_address, budget_tokens=budget_tokens)
+                     each_run=each_run)
             return
         lm = load(loading.options(out, announced=announced))
         out.render(api.ask_many(lm, job, options=options), mode, lm)

@@ -8,12 +8,14 @@ spread the documents over Ray actors (mdcli/distributed/, the optional `ray` ext
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from mdcli.cli.common import Output, _is_terminal, header, load, read_stdin_bytes
+from mdcli.cli.groups import Group
 from mdcli.cli.options import LoadFlags, OutputFlags
 from mdcli.errors import UsageError
 
@@ -52,6 +54,30 @@ RayAddressOpt = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class EachFlags:
+    """--each and the options that go with it (--output is each command's own: it stands in for
+    OutputFlags' field, mdcli/cli/groups.py): one group (mdcli/cli/groups.py) for every command
+    that asks its questions of each document (ask-many, margins, run)."""
+
+    each: EachOpt = False
+    budget_tokens: BudgetTokensOpt = None
+    workers: WorkersOpt = None
+    ray_address: RayAddressOpt = None
+
+    def destination(self, output: str) -> tuple[Output, Path | None]:
+        """--output (the command's own option, EachOutputOpt, standing in for OutputFlags'): the output
+        mode, and with --each the .jsonl file results are appended to; --budget-tokens, --workers and
+        --ray-address refused without --each."""
+        found = split_output(output, self.each)
+        if not self.each and (self.budget_tokens is not None or self.workers is not None or self.ray_address is not None):
+            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
+        return found
+
+
+EACH = Group(EachFlags)
+
+
 def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
     """--output: a mode name, or (with --each) the .jsonl file results are appended to."""
     if value in OUTPUT_MODES:
@@ -63,8 +89,8 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
 
 
 def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results: Path | None, announced: bool, *,
-             loading: LoadFlags, options, out: OutputFlags, workers: int | None, ray_address: str | None,
-             budget_tokens: int | None = None, base: Path | None = None, prompt_cache: str = "off") -> None:
+             loading: LoadFlags, options, out: OutputFlags, each_run: EachFlags, base: Path | None = None,
+             prompt_cache: str = "off") -> None:
     """Read every document (bad files become error records), skip those `results` already holds,
     answer the rest here or on Ray, and write them; exit 1 when some document failed. `options`:
     the run's api.RunOptions; `base`: the folder relative sources start from (a recipe's).
@@ -76,6 +102,7 @@ def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results:
     # lazy: the --each writer is needed only here
     from mdcli.render.each import EachWriter, ResultsFile, answered_keys
 
+    workers, ray_address, budget_tokens = each_run.workers, each_run.ray_address, each_run.budget_tokens
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1 (got {workers})", fix="use a positive number")
     inputs = api.read_inputs(sources, read_stdin=read_stdin_bytes, base=base, lenient=True)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
-from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
+from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, run_each
 from mdcli.cli.flags import in_flags
 from mdcli.cli.groups import takes
 from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags, QuestionsFileOpt
@@ -36,7 +36,7 @@ class KeepMargins(str, Enum):
     all = "all"
 
 
-@takes(loading=LOAD, decoding=DECODE.without("stop", "choices", "regex", "schema"), out=OUTPUT)
+@takes(loading=LOAD, decoding=DECODE.without("stop", "choices", "regex", "schema"), out=OUTPUT, each_run=EACH)
 def margins(
     ctx: typer.Context,
     documents: Annotated[
@@ -126,11 +126,7 @@ def margins(
         typer.Option("--answer-template", help="Answer prompt with $notes and $query.", show_default=False),
     ] = None,
     output: EachOutputOpt = "auto",
-    each: EachOpt = False,
-    budget_tokens: BudgetTokensOpt = None,
-    workers: WorkersOpt = None,
-    ray_address: RayAddressOpt = None,
-    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags, each_run: EachFlags,
 ) -> None:
     """Writing in the Margins: a note ("margin") per segment, all written at once, each classified
     relevant or not (all at once), then one answer from the relevant margins.
@@ -158,9 +154,8 @@ def margins(
     documents gives the same tokens.
     """
     with errors(out.debug), in_flags():
-        mode, results = split_output(output, each)
-        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
-            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
+        mode, results = each_run.destination(output)
+        each = each_run.each
         if each and save_recipe is not None:
             raise UsageError("--each does not take --save-recipe", fix="save the recipe from a run on one document")
         announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
@@ -208,7 +203,7 @@ def margins(
         mode = out.mode(mode)
         if each:
             run_each(ctx, documents, job, mode, results, announced, loading=loading, options=options, out=out,
-                     workers=workers, ray_address=ray_address, budget_tokens=budget_tokens)
+                     each_run=each_run)
             return
         lm = load(loading.options(out, announced=announced))
         out.render(api.margins(lm, job, options=options), mode, lm, show_margins=show_margins)

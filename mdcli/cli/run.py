@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_document, read_inputs
-from mdcli.cli.each import BudgetTokensOpt, EachOpt, EachOutputOpt, RayAddressOpt, WorkersOpt, run_each, split_output
+from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, run_each
 from mdcli.cli.groups import takes
 from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags
 from mdcli.errors import RecipeError, UsageError
@@ -33,6 +33,7 @@ VarOpt = Annotated[
     loading=LOAD.defaults(prompt_cache=None),
     decoding=DECODE.defaults(max_new_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None, speculate=None),
     out=OUTPUT,
+    each_run=EACH,
 )
 def run(
     ctx: typer.Context,
@@ -40,11 +41,7 @@ def run(
     input: InputOpt = None,
     var: VarOpt = None,
     output: EachOutputOpt = "auto",
-    each: EachOpt = False,
-    budget_tokens: BudgetTokensOpt = None,
-    workers: WorkersOpt = None,
-    ray_address: RayAddressOpt = None,
-    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
+    *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags, each_run: EachFlags,
 ) -> None:
     """Run a recipe: its branches (and their follow-ups) decode together over one shared cache.
 
@@ -59,9 +56,8 @@ def run(
     --budget-tokens, --workers and --ray-address. Other recipes are refused with --each.
     """
     with errors(out.debug):
-        mode, results = split_output(output, each)
-        if not each and (budget_tokens is not None or workers is not None or ray_address is not None):
-            raise UsageError("--budget-tokens, --workers and --ray-address go with --each", fix="add --each")
+        mode, results = each_run.destination(output)
+        each = each_run.each
         announced = announce_loading(loading.model, out.quiet, out.progress)  # before the imports below, which take seconds
         # here, not at the top: building the recipe schema (pydantic) costs about a second, which
         # `mdcli --help` and every other command would pay
@@ -83,8 +79,8 @@ def run(
 
             job, sources, base = each_plan(plan, input, values)  # before the slow model load
             run_each(ctx, sources, job, out.mode(mode), results, announced, loading=loading,
-                     options=plan.run_options(options), out=out, workers=workers, ray_address=ray_address,
-                     budget_tokens=budget_tokens, base=base, prompt_cache=plan.prompt_cache or "off")
+                     options=plan.run_options(options), out=out, each_run=each_run, base=base,
+                     prompt_cache=plan.prompt_cache or "off")
             return
         input_text = recipe_input(plan, input)
         check_run_inputs(plan, input_text=input_text, vars=values)  # before the slow model load
