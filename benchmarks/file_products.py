@@ -62,7 +62,7 @@ def built(source: Path, folder: Path) -> ctypes.CDLL:
     target = folder / f"{source.stem}-{abs(hash(str(source)))}.so"
     subprocess.run(["cc", *X86_FLAGS[x86_capability()], "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
     lib = ctypes.CDLL(str(target))
-    lib.strided = hasattr(lib, "set_threads")  # from the K-quants on: the output's row stride, then the scratch
+    lib.strided = hasattr(lib, "set_threads") or hasattr(lib, "use_pool")  # from the K-quants on: the output's row stride, then the scratch
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for kind in KERNEL_KINDS:
         if hasattr(lib, f"{kind.lower()}_gemm"):

@@ -88,7 +88,7 @@ def build(flags: list[str], folder: Path, source: Path = SOURCE, defines: tuple[
         lib.scratch_floats = lambda k: 1
     # from the K-quants on, a product takes its output's row stride (it may fill some columns of a
     # wider output) and runs on set_threads' threads (1 here)
-    lib.strided = hasattr(lib, "set_threads")
+    lib.strided = hasattr(lib, "set_threads") or hasattr(lib, "use_pool")
     for kind in BYTES:
         gemm, expand = getattr(lib, f"{kind.lower()}_gemm"), getattr(lib, f"{kind.lower()}_dequantize")
         gemm.argtypes = [pointer, size, size, pointer, size, pointer, *([size] if lib.strided else []), pointer]

@@ -52,10 +52,10 @@ def test_the_plain_build_gives_the_same_numbers_on_any_thread_count(plain):
     alone = plain_product(plain, x, weight)
     try:
         for threads in (2, 3):
-            plain.set_threads(threads)
+            native.use_threads(threads)
             assert torch.equal(plain_product(plain, x, weight), alone), threads
     finally:
-        plain.set_threads(1)
+        native.use_threads(torch.get_num_threads())
 
 
 def test_cpus_without_avx2_take_the_plain_build_and_its_rows():

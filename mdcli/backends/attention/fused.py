@@ -15,8 +15,8 @@ build lays the head's dimensions across the lanes instead of the rows, so a lone
 no longer fills 3 of 16 lanes (Zen 5, the embedded model's one-branch step at 1,819 tokens: 13.8 ->
 11.3 ms; docs/performance.md, "The files users run").
 
-The key/value groups are split over torch's threads (mdcli/backends/native/pool.h, the block
-kernel's threads), each group by the same code: the same numbers on any thread count.
+The key/value groups are split over torch's threads (mdcli/backends/native/pool.c, the one
+pool every kernel runs on), each group by the same code: the same numbers on any thread count.
 
 Exact to float32 rounding: the same scores, softmax and weighted sum in another order of float sums,
 exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_fused_attention.py).
@@ -89,7 +89,7 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
     scratch = _scratch(lib.attention_scratch_floats(n, heads // groups, m, dim))
-    native.use_threads(lib, torch.get_num_threads())
+    native.use_threads(torch.get_num_threads())
     lib.attention(
         queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
         n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
@@ -124,7 +124,6 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
                               pointer, pointer]
     lib.attention.restype = None
-    lib.set_threads.argtypes, lib.set_threads.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
 

@@ -417,7 +417,7 @@ static void group_run(const void *job, int g, float *scratch) {
         }
 }
 
-/* Every group's attention, the groups on set_threads' threads. q: query head h, query m at q + h *
+/* Every group's attention, the groups on the pool's threads. q: query head h, query m at q + h *
  * q_head + m * q_query (D contiguous floats); k and v rows p of group g at k + g * group_stride + p *
  * D; mask_t [N][R] additive, R = the padded rows (H/G heads x M queries, row (h mod H/G) * M + m;
  * padding rows see everything), the same for every group, or NULL -> out [M][H * D]. scratch:

@@ -5,6 +5,9 @@ its source (next to the module that uses it) with `$CC`, else `cc`, into mdcli's
 (`$MDCLI_CACHE_DIR/kernels`, see mdcli.models.embedded), named after the source, the flags and the compiler,
 so a change of any builds anew. Without a compiler, or if the build fails, `load` returns None and
 the caller keeps torch's kernels (slower, the same tokens).
+
+Every kernel library is handed one pool of threads at load (pool.c, built the same way; pool.h is
+the kernels' side): one set of workers for all kernels, its thread count set by `use_threads`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 
 from mdcli import settings
@@ -49,15 +53,30 @@ def load_any(source: Path) -> ctypes.CDLL | None:
     return load(source, X86_FLAGS.get(kind, PLAIN_FLAGS))
 
 
-_THREADS: dict[int, int] = {}  # each loaded kernel's thread count, as last set (by id of its library)
+POOL_SOURCE = Path(__file__).parent / "pool.c"
+POOL_FLAGS = ("-O2", "-pthread")
+_threads_set: list[int] = [1]  # the pool's thread count, as last set (one list: no module global is rebound)
 
 
-def use_threads(lib: ctypes.CDLL, threads: int) -> None:
-    """Split `lib`'s jobs over `threads` threads (pool.h's set_threads; torch's count, the cores its own
-    operations use between the kernel's calls), calling into it only when the count changes."""
-    if _THREADS.get(id(lib)) != threads:
-        lib.set_threads(threads)
-        _THREADS[id(lib)] = threads
+def use_threads(threads: int) -> None:
+    """Split every kernel's jobs over `threads` threads (pool.c's mdcli_pool_set_threads; torch's
+    count, the cores its own operations use between the kernels' calls), calling into the pool only
+    when the count changes."""
+    shared = pool()
+    if shared is not None and _threads_set[0] != threads:
+        _threads_set[0] = shared.mdcli_pool_set_threads(threads)
+
+
+@cache
+def pool() -> ctypes.CDLL | None:
+    """The one pool of threads every kernel library runs its jobs on (built on first use); None where
+    it cannot be built (each kernel then runs its jobs on the calling thread)."""
+    lib = _load_built(POOL_SOURCE, POOL_FLAGS)
+    if lib is None:
+        return None
+    lib.mdcli_pool_set_threads.argtypes, lib.mdcli_pool_set_threads.restype = [ctypes.c_int], ctypes.c_int
+    lib.mdcli_pool_threads.argtypes, lib.mdcli_pool_threads.restype = [], ctypes.c_int
+    return lib
 
 
 def load_x86(source: Path) -> ctypes.CDLL | None:
@@ -67,7 +86,19 @@ def load_x86(source: Path) -> ctypes.CDLL | None:
 
 
 def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The library built from `source` with `flags` (built on first use); None if it cannot be."""
+    """The library built from `source` with `flags` (built on first use), handed the pool of threads
+    where it takes one (pool.h's use_pool); None if it cannot be built."""
+    lib = _load_built(source, flags)
+    shared = pool()
+    if lib is not None and shared is not None and hasattr(lib, "use_pool"):
+        address = ctypes.c_void_p
+        lib.use_pool.argtypes, lib.use_pool.restype = [address, address], None
+        lib.use_pool(ctypes.cast(shared.mdcli_pool_parallel, address), ctypes.cast(shared.mdcli_pool_threads, address))
+    return lib
+
+
+def _load_built(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built from `source` with `flags`, built first where it is not yet; None if it cannot be."""
     path = library_path(source, flags)
     if not path.exists() and not _compile(source, flags, path):
         return None

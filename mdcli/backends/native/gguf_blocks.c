@@ -895,7 +895,8 @@ static void product_run(const void *job, int index, float *scratch) {
 static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,
                           int64_t ldy, int64_t row_bytes, float *scratch) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t most = pool.threads <= 1 || n < MIN_SPLIT_ROWS ? 1 : pool.threads * RUNS_PER_THREAD;
+    const int threads = pool_threads();
+    const int64_t most = threads <= 1 || n < MIN_SPLIT_ROWS ? 1 : threads * RUNS_PER_THREAD;
     const struct product p = {fn, x, m, k, n, ldy, row_bytes, w, y, (int)(panels < most ? panels : most)};
     parallel(p.runs, product_run, &p, scratch_floats(k), scratch);
 }
@@ -920,7 +921,7 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
         return 1;                                                                                  \
     }
 
-/* The product on set_threads' threads, each on its run of weight rows (a lone run below MIN_SPLIT_ROWS). */
+/* The product on the pool's threads, each on its run of weight rows (a lone run below MIN_SPLIT_ROWS). */
 #define THREADED(name, rows, kind)                                                                 \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
               int64_t ldy, float *scratch) {                                                       \

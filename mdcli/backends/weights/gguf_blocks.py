@@ -264,7 +264,7 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -
     float32 with unit column stride: columns of a wider output may be filled), on as many threads
     as torch is given, each on its run of W's rows (the same numbers at any count)."""
     lib = library()
-    native.use_threads(lib, torch.get_num_threads())
+    native.use_threads(torch.get_num_threads())
     rows = flat.shape[0]
     scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr()  # wide panels; a narrow pass's inputs in lane order
     product = getattr(lib, f"{weight.kind.lower()}_gemm")
@@ -336,7 +336,6 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib`, a build of gguf_blocks.c, with its functions' argument and result types declared."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
-    lib.set_threads.argtypes, lib.set_threads.restype = [ctypes.c_int], ctypes.c_int
     for kind in KERNEL_KINDS:
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
         product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, size, pointer], None
