@@ -74,8 +74,12 @@ class Settings(BaseSettings):
     no_color: str = Field("", description="Any value: no colour in the live panels and plain output.",
                           **_other("NO_COLOR"))
     omp_wait_policy: str = Field(
-        "", description="How torch's OpenMP threads wait between operations; mdcli's command line starts them "
-        "PASSIVE unless set (process_defaults).", **_other("OMP_WAIT_POLICY"))
+        "", description="How torch's OpenMP threads wait between operations (ACTIVE or PASSIVE); set, mdcli's "
+        "command line leaves their waiting as it says.", **_other("OMP_WAIT_POLICY"))
+    gomp_spincount: str = Field(
+        "", description="How many checks torch's OpenMP threads spin after an operation before sleeping; mdcli's "
+        "command line starts them at 3000 where neither this nor OMP_WAIT_POLICY is set (process_defaults).",
+        **_other("GOMP_SPINCOUNT"))
     cc: str = Field("cc", description="The C compiler mdcli's native kernels are built with, at first use.",
                     **_other("CC"))
 
@@ -126,16 +130,21 @@ def current() -> Settings:
         raise _usage_error(error) from None
 
 
-# Set for mdcli's own command-line processes before torch loads, unless the user set them: torch's
-# OpenMP threads spinning after each of its operations (the default) take the cores that the block
-# kernel's and the attention's threads need, and a spinning pool is what collapses on a busy
-# machine; PASSIVE threads sleep between operations (docs/performance.md, "The files users run").
-PROCESS_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Set for mdcli's own command-line processes before torch loads, where the user set neither OpenMP
+# variable (OPENMP_WAITING). torch's OpenMP threads (libgomp) spin 300,000 checks after each of its
+# operations by default and take the cores that mdcli's kernel threads need between them, and a
+# spinning pool is what collapses on a busy machine; sleeping at once (OMP_WAIT_POLICY=PASSIVE)
+# makes each of a prefill's products wait for its threads to wake. A short spin serves both
+# (docs/cpu-backends.md, "Threads").
+PROCESS_DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
+OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one set: the user chose how OpenMP waits
 
 
 def process_defaults() -> None:
-    """Give this process PROCESS_DEFAULTS where the environment leaves them unset (call before torch
-    is imported: OpenMP reads its variables once)."""
+    """Give this process PROCESS_DEFAULTS where the environment sets none of OPENMP_WAITING (call
+    before torch is imported: OpenMP reads its variables once)."""
+    if any(os.environ.get(name) for name in OPENMP_WAITING):
+        return
     for name, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(name, value)
 

@@ -114,3 +114,20 @@ def test_every_variable_a_command_option_reads_is_in_the_registry():
 
     read = {option.envvar for option in options(typer.main.get_command(app)) if option.envvar}
     assert read and read <= {variable(field) for field in Settings.model_fields}
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({}, "GOMP_SPINCOUNT=3000"),  # neither set: the short spin
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, "GOMP_SPINCOUNT=None"),  # the user chose: nothing added
+    ({"GOMP_SPINCOUNT": "0"}, "GOMP_SPINCOUNT=0"),
+])
+def test_the_command_line_gives_openmp_a_short_spin_only_where_the_user_chose_no_waiting(given, expected):
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k not in settings.OPENMP_WAITING} | given
+    code = "import os; from mdcli.settings import process_defaults; process_defaults(); " \
+           "print('GOMP_SPINCOUNT=' + str(os.environ.get('GOMP_SPINCOUNT')))"
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == expected

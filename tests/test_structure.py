@@ -92,8 +92,8 @@ LAZY_BOUNDARY = ("mdcli/__init__.py", "mdcli/cli/", "mdcli/documents/retrieve.py
 
 HEAVY_PACKAGES = ("torch", "transformers")  # process-wide state mdcli must never assign to
 ENVIRONMENT_MODULE = "mdcli/settings.py"  # the only module that reads the environment
-# settings.py gives the command line's process its OpenMP wait policy before torch loads
-# (process_defaults), where the environment leaves it unset: the one variable mdcli writes, declared
+# settings.py gives the command line's process its OpenMP spin before torch loads (process_defaults),
+# where the environment leaves OpenMP's waiting unset: the one variable mdcli writes, declared
 # in the registry beside the rest; no other module writes the environment or torch's or transformers' state
 WRITES_ITS_ENVIRONMENT = ENVIRONMENT_MODULE
 
