@@ -10,9 +10,12 @@ report) and each thread count, in one run, alternating which goes first:
   mdcli       mdcli bench -m FILE --branches 1,8 --context C --new-tokens N --approaches forest --threads T --json
               (model loaded: the forest's median decode step at 1 and 8 branches, and its whole job:
               prefill of the shared document and N tokens on each branch)
-  llama.cpp   llama-batched-bench -m FILE -npp C -ntg N -npl 1,8 -pps -kvu -t T -fa off
-              (the prompt prefilled once and shared, as the forest shares it: its decode step is
-              T_TG / N, its job T)
+  llama.cpp   llama-batched-bench -m FILE -npp P -ntg N -npl B -pps -kvu -t T -fa off, once for B = 1
+              and once for B = 8 (the prompt prefilled once and shared, as the forest shares it: its
+              decode step is T_TG / N, its job T), P the token count of mdcli's longest prompt at B
+              branches: the bench's document of about C tokens with the question template around
+              it (C + 55 on the embedded model), so both prefill the same number of tokens at one
+              branch, and at eight mdcli prefills its eight questions' own tokens besides
 
 and once per file, at two threads, the peak resident set of the 8-question job as whole processes
 (benchmarks/memory.py: `mdcli ask-many` over the report against llama-batched-bench with its cache
@@ -58,19 +61,33 @@ def mdcli_bench(model: str, context: int, new_tokens: int, threads: int, workdir
             **{f"job_s_{r['branches']}": r["seconds"] for r in rows}}
 
 
-def llama_bench(binary: Path, model: str, context: int, new_tokens: int, threads: int, workdir: Path) -> dict:
-    """The same from llama-batched-bench's table: step = T_TG / N, job = T."""
-    command = [str(binary), "-m", model, "-npp", str(context), "-ntg", str(new_tokens), "-npl",
-               ",".join(map(str, BRANCHES)), "-pps", "-kvu", "-t", str(threads), "-fa", "off"]
-    text = memory.measured_child(command, workdir)["stdout"]
-    found = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]) and int(cells[0]) == context:
-            branches, tg_seconds, total = int(cells[2]), float(cells[6]), float(cells[8])
-            found[f"step_ms_{branches}"] = round(tg_seconds / new_tokens * 1000, 2)
-            found[f"job_s_{branches}"] = total
-    return {"command": command, **found}
+def llama_bench(binary: Path, model: str, prompt_tokens: dict[int, int], new_tokens: int, threads: int,
+                workdir: Path) -> dict:
+    """The same from llama-batched-bench's tables (step = T_TG / N, job = T), one run per branch
+    count b with a prompt of prompt_tokens[b] tokens."""
+    found, commands = {}, []
+    for branches in BRANCHES:
+        command = [str(binary), "-m", model, "-npp", str(prompt_tokens[branches]), "-ntg", str(new_tokens), "-npl",
+                   str(branches), "-pps", "-kvu", "-t", str(threads), "-fa", "off"]
+        commands.append(command)
+        for line in memory.measured_child(command, workdir)["stdout"].splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]) and int(cells[2]) == branches:
+                tg_seconds, total = float(cells[6]), float(cells[8])
+                found[f"step_ms_{branches}"] = round(tg_seconds / new_tokens * 1000, 2)
+                found[f"job_s_{branches}"] = total
+    return {"commands": commands, **found}
+
+
+def mdcli_prompt_tokens(model: str, context: int, workdir: Path) -> dict[int, int]:
+    """Tokens of mdcli bench's longest prompt at each branch count (its document of about `context`
+    tokens in the question template), counted by the model's own tokenizer in a child process."""
+    code = ("import json, sys, types; from mdcli.api import load_tokenizer; from mdcli.bench.ask import Case, prompts_for; "
+            "lm = types.SimpleNamespace(tokenizer=load_tokenizer(sys.argv[1], quiet=True)); "
+            "print(json.dumps({b: max(map(len, prompts_for(lm, Case(b, int(sys.argv[2]), 1)))) for b in map(int, sys.argv[3:])}))")
+    command = [sys.executable, "-c", code, model, str(context), *map(str, BRANCHES)]
+    text = memory.measured_child(command, workdir, child_environment(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO)))["stdout"]
+    return {int(b): n for b, n in json.loads(text.strip().splitlines()[-1]).items()}
 
 
 def floor_peak(workdir: Path) -> int:
@@ -92,15 +109,16 @@ def measure(files: list[str], threads: list[int], llama: Path, workdir: Path, me
     flip = False
     for spec in files:
         ours, theirs, context, new = parse_file(spec)
+        prompt_tokens = mdcli_prompt_tokens(ours, context, workdir)
         for count in threads:
             order = ["llama.cpp", "mdcli"] if flip else ["mdcli", "llama.cpp"]
             flip = not flip
             measured = {}
             for name in order:
                 measured[name] = (mdcli_bench(ours, context, new, count, workdir) if name == "mdcli"
-                                  else llama_bench(llama / "llama-batched-bench", theirs, context, new, count, workdir))
-            rows.append({"file": ours, "llama_file": theirs, "context": context, "new_tokens": new, "threads": count,
-                         "order": order, **measured})
+                                  else llama_bench(llama / "llama-batched-bench", theirs, prompt_tokens, new, count, workdir))
+            rows.append({"file": ours, "llama_file": theirs, "context": context, "prompt_tokens": prompt_tokens,
+                         "new_tokens": new, "threads": count, "order": order, **measured})
             print(json.dumps(rows[-1]), flush=True)
     peaks = []
     if memory_runs:
@@ -117,16 +135,18 @@ def measure(files: list[str], threads: list[int], llama: Path, workdir: Path, me
 def markdown(result: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "", f"{result['date']}, {result['cpu']}; model loaded, greedy; "
              "step = median decode step (llama.cpp: T_TG / N), job = prefill of the shared prompt + N tokens "
-             "on each branch. Ratios are mdcli / llama.cpp.", "",
-             "| file | threads | step, 1 branch ms (llama.cpp / mdcli, ratio) | step, 8 branches ms | "
-             "job, 1 question s | job, 8 questions s |", "|---|---:|---|---|---|---|"]
+             "on each branch, both prefilling mdcli's longest prompt's token count (prompt column: at 1 / 8 "
+             "branches). Ratios are mdcli / llama.cpp.", "",
+             "| file | threads | prompt | step, 1 branch ms (llama.cpp / mdcli, ratio) | step, 8 branches ms | "
+             "job, 1 question s | job, 8 questions s |", "|---|---:|---:|---|---|---|---|"]
     for row in result["steps"]:
         cells = []
         for key in ("step_ms_1", "step_ms_8", "job_s_1", "job_s_8"):
             theirs, ours = row["llama.cpp"].get(key), row["mdcli"].get(key)
             cells.append(f"{theirs} / {ours} ({ours / theirs:.2f}x)" if theirs and ours else "-")
         name = Path(row["file"]).name + (f" ({row['context']} + {row['new_tokens']} tokens)" if row["context"] != CONTEXT else "")
-        lines.append(f"| {name} | {row['threads']} | " + " | ".join(cells) + " |")
+        prompt = " / ".join(str(row["prompt_tokens"][b]) for b in BRANCHES)
+        lines.append(f"| {name} | {row['threads']} | {prompt} | " + " | ".join(cells) + " |")
     if result["peaks"]:
         mib = 2**20
         lines += ["", "Peak RSS of the 8-question job, two threads (benchmarks/memory.py's processes), the floor "
