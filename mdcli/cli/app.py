@@ -13,19 +13,13 @@ from typing import Annotated
 import typer
 
 from mdcli import __version__
-from mdcli.cli.common import silence_stdout
+from mdcli.cli.common import command_group, silence_stdout
 from mdcli.cli.usage import SHORT_HELP, MdcliGroup, with_examples
 
-app = typer.Typer(
-    name="mdcli",
-    help=(
-        "Exact parallel decoding (MultiDecode): many branches of one model decode together over ONE "
-        "shared KV cache, each getting exactly the tokens it would get alone."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+app = command_group(
+    "mdcli",
+    "Exact parallel decoding (MultiDecode): many branches of one model decode together over ONE shared KV "
+    "cache, each getting exactly the tokens it would get alone.",
     cls=MdcliGroup,  # commands grouped in the help, usage errors in one line
 )
 

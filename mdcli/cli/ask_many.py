@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
-from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, run_each, split_output
+from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, answer, split_output
 from mdcli.cli.flags import in_flags
 from mdcli.cli.groups import takes
 from mdcli.cli.options import (
@@ -94,13 +94,8 @@ def ask_many(
             constraint=decoding.constraint(),
         )
         job.validate()  # before the model loads
-        mode = out.mode(mode)
-        if each:
-            run_each(ctx, document, job, mode, results, announced, loading=loading, options=options, out=out,
-                     each_run=each_run)
-            return
-        lm = load(loading.options(out, announced=announced))
-        out.render(api.ask_many(lm, job, options=options), mode, lm)
+        answer(ctx, document, job, mode, results, announced, api.ask_many, loading=loading, options=options, out=out,
+               each_run=each_run)
 
 
 # -- --recipe and --save-recipe --------------------------------------------------------------------

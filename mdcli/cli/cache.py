@@ -7,17 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import errors
+from mdcli.cli.common import command_group, errors
 from mdcli.cli.options import DebugOpt
 
-app = typer.Typer(
-    name="cache",
-    help="The prompt cache: the keys and values of documents prefilled before, kept on disk.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+app = command_group("cache", "The prompt cache: the keys and values of documents prefilled before, kept on disk.")
 
 FolderOpt = Annotated[
     str,

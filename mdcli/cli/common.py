@@ -29,6 +29,14 @@ class Output(str, Enum):
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"  # models.embedded.EMBEDDED_NAME (a test checks they agree)
 
 
+def command_group(name: str, help: str, **settings) -> typer.Typer:
+    """A Typer app for `mdcli` or one of its groups of subcommands (`mdcli cache ...`), with the
+    settings every one shares: help when called bare, no shell completion, no rich tracebacks
+    (errors are one line: `errors`), plain help text."""
+    return typer.Typer(name=name, help=help, no_args_is_help=True, add_completion=False,
+                       pretty_exceptions_enable=False, rich_markup_mode=None, **settings)
+
+
 def output_mode(output: Output, *, jsonl: bool = False, plain: bool = False, json: bool = False) -> Output:
     """--output, or one of its short spellings (--jsonl, --json, --plain); two different ones are refused."""
     chosen = {mode for mode, given in ((Output.jsonl, jsonl), (Output.json, json), (Output.plain, plain)) if given}

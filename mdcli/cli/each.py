@@ -88,6 +88,20 @@ def split_output(value: str, each: bool) -> tuple[Output, Path | None]:
     return Output.auto, Path(value)
 
 
+def answer(ctx: typer.Context, sources: list[str], job, mode: Output, results: Path | None, announced: bool, ask, *,
+           loading: LoadFlags, options, out: OutputFlags, each_run: EachFlags, **shown) -> None:
+    """A command's job answered: with --each over every document on its own (`run_each`), else
+    once: the model loaded, `ask(model, job, options=options)`'s events rendered in `mode` (with
+    `shown`, the command's own rendering flags)."""
+    mode = out.mode(mode)
+    if each_run.each:
+        run_each(ctx, sources, job, mode, results, announced, loading=loading, options=options, out=out,
+                 each_run=each_run)
+        return
+    lm = load(loading.options(out, announced=announced))
+    out.render(ask(lm, job, options=options), mode, lm, **shown)
+
+
 def run_each(ctx: typer.Context, sources: list[str], job, mode: Output, results: Path | None, announced: bool, *,
              loading: LoadFlags, options, out: OutputFlags, each_run: EachFlags, base: Path | None = None,
              prompt_cache: str = "off") -> None:

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mdcli.cli.common import announce_loading, errors, load, read_inputs, read_questions_file
-from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, run_each
+from mdcli.cli.common import announce_loading, errors, read_inputs, read_questions_file
+from mdcli.cli.each import EACH, EachFlags, EachOutputOpt, answer
 from mdcli.cli.flags import in_flags
 from mdcli.cli.groups import takes
 from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, OutputFlags, QuestionsFileOpt
@@ -200,13 +200,8 @@ def margins(
                 job, given_layout=context is not None,
                 speculate=options.speculate.recipe_value(),
             ))
-        mode = out.mode(mode)
-        if each:
-            run_each(ctx, documents, job, mode, results, announced, loading=loading, options=options, out=out,
-                     each_run=each_run)
-            return
-        lm = load(loading.options(out, announced=announced))
-        out.render(api.margins(lm, job, options=options), mode, lm, show_margins=show_margins)
+        answer(ctx, documents, job, mode, results, announced, api.margins, loading=loading, options=options, out=out,
+               each_run=each_run, show_margins=show_margins)
 
 
 def read_documents(sources: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -7,18 +7,11 @@ from typing import Annotated
 
 import typer
 
-from mdcli.cli.common import errors
+from mdcli.cli.common import command_group, errors
 from mdcli.cli.options import DebugOpt
 from mdcli.errors import RecipeError
 
-app = typer.Typer(
-    name="recipes",
-    help="Built-in recipes and recipe checking (see docs/recipes.md for the format).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+app = command_group("recipes", "Built-in recipes and recipe checking (see docs/recipes.md for the format).")
 
 
 @app.command("list")
