@@ -7,8 +7,8 @@
  * (pool.h's use_pool, mdcli.backends.native.build): the block kernel's products and the attention
  * kernel's groups alternate many times a step, and when each library kept workers of its own, the
  * two sets spun against each other for the same spare cores (Zen 5, two threads, the embedded
- * model's one-branch step at 1,819 tokens: 12.2-13.6 ms with both at two threads, 10.9-11.1 with
- * one of them at one; notebook/gguf-blocks.md, "One pool of threads, and a short OpenMP spin").
+ * model's one-branch step at 1,819 tokens: 9.8-9.9 ms on two pools, 8.7-8.9 on one;
+ * notebook/gguf-blocks.md, "One pool of threads, and a short OpenMP spin").
  *
  * The calling thread takes runs too, until none is left, and only then waits for the runs others
  * took: a worker that is slow to wake (its core busy with torch's own threads, which spin a while
