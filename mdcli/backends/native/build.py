@@ -55,16 +55,17 @@ def load_any(source: Path) -> ctypes.CDLL | None:
 
 POOL_SOURCE = Path(__file__).parent / "pool.c"
 POOL_FLAGS = ("-O2", "-pthread")
-_threads_set: list[int] = [1]  # the pool's thread count, as last set (one list: no module global is rebound)
+_asked: dict[str, int] = {}  # the thread count last asked of the pool, and by which process ("pid")
 
 
 def use_threads(threads: int) -> None:
     """Split every kernel's jobs over `threads` threads (pool.c's mdcli_pool_set_threads; torch's
     count, the cores its own operations use between the kernels' calls), calling into the pool only
-    when the count changes."""
+    when the count changes, or in a forked child (which has none of its parent's workers)."""
     shared = pool()
-    if shared is not None and _threads_set[0] != threads:
-        _threads_set[0] = shared.mdcli_pool_set_threads(threads)
+    if shared is not None and (_asked.get("threads"), _asked.get("pid")) != (threads, os.getpid()):
+        shared.mdcli_pool_set_threads(threads)
+        _asked.update(threads=threads, pid=os.getpid())
 
 
 @cache
