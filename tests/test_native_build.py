@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdcli.backends.attention import fused
+from mdcli.backends.native import build
 from mdcli.backends.native.build import library_path
+from mdcli.backends.weights import gguf_blocks
 
 
 def test_a_kernel_build_is_keyed_by_the_headers_beside_its_source_too(tmp_path):
@@ -20,10 +23,6 @@ def test_a_kernel_build_is_keyed_by_the_headers_beside_its_source_too(tmp_path):
 
 
 def test_every_kernel_library_runs_its_jobs_on_the_one_pool_of_threads():
-    from mdcli.backends.attention import fused
-    from mdcli.backends.native import build
-    from mdcli.backends.weights import gguf_blocks
-
     if build.pool() is None or gguf_blocks.library() is None:
         pytest.skip("no C compiler here")
     kernels = [lib for lib in (gguf_blocks.library(), fused.library()) if lib is not None]
