@@ -155,6 +155,7 @@ class Stats:
     forwards: int = 0  # model forwards in all, prefill pieces included
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache, not a forward
     peak_rss_bytes: int = 0  # the process's resident peak so far, load included (mdcli.core.resident; 0: unknown)
+    graph_captures: int = 0  # CUDA graphs captured during the run (mdcli.backends.graphs): first uses and regrown caches
 
     @property
     def tokens_per_second(self) -> float:

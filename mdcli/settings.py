@@ -65,6 +65,9 @@ class Settings(BaseSettings):
         "auto", description="Attention over each query's visible cache slots only (always, prefix: force a plan).")
     cudnn_attention: bool = Field(
         False, description="Allow cuDNN's attention on CUDA (off: it rebuilds a plan for every new cache length).")
+    cuda_graphs: Literal["auto", "off", "static"] = Field(
+        "auto", description="Decode forwards of up to 64 tokens on CUDA replayed as CUDA graphs (auto); off: run "
+        "each as it comes; static: the same static buffers on any device, never captured (a check of their logic).")
     xdg_cache_home: Path | None = Field(None, description="The user's cache folder; mdcli's lives in it.",
                                         **_other("XDG_CACHE_HOME"))
     hf_hub_offline: str = Field("", description="Hugging Face's offline switch: a hub model is never downloaded.",
@@ -84,7 +87,7 @@ class Settings(BaseSettings):
                     **_other("CC"))
 
     @field_validator("device", "cpu_kernels", "forward", "packed_weights", "tiled_gemm", "gguf_blocks",
-                     "sparse_attention", "cudnn_attention", mode="before")
+                     "sparse_attention", "cudnn_attention", "cuda_graphs", mode="before")
     @classmethod
     def _spelled_any_case(cls, value):
         """Choices and on/off values ignore case and surrounding spaces (` Torch ` is torch)."""

@@ -72,7 +72,7 @@ def test_bench_rejects_unknown_baseline_kernels_in_one_line():
 def test_bench_rejects_an_unknown_approach_in_one_line():
     result = CliRunner().invoke(app, ["bench", "--random-model", "tiny", "--approaches", "forest,magic"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup, forest-no-blocks, forest-int8"
+    assert result.stderr.strip() == "mdcli: error: unknown approach 'magic'; choose from forest, sequential, batched, prefix-copy, forest+speculate, hf-prompt-lookup, forest-no-blocks, forest-no-graphs, forest-int8"
 
 
 def test_kernel_benchmark_reports_both_kernels_agreeing_to_float32_rounding():

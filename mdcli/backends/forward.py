@@ -1,7 +1,9 @@
 """The forward the engine is handed: one call shape over mdcli's own forward and transformers'.
 
 Rule: a forward with a mask (a forest step, a tree prefill) and a lone token without a sliding
-window run on mdcli's own forward where the plan has one (the Llama family); a causal continuation
+window run on mdcli's own forward where the plan has one (the Llama family), those of up to 64
+tokens on static buffers replayed as CUDA graphs where the plan says so (mdcli.backends.graphs);
+a causal continuation
 (a document's prefill, which the model masks itself) and every forward of another model run on
 transformers' forward, the reference. A model that holds no float32 projections (its .gguf's
 blocks serve every forward: mdcli.models.on_blocks) runs every forward on mdcli's own, a causal
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mdcli.backends.attention.cuda import cuda_attention
+from mdcli.backends.graphs import StaticStep
 from mdcli.backends.llama import FastForward
 from mdcli.backends.reference import ReferenceForward
 from mdcli.backends.select import Plan, select
@@ -34,13 +37,22 @@ class ModelForward:
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
+        self.static = StaticStep(self.own, capture=plan.cuda_graphs, windowed=self.windowed) \
+            if self.own is not None and plan.static_step else None
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
         if mask is None and len(tokens) > 1 and self.plan.on_blocks:  # no float32 weights for transformers' forward
             return self._causal_pieces(tokens, positions, cache, keep)
         own = self.own is not None and (mask is not None or (len(tokens) == 1 and not self.windowed))
         with torch.inference_mode(), cuda_attention(self.device, self.plan.cudnn_attention):
+            if own and self.static is not None and self.static.serves(tokens, mask, cache):
+                return self.static(tokens, positions, mask, cache, keep)
             return (self.own if own else self.reference)(tokens, positions, mask, cache, keep)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured over this forward's life (mdcli.backends.graphs); 0 without them."""
+        return 0 if self.static is None else self.static.captures
 
     def _causal_pieces(self, tokens, positions, cache, keep) -> torch.Tensor | None:
         """A causal continuation on the own forward, CAUSAL_PIECE tokens at a time, each with its

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from mdcli import settings as settings_module
+from mdcli.backends import graphs
 from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import onednn_linear_works
 from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512
@@ -138,6 +139,9 @@ class Plan:
     gather_cost: float  # a gathered cache slot in query rows (sparse attention's rule)
     sparse_attention: str  # "auto" | "off" | "always" | "prefix"
     cudnn_attention: bool  # CUDA forwards may use cuDNN's attention
+    static_step: bool = False  # forwards of up to 64 tokens run on static buffers, padded to a bucket (mdcli.backends.graphs)
+    cuda_graphs: bool = False  # ... each bucket's captured once as a CUDA graph and replayed
+    graphs_reason: str = ""  # why not, where they are not
     notes: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -183,6 +187,9 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         notes.append("one thread: a lone token on OpenBLAS")
     if tiled:
         notes.append(f"2-{tiled_gemm.TILED_MAX_ROWS} tokens on mdcli's tiled kernel")
+    static_step, cuda_graphs, graphs_reason = _static_step(model, device, settings, own_reason)
+    if static_step:
+        notes.append(f"1-{graphs.BUCKETS[-1]} tokens {'replayed as CUDA graphs' if cuda_graphs else 'on static buffers'}")
     return Plan(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -211,8 +218,26 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         gather_cost=GATHER_COST_AVX512 if onednn else GATHER_COST,
         sparse_attention=settings.sparse_attention,
         cudnn_attention=settings.cudnn_attention,
+        static_step=static_step,
+        cuda_graphs=cuda_graphs,
+        graphs_reason=graphs_reason,
         notes=tuple(notes),
     )
+
+
+def _static_step(model, device: torch.device, settings: Settings, own_reason: str | None) -> tuple[bool, bool, str]:
+    """(forwards of a few tokens on static buffers, each bucket's captured as a CUDA graph, why not):
+    captured on CUDA for mdcli's own forward (auto), on static buffers uncaptured on any device
+    (static: the CPU suite's check of the logic), neither (off)."""
+    name = settings_module.variable("cuda_graphs")
+    if settings.cuda_graphs == "off":
+        return False, False, f"{name}=off"
+    if own_reason is not None:
+        return False, False, f"transformers' forward ({own_reason})"
+    if settings.cuda_graphs == "static":
+        return True, False, f"{name}=static: static buffers, never captured"
+    reason = graphs.capture_reason(model, device)
+    return (False, False, reason) if reason else (True, True, "")
 
 
 def _head_dim(model) -> int:

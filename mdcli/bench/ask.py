@@ -18,7 +18,10 @@ On request (not by default):
 (g) forest-no-blocks  the forest with no forward on the .gguf's blocks (MDCLI_GGUF_BLOCKS=0,
                       mdcli.backends.weights.gguf_blocks): the float32 kernels alone, the same weights, so the same
                       tokens are required
-(h) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
+(h) forest-no-graphs  the forest with every forward launched as it comes, none replayed as a CUDA
+                      graph (MDCLI_CUDA_GRAPHS=off, mdcli.backends.graphs): what the graphs gain on a
+                      GPU, the same weights and kernels, so the same tokens are required (float32)
+(i) forest-int8       the forest over an int8 copy of the model (`--cpu-weights int8`,
                       mdcli.backends.weights.int8), made once per model: a different, lossier model, so its
                       tokens are not compared with the forest's
 
@@ -59,10 +62,10 @@ if TYPE_CHECKING:
 
 APPROACHES = ("forest", "sequential", "batched", "prefix-copy")  # the default set
 SPECULATIVE_APPROACHES = ("forest+speculate", "hf-prompt-lookup")
-KERNEL_APPROACHES = ("forest-no-blocks",)  # the forest on other kernels of the same weights
+KERNEL_APPROACHES = ("forest-no-blocks", "forest-no-graphs")  # the forest on other kernels of the same weights
 OTHER_MODEL_APPROACHES = ("forest-int8",)  # another model's tokens: not compared with the forest's
 ALL_APPROACHES = APPROACHES + SPECULATIVE_APPROACHES + KERNEL_APPROACHES + OTHER_MODEL_APPROACHES
-ON_BLOCKS_APPROACHES = ("forest", "forest+speculate")  # run on the model as loaded; the rest on its float32 twin
+ON_BLOCKS_APPROACHES = ("forest", "forest+speculate", "forest-no-graphs")  # run on the model as loaded; the rest on its float32 twin
 HF_PROMPT_LOOKUP_TOKENS = 10
 
 QUESTIONS = [
@@ -136,7 +139,8 @@ def run_case(model: LoadedModel, case: Case, approaches=APPROACHES, *, baseline_
     prompts = prompts_for(model, case)
     runners = {"forest": forest, "sequential": sequential, "batched": batched, "prefix-copy": prefix_copy,
                "forest+speculate": forest_speculating, "hf-prompt-lookup": hf_prompt_lookup,
-               "forest-no-blocks": forest_without_blocks, "forest-int8": forest_int8}
+               "forest-no-blocks": forest_without_blocks, "forest-no-graphs": forest_without_graphs,
+               "forest-int8": forest_int8}
     measured = {}
     for name in reversed(approaches) if reverse else approaches:
         runs_on = model if name in ON_BLOCKS_APPROACHES else float32_twin(model)  # generate needs float32 weights
@@ -197,6 +201,17 @@ def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Ca
     without = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
     measured = forest(without, prompts, case, reference=False)
     measured.approach = "forest-no-blocks"
+    return measured
+
+
+def forest_without_graphs(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
+    """The forest with no forward replayed as a CUDA graph (the model's plan chosen again with
+    cuda_graphs off; mdcli.backends.graphs): what the graphs gain, the same weights and kernels, so
+    its tokens are compared with the forest's."""
+    plan = select(model.model, settings.current().changed(cuda_graphs="off"))
+    without = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
+    measured = forest(without, prompts, case, reference=False)
+    measured.approach = "forest-no-graphs"
     return measured
 
 

@@ -20,7 +20,7 @@ APPROACH_HELP = (
     "Comma list of forest, sequential (generate per branch), batched (padded generate), prefix-copy, "
     "forest+speculate (speculative decoding, auto), hf-prompt-lookup (generate(prompt_lookup_num_tokens=10) "
     "per branch), forest-no-blocks (the forest with every forward on the float32 kernels, none on the .gguf's "
-    "blocks), forest-int8 (the forest over an int8 copy of the model, as --cpu-weights int8; its tokens are "
+    "blocks), forest-no-graphs (the forest with no step replayed as a CUDA graph), forest-int8 (the forest over an int8 copy of the model, as --cpu-weights int8; its tokens are "
     "another model's)."
 )
 

@@ -49,6 +49,11 @@ CpuWeightsOpt = Annotated[
     typer.Option("--cpu-weights", help="float32 | int8: int8 quantizes the projections for CPU decoding (a quarter "
                  "of the bytes per step; exact up to near-ties, as bf16)."),
 ]
+CudaGraphsOpt = Annotated[
+    Optional[str],
+    typer.Option("--cuda-graphs", help="auto: decode steps of up to 64 tokens on CUDA replayed as CUDA graphs; off: "
+                 "launched one by one (default: MDCLI_CUDA_GRAPHS, else auto).", show_default=False),
+]
 DeviceMapOpt = Annotated[
     Optional[str], typer.Option("--device-map", help="Passed to from_pretrained, e.g. 'auto' (accelerate).")
 ]
@@ -184,6 +189,7 @@ class LoadFlags:
     prompt_cache: PromptCacheOpt = "auto"
     device_map: DeviceMapOpt = None
     trust_remote_code: RemoteCodeOpt = False
+    cuda_graphs: CudaGraphsOpt = None
 
     def options(self, out: OutputFlags | None = None, *, announced: bool = False, **overrides: Any):
         """These flags as api.LoadOptions, with `overrides` on top (a field the command does not

@@ -12,7 +12,11 @@ Facts it relies on (transformers 5.x):
   an `index_select` along dim -2 removes tokens, and `get_seq_length()` follows.
 * `DynamicLayer.update` appends with `torch.cat`, copying the whole cache on every step. The
   `GrowingLayer` here keeps a preallocated buffer that grows by a quarter when full (amortised
-  O(new tokens) per step) and hands attention a view of its filled part.
+  O(new tokens) per step) and hands attention a view of its filled part. A forward on static
+  buffers (mdcli.backends.graphs) reserves room, writes past the filled part itself and sets the
+  length: `reserve`, `buffers`, `set_length`. Slots past the filled part hold finite numbers
+  (zeros, or keys and values dropped since), so attention over the whole buffer with those slots
+  masked adds exact zeros.
 """
 
 from __future__ import annotations
@@ -61,6 +65,19 @@ class GrowingLayer(DynamicLayer):
         self._length = end
         return self.keys, self.values
 
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` slots in the buffer (it grows by a quarter, or to `needed`, when full)."""
+        self._reserve(needed)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, [B, H, capacity, D] each: the filled part first."""
+        return self._k, self._v
+
+    def set_length(self, length: int) -> None:
+        """The filled part is now slots [0, length) (a forward wrote them into `buffers` itself)."""
+        self._length = length
+
     def _reserve(self, needed: int) -> None:
         capacity = self._k.shape[-2]
         if needed <= capacity:
@@ -95,7 +112,9 @@ class GrowingLayer(DynamicLayer):
 
 
 def _regrow(buffer, length: int, capacity: int):
-    grown = buffer.new_empty((*buffer.shape[:2], capacity, buffer.shape[-1]))
+    # zeros, not empty memory: a static forward attends over the whole buffer, masked slots too,
+    # and a NaN there would poison the sum that its zero weight should leave untouched
+    grown = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[-1]))
     grown[..., :length, :] = buffer[..., :length, :]
     return grown
 

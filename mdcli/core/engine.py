@@ -81,6 +81,11 @@ class Engine:
         self.peak_tokens = 0
         self.compactions = 0
         self._neg = torch.finfo(self.dtype).min
+        self._captures_before = getattr(model_forward, "graph_captures", 0)
+
+    def graph_captures(self) -> int:
+        """CUDA graphs the forward captured while this engine ran (a forward without them: 0)."""
+        return getattr(self.model_forward, "graph_captures", 0) - self._captures_before
 
     def __len__(self) -> int:
         return len(self.forest)

@@ -91,6 +91,7 @@ class DecodeCounters:
             forwards=engine.forwards,
             cached_tokens=self.cached_tokens,
             peak_rss_bytes=peak_rss_bytes(),
+            graph_captures=engine.graph_captures(),
         )
 
 

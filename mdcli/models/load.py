@@ -129,6 +129,7 @@ class LoadOptions(BaseModel):
     cpu_weights: str = "float32"
     prompt_cache: str = "off"  # auto | off | a folder: prefixes kept on disk (the command line's default: auto)
     keep_float32: bool = False  # a .gguf keeps its float32 weights beside its blocks (mdcli.models.on_blocks)
+    cuda_graphs: str | None = None  # auto | off | static (mdcli.backends.graphs); None: MDCLI_CUDA_GRAPHS
 
 
 def load_model(model: str | LoadOptions | None = None, **options) -> LoadedModel:
@@ -153,12 +154,14 @@ def _load_model(
     cpu_weights: str = "float32",
     prompt_cache: str = "off",
     keep_float32: bool = False,
+    cuda_graphs: str | None = None,
 ) -> LoadedModel:
     """Load `model` (None: the embedded SmolLM2; else a folder, a .gguf file or a hub id).
     cpu_weights "int8": quantize the projections and the head for CPU decoding (mdcli.backends.weights.int8).
     prompt_cache: auto | off | a folder (mdcli.models.prompt_identity)."""
     check_attn_implementation(attn)
     check_prompt_cache(prompt_cache)
+    chosen = settings.current() if cuda_graphs is None else settings.current().changed(cuda_graphs=cuda_graphs)
     torch_device = resolve_device(device)
     bits = _quantization_bits(load_in_4bit, load_in_8bit, torch_device)
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device, bits)
@@ -184,7 +187,7 @@ def _load_model(
     if cpu_weights == "int8":
         dtype_reason += f"; {described(quantize_model(hf_model))}"
     window, mixed = sliding_window_layout(hf_model.config)
-    plan = select(hf_model, float32_reason=float32_reason)  # every kernel choice for this model, made once, here
+    plan = select(hf_model, chosen, float32_reason=float32_reason)  # every kernel choice for this model, made once, here
     device = hf_model.device if placement else torch_device
     store = prompt_store(prompt_cache, location=source.location, gguf_file=source.gguf_file, is_hub_id=source.is_hub_id,
                          hf_model=hf_model, plan=plan, tokenizer=tokenizer, name=source.name, dtype=torch_dtype,

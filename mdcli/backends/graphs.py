@@ -1,0 +1,187 @@
+"""Decode forwards on static buffers, each width's captured once as a CUDA graph and replayed.
+
+A decode step launches a few hundred small kernels (30 layers of norms, products, rotary, attention)
+whose work on a GPU takes less time than launching them from Python. A CUDA graph records one such
+forward's kernels once and replays them with one launch, provided every tensor it touches keeps its
+address and shape from one replay to the next. This module gives a forward of M <= 64 tokens that
+shape:
+
+* the width is padded up to a bucket (1, 2, 4, 8, 16, 32, 64 tokens: `BUCKETS`); padded rows are
+  token 0 at depth 0, see only their own slot, and their logits are never read;
+* tokens, depths, the slots the new keys and values go to and the mask live in buffers made once per
+  bucket; a step copies its own into them;
+* the new keys and values are written into the KV cache's own buffers at their slots (no append), and
+  attention reads each layer's whole buffer, the mask hiding every slot past the filled part and
+  every slot a token does not descend from (mdcli.core.cache keeps those slots finite, so a masked
+  slot adds an exact zero);
+* the logits of every row are computed and the kept ones gathered afterwards.
+
+The forward is mdcli's own (mdcli.backends.llama, with its attention kept dense: the sparse plans read
+the mask on the host), handed these buffers, so the arithmetic is the same as an uncaptured step's;
+a padded product or a longer key range may only sum in another order (within float32 rounding).
+
+A graph stays valid while the cache's buffers keep their addresses. When the cache grows past its
+buffer (by a quarter: mdcli.core.cache) or is compacted, every graph is dropped and each bucket is
+captured again on its next use; `captures` counts every capture, and a run reports its own
+(`done.stats.graph_captures`). Wider forwards (a document's prefill, a wide verification tree) and
+forwards this shape cannot hold run as they come.
+
+`MDCLI_CUDA_GRAPHS=static` runs the same buffers and padding on any device without capturing, so the
+CPU suite checks this logic; the plan (mdcli.backends.select) decides which mode a model gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # padded forward widths: a graph each
+
+
+@dataclass
+class _Inputs:
+    """One bucket's static inputs and, once captured, its graph and output."""
+
+    tokens: torch.Tensor  # [W] long
+    positions: torch.Tensor  # [W] long: depths
+    slots: torch.Tensor  # [W] long: the cache slots the W new keys and values are written to
+    mask: torch.Tensor  # [1, 1, W, capacity] additive, model dtype
+    rows: torch.Tensor  # [W] long: 0..W-1, every row's logits
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    logits: torch.Tensor | None = None  # [W, V]: the captured forward's output, overwritten by each replay
+
+
+class _SlotCache:
+    """The cache as the own forward sees it inside a static step: `update` writes the new keys and
+    values ([1, G, W, D]) at the step's slots of each layer's buffer and hands attention the whole
+    buffer ([1, G, capacity, D])."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+        self.buffers = buffers
+        self.slots = slots
+
+    def update(self, key, value, index):
+        keys, values = self.buffers[index]
+        keys.index_copy_(2, self.slots, key)
+        values.index_copy_(2, self.slots, value)
+        return keys, values
+
+
+class StaticStep:
+    """Callable like the own forward: (tokens, positions, mask, cache, keep) -> [C, V] logits or None,
+    for the forwards `serves` accepts. `capture`: record each bucket's forward as a CUDA graph and
+    replay it (a CUDA model); else run it on the same buffers as it comes (any device)."""
+
+    def __init__(self, own, *, capture: bool, windowed: bool = False, buckets: tuple[int, ...] = BUCKETS) -> None:
+        self.own = own  # mdcli.backends.llama.FastForward
+        self.capture = capture
+        self.windowed = windowed  # a lone token without a mask would need the window: not served
+        self.buckets = buckets
+        self.captures = 0  # graphs recorded, over this forward's life
+        self.steps = 0  # forwards served
+        self._inputs: dict[int, _Inputs] = {}
+        self._buffer_key: tuple | None = None  # the cache buffers' addresses the inputs and graphs were made for
+        self._pool = None  # one memory pool for every bucket's graph
+
+    def serves(self, tokens, mask, cache) -> bool:
+        """A forward of at most the widest bucket, with one mask (or none, for a lone token seeing the
+        whole cache, where no window applies), over a non-empty cache whose layers keep static buffers."""
+        if tokens.shape[0] > self.buckets[-1] or isinstance(mask, dict):
+            return False
+        if mask is None and (tokens.shape[0] != 1 or self.windowed):
+            return False
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and cache.get_seq_length() > 0 and all(hasattr(layer, "reserve") for layer in layers)
+
+    def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+        m, filled = tokens.shape[0], cache.get_seq_length()
+        width = next(b for b in self.buckets if b >= m)
+        for layer in cache.layers:
+            layer.reserve(filled + width)
+        buffers = [layer.buffers for layer in cache.layers]
+        self._follow(buffers)
+        inputs = self._inputs.get(width) or self._new_inputs(width, buffers, tokens.device)
+        self._fill(inputs, tokens, positions, mask, filled)
+        if not self.capture:
+            logits = self._forward(inputs, buffers)
+        else:
+            if inputs.graph is None:
+                self._record(inputs, buffers)
+            inputs.graph.replay()
+            logits = inputs.logits
+        for layer in cache.layers:
+            layer.set_length(filled + m)
+        self.steps += 1
+        return None if keep is None else logits[keep]  # a gather: a copy the next replay leaves alone
+
+    def _follow(self, buffers) -> None:
+        """Drop every bucket's inputs and graph when the cache's buffers moved (grown or compacted)."""
+        key = tuple((k.data_ptr(), v.data_ptr(), k.shape[-2]) for k, v in buffers)
+        if key != self._buffer_key:
+            self._inputs.clear()
+            self._buffer_key = key
+
+    def _new_inputs(self, width: int, buffers, device) -> _Inputs:
+        capacity = buffers[0][0].shape[-2]
+        dtype = buffers[0][0].dtype
+        long = {"dtype": torch.long, "device": device}
+        inputs = _Inputs(tokens=torch.zeros(width, **long), positions=torch.zeros(width, **long),
+                         slots=torch.zeros(width, **long),
+                         mask=torch.zeros(1, 1, width, capacity, dtype=dtype, device=device),
+                         rows=torch.arange(width, **long))
+        self._inputs[width] = inputs
+        return inputs
+
+    def _fill(self, inputs: _Inputs, tokens, positions, mask, filled: int) -> None:
+        """This step's tokens, depths, slots and mask into the bucket's buffers; padded rows: token 0
+        at depth 0, written to the slots after the step's, seeing only themselves."""
+        m, width = tokens.shape[0], inputs.tokens.shape[0]
+        inputs.tokens[:m].copy_(tokens)
+        inputs.positions[:m].copy_(positions)
+        if m < width:
+            inputs.tokens[m:].zero_()
+            inputs.positions[m:].zero_()
+        torch.arange(filled, filled + width, out=inputs.slots)
+        full = inputs.mask[0, 0]  # [W, capacity]
+        full.fill_(torch.finfo(full.dtype).min)
+        if mask is None:  # a lone token seeing the whole cache and itself
+            full[:m, : filled + m].zero_()
+        else:
+            full[:m, : filled + m].copy_(mask[0, 0])
+        if m < width:
+            full[m:, filled + m: filled + width].fill_diagonal_(0)
+
+    def _forward(self, inputs: _Inputs, buffers) -> torch.Tensor:
+        """The own forward over the bucket's buffers: [W, V] logits of every row."""
+        return self.own(inputs.tokens, inputs.positions, inputs.mask, _SlotCache(buffers, inputs.slots), inputs.rows,
+                        dense=self.capture)
+
+    def _record(self, inputs: _Inputs, buffers) -> None:
+        """Capture the bucket's forward as a CUDA graph, after warming it up on a side stream (as
+        torch.cuda.graphs asks: lazy initialisation stays out of the graph). The warm-up writes the
+        same keys and values to the same slots that the first replay writes again."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(inputs, buffers)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            inputs.logits = self._forward(inputs, buffers)
+        inputs.graph = graph
+        self.captures += 1
+
+
+def capture_reason(model, device: torch.device) -> str | None:
+    """Why a CUDA model's decode forwards cannot be captured (None: they can): a rotary embedding
+    that recomputes its frequencies from the depths it is given (dynamic, longrope) reads them on
+    the host, which a graph cannot do."""
+    if device.type != "cuda":
+        return "not a CUDA model"
+    rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", "default")
+    if "dynamic" in str(rope) or rope == "longrope":
+        return f"the {rope} rotary embedding reads the depths on the host"
+    return None
