@@ -9,11 +9,14 @@ compacted under it, and speculation's verification trees taking the wider bucket
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mdcli.api import ask_many
 from mdcli.backends import graphs
+from mdcli.backends.forward import ModelForward
 from mdcli.backends.select import select
 from mdcli.core.cache import GrowingLayer
 from mdcli.events import Done, Finish
@@ -105,6 +108,21 @@ def test_speculation_verifies_its_trees_on_the_wider_buckets_with_the_same_token
         assert stats.graph_captures == 0  # static buffers, never captured
     assert answers["6"] == answers["off"]
     assert lm.forward.static.steps > 0
+
+
+@pytest.fixture(scope="module")
+def cpu_bf16_on_the_captured_core():
+    """The embedded model in bf16 on the CPU, its static step on the core a captured step attends
+    with (the plan a CUDA model gets, but uncaptured): its arithmetic, checked without a GPU."""
+    lm = load_model(device="cpu", dtype="bfloat16", quiet=True, cuda_graphs="static")
+    plan = replace(lm.forward.plan, static_core=graphs.CAPTURED_CORE)
+    return replace(lm, forward=ModelForward(lm.model, plan, sliding_window=lm.sliding_window))
+
+
+def test_the_captured_core_in_bf16_agrees_with_generate_up_to_ties(cpu_bf16_on_the_captured_core):
+    lm = cpu_bf16_on_the_captured_core
+    assert disagreements(lm, MAX_TIE_GAP) == []
+    assert lm.forward.static.core == "bmm" and lm.forward.static.steps > 0
 
 
 def test_the_plan_captures_on_cuda_only_and_says_why_not_elsewhere():

@@ -5,21 +5,26 @@ document in a 5,120-slot buffer (a static step attends over its whole buffer: md
 W queries each seeing the document and itself. Each core is captured as a CUDA graph and its replays
 timed with events (median of 5 x 50); its error is against float32 attention over the allowed keys.
 
-* sdpa: what mdcli's static step runs (flash, memory-efficient or math, cuDNN left out:
+* bmm: what mdcli's captured step runs (mdcli.backends.graphs.CAPTURED_CORE): per key/value group,
+  one batched product for the scores with the mask added, a softmax, one for the weighted sum;
+* sdpa: torch's entry with the mask (flash, memory-efficient or math, cuDNN left out:
   mdcli.backends.attention.cuda), grouped heads read natively (enable_gqa);
 * efficient: the memory-efficient kernel alone, keys and values repeated to every query head;
 * flash, lone query: flash attention over exactly the 4,097 keys it sees, no mask (one branch only);
-* flex: FlexAttention with a block mask made from the same tree (compiled on first use; the compile
-  time is printed).
+* flex (with --flex): FlexAttention with a block mask made from the same tree (compiled on first
+  use; the compile time is printed).
 
-    python3 benchmarks/gpu/attention_cores.py          # on a CUDA machine
+    python3 benchmarks/gpu/attention_cores.py [--flex]      # on a CUDA machine
 """
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mdcli.backends.llama import _grouped_attention
 
 HEADS, GROUPS, DIM, DOCUMENT, CAPACITY = 32, 8, 64, 4096, 5120
 dev, dtype = "cuda", torch.bfloat16
@@ -75,7 +80,13 @@ def main() -> None:
             with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
                 out["o"] = F.scaled_dot_product_attention(query, wide_k, wide_v, attn_mask=mask)
 
-        cores = {"sdpa (static step's)": sdpa, "efficient, heads repeated": efficient}
+        rows = mask[0, 0].repeat(repeat, 1)  # [H/G * W, capacity]: made once per step, not per layer
+
+        def bmm():
+            out["o"] = _grouped_attention(query, keys, values, rows, DIM**-0.5, GROUPS).view(1, width, HEADS, DIM)
+            out["o"] = out["o"].transpose(1, 2)
+
+        cores = {"bmm (captured step's)": bmm, "sdpa, mask, grouped heads": sdpa, "efficient, heads repeated": efficient}
         if width == 1:
             seen_k, seen_v = wide_k[:, :, : DOCUMENT + 1], wide_v[:, :, : DOCUMENT + 1]
 
@@ -91,6 +102,8 @@ def main() -> None:
                 print(f"| {width} | {name} | {micro:.1f} | {error:.1e} |", flush=True)
             except RuntimeError as exc:
                 print(f"| {width} | {name} | failed: {str(exc).splitlines()[0][:80]} | |", flush=True)
+        if "--flex" not in sys.argv:
+            continue
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -37,6 +37,11 @@ from dataclasses import dataclass
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # padded forward widths: a graph each
+# A captured step attends as two batched products per key/value group with the mask added (the
+# "bmm" core: mdcli.backends.llama), not through sdpa: with a mask over a 5,120-slot buffer sdpa's
+# kernels took 170-510 us a layer on an H200 for 1-64 queries, where FlexAttention's took 16-49 us
+# (docs/performance.md, "On a GPU"); FlexAttention compiles for every new shape (5-14 s each).
+CAPTURED_CORE = "bmm"
 
 
 @dataclass
@@ -73,9 +78,13 @@ class StaticStep:
     for the forwards `serves` accepts. `capture`: record each bucket's forward as a CUDA graph and
     replay it (a CUDA model); else run it on the same buffers as it comes (any device)."""
 
-    def __init__(self, own, *, capture: bool, windowed: bool = False, buckets: tuple[int, ...] = BUCKETS) -> None:
+    def __init__(self, own, *, capture: bool, core: str | None = None, windowed: bool = False,
+                 buckets: tuple[int, ...] = BUCKETS) -> None:
         self.own = own  # mdcli.backends.llama.FastForward
         self.capture = capture
+        self.core = core  # the attention core, dense ("bmm", "sdpa"); None: the own forward's choice (uncaptured only)
+        if capture and core is None:
+            raise ValueError("a captured step needs a dense attention core: the sparse plans read the mask on the host")
         self.windowed = windowed  # a lone token without a mask would need the window: not served
         self.buckets = buckets
         self.captures = 0  # graphs recorded, over this forward's life
@@ -120,6 +129,7 @@ class StaticStep:
         key = tuple((k.data_ptr(), v.data_ptr(), k.shape[-2]) for k, v in buffers)
         if key != self._buffer_key:
             self._inputs.clear()
+            self._pool = None  # the dropped graphs freed their pool: the next capture takes a new one
             self._buffer_key = key
 
     def _new_inputs(self, width: int, buffers, device) -> _Inputs:
@@ -155,7 +165,7 @@ class StaticStep:
     def _forward(self, inputs: _Inputs, buffers) -> torch.Tensor:
         """The own forward over the bucket's buffers: [W, V] logits of every row."""
         return self.own(inputs.tokens, inputs.positions, inputs.mask, _SlotCache(buffers, inputs.slots), inputs.rows,
-                        dense=self.capture)
+                        core=self.core)
 
     def _record(self, inputs: _Inputs, buffers) -> None:
         """Capture the bucket's forward as a CUDA graph, after warming it up on a side stream (as

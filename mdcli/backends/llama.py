@@ -211,23 +211,23 @@ class FastForward:
             return None
         return found
 
-    def __call__(self, tokens, positions, mask, cache, keep, *, dense: bool = False) -> torch.Tensor | None:
+    def __call__(self, tokens, positions, mask, cache, keep, *, core: str | None = None) -> torch.Tensor | None:
         """tokens, positions: [M] long; mask: [1, 1, M, N + M] additive, a dict of them by layer
         type, or None (only for M == 1: a single token that sees the whole cache); keep: [C] row
-        indices whose logits are wanted, or None for no logits; dense: no sparse attention plan,
-        whose choice reads the mask on the host (a captured forward: mdcli.backends.graphs).
-        Returns [C, V] in the model dtype."""
+        indices whose logits are wanted, or None for no logits; core: dense attention on this core
+        ("bmm" or "sdpa"), no sparse plan, whose choice reads the mask on the host (a captured
+        forward: mdcli.backends.graphs); None: the plan's. Returns [C, V] in the model dtype."""
         m = tokens.shape[0]
         weights = next(f for f in self.formats if f.serves(m))
         linear, layers, head = weights.linear, weights.layers, weights.head
         if m <= self.blas_queries:
             with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
                 return self._forward(tokens, positions, mask, cache, keep, linear, layers, head,
-                                     weighted_sum=openblas_bmm, dense=dense)
-        return self._forward(tokens, positions, mask, cache, keep, linear, layers, head, dense=dense)
+                                     weighted_sum=openblas_bmm, core=core)
+        return self._forward(tokens, positions, mask, cache, keep, linear, layers, head, core=core)
 
     def _forward(self, tokens, positions, mask, cache, keep, linear, layers, head,
-                 weighted_sum=None, dense: bool = False) -> torch.Tensor | None:
+                 weighted_sum=None, core: str | None = None) -> torch.Tensor | None:
         """The forward itself, multiplying by `linear` over `layers`' weights and `head`;
         weighted_sum: the batched product of bmm attention's probabilities and values (None:
         torch.bmm)."""
@@ -239,10 +239,10 @@ class FastForward:
         # attention over each query's visible slots only, or None: dense; where the kernel serves dense
         # attention, the one-product cascade over a shared document starts later (fused.JOINED_MIN_QUERIES_WITH_KERNEL)
         joined = fused.JOINED_MIN_QUERIES_WITH_KERNEL if self.fused_attention else JOINED_MIN_QUERIES
-        plan = None if dense else plan_for(mask, self.gather_cost, self.sparse_mode, joined)
+        plan = None if core else plan_for(mask, self.gather_cost, self.sparse_mode, joined)
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
-        attention = self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa"
+        attention = core or (self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa")
         fits = fused.FUSED_MIN_QUERIES <= m <= fused.FUSED_MAX_QUERIES
         if plan is None and attention == "bmm" and self.fused_attention and fits:
             attention = "fused"

@@ -142,6 +142,7 @@ class Plan:
     static_step: bool = False  # forwards of up to 64 tokens run on static buffers, padded to a bucket (mdcli.backends.graphs)
     cuda_graphs: bool = False  # ... each bucket's captured once as a CUDA graph and replayed
     graphs_reason: str = ""  # why not, where they are not
+    static_core: str | None = None  # the attention core of a static step ("bmm"; None: the own forward's own choice)
     notes: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -221,6 +222,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         static_step=static_step,
         cuda_graphs=cuda_graphs,
         graphs_reason=graphs_reason,
+        static_core=graphs.CAPTURED_CORE if cuda_graphs else None,
         notes=tuple(notes),
     )
 
