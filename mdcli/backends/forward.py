@@ -37,7 +37,7 @@ class ModelForward:
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
-        self.static = StaticStep(self.own, capture=plan.cuda_graphs, core=plan.static_core, windowed=self.windowed) \
+        self.static = StaticStep(capture=plan.cuda_graphs, core=plan.static_core, windowed=self.windowed) \
             if self.own is not None and plan.static_step else None
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
@@ -46,7 +46,7 @@ class ModelForward:
         own = self.own is not None and (mask is not None or (len(tokens) == 1 and not self.windowed))
         with torch.inference_mode(), cuda_attention(self.device, self.plan.cudnn_attention):
             if own and self.static is not None and self.static.serves(tokens, mask, cache):
-                return self.static(tokens, positions, mask, cache, keep)
+                return self.static(self.own, tokens, positions, mask, cache, keep)
             return (self.own if own else self.reference)(tokens, positions, mask, cache, keep)
 
     @property

@@ -7,7 +7,7 @@ address and shape from one replay to the next. This module gives a forward of M 
 shape:
 
 * the width is padded up to a bucket (1, 2, 4, 8, 16, 32, 64 tokens: `BUCKETS`); padded rows are
-  token 0 at depth 0, see only their own slot, and their logits are never read;
+  token 0 at depth 0, see what the last real row sees, and their logits are never read;
 * tokens, depths, the slots the new keys and values go to and the mask live in buffers made once per
   bucket; a step copies its own into them;
 * the new keys and values are written into the KV cache's own buffers at their slots (no append), and
@@ -26,8 +26,11 @@ captured again on its next use; `captures` counts every capture, and a run repor
 (`done.stats.graph_captures`). Wider forwards (a document's prefill, a wide verification tree) and
 forwards this shape cannot hold run as they come.
 
-`MDCLI_CUDA_GRAPHS=static` runs the same buffers and padding on any device without capturing, so the
-CPU suite checks this logic; the plan (mdcli.backends.select) decides which mode a model gets.
+`MDCLI_CUDA_GRAPHS=static` runs the same buffers, padding and slot writes on any device without
+capturing, so the CPU suite checks this logic. Uncaptured, the own forward keeps its own routes (the
+sparse and prefix plans, mdcli's attention kernel), and attention reads only the filled part and the
+step's slots; a dense core handed in (the captured step's, CAPTURED_CORE) reads the whole buffer, as
+a graph must. The plan (mdcli.backends.select) decides which mode a model gets.
 """
 
 from __future__ import annotations
@@ -60,17 +63,21 @@ class _Inputs:
 class _SlotCache:
     """The cache as the own forward sees it inside a static step: `update` writes the new keys and
     values ([1, G, W, D]) at the step's slots of each layer's buffer and hands attention the whole
-    buffer ([1, G, capacity, D])."""
+    buffer ([1, G, capacity, D]), or its first `reach` slots."""
 
-    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
+                 reach: int | None = None) -> None:
         self.buffers = buffers
         self.slots = slots
+        self.reach = reach
 
     def update(self, key, value, index):
         keys, values = self.buffers[index]
         keys.index_copy_(2, self.slots, key)
         values.index_copy_(2, self.slots, value)
-        return keys, values
+        if self.reach is None:
+            return keys, values
+        return keys[..., : self.reach, :], values[..., : self.reach, :]
 
 
 class StaticStep:
@@ -78,9 +85,8 @@ class StaticStep:
     for the forwards `serves` accepts. `capture`: record each bucket's forward as a CUDA graph and
     replay it (a CUDA model); else run it on the same buffers as it comes (any device)."""
 
-    def __init__(self, own, *, capture: bool, core: str | None = None, windowed: bool = False,
+    def __init__(self, *, capture: bool, core: str | None = None, windowed: bool = False,
                  buckets: tuple[int, ...] = BUCKETS) -> None:
-        self.own = own  # mdcli.backends.llama.FastForward
         self.capture = capture
         self.core = core  # the attention core, dense ("bmm", "sdpa"); None: the own forward's choice (uncaptured only)
         if capture and core is None:
@@ -103,20 +109,22 @@ class StaticStep:
         layers = getattr(cache, "layers", None)
         return bool(layers) and cache.get_seq_length() > 0 and all(hasattr(layer, "reserve") for layer in layers)
 
-    def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+    def __call__(self, own, tokens, positions, mask, cache, keep) -> torch.Tensor | None:
+        """own: the forward that runs on the buffers (mdcli.backends.llama.FastForward); the rest as
+        it takes them."""
         m, filled = tokens.shape[0], cache.get_seq_length()
         width = next(b for b in self.buckets if b >= m)
         for layer in cache.layers:
             layer.reserve(filled + width)
         buffers = [layer.buffers for layer in cache.layers]
-        self._follow(buffers)
+        self._follow(buffers, own)
         inputs = self._inputs.get(width) or self._new_inputs(width, buffers, tokens.device)
         self._fill(inputs, tokens, positions, mask, filled)
         if not self.capture:
-            logits = self._forward(inputs, buffers)
+            logits = self._forward(own, inputs, buffers, None if self.core else filled + m)
         else:
             if inputs.graph is None:
-                self._record(inputs, buffers)
+                self._record(own, inputs, buffers)
             inputs.graph.replay()
             logits = inputs.logits
         for layer in cache.layers:
@@ -124,9 +132,10 @@ class StaticStep:
         self.steps += 1
         return None if keep is None else logits[keep]  # a gather: a copy the next replay leaves alone
 
-    def _follow(self, buffers) -> None:
-        """Drop every bucket's inputs and graph when the cache's buffers moved (grown or compacted)."""
-        key = tuple((k.data_ptr(), v.data_ptr(), k.shape[-2]) for k, v in buffers)
+    def _follow(self, buffers, own) -> None:
+        """Drop every bucket's inputs and graph when the cache's buffers moved (grown or compacted) or
+        another forward runs on them."""
+        key = (id(own), *((k.data_ptr(), v.data_ptr(), k.shape[-2]) for k, v in buffers))
         if key != self._buffer_key:
             self._inputs.clear()
             self._pool = None  # the dropped graphs freed their pool: the next capture takes a new one
@@ -145,7 +154,8 @@ class StaticStep:
 
     def _fill(self, inputs: _Inputs, tokens, positions, mask, filled: int) -> None:
         """This step's tokens, depths, slots and mask into the bucket's buffers; padded rows: token 0
-        at depth 0, written to the slots after the step's, seeing only themselves."""
+        at depth 0, written to the slots after the step's (which no row sees), seeing what the last
+        real row sees (so a rule that reads the mask finds only the real rows' shapes)."""
         m, width = tokens.shape[0], inputs.tokens.shape[0]
         inputs.tokens[:m].copy_(tokens)
         inputs.positions[:m].copy_(positions)
@@ -160,27 +170,31 @@ class StaticStep:
         else:
             full[:m, : filled + m].copy_(mask[0, 0])
         if m < width:
-            full[m:, filled + m: filled + width].fill_diagonal_(0)
+            full[m:, : filled + m].copy_(full[m - 1, : filled + m].expand(width - m, -1))
 
-    def _forward(self, inputs: _Inputs, buffers) -> torch.Tensor:
-        """The own forward over the bucket's buffers: [W, V] logits of every row."""
-        return self.own(inputs.tokens, inputs.positions, inputs.mask, _SlotCache(buffers, inputs.slots), inputs.rows,
-                        core=self.core)
+    def _forward(self, own, inputs: _Inputs, buffers, reach: int | None = None) -> torch.Tensor:
+        """The own forward over the bucket's buffers: [W, V] logits of every row. Attention reads each
+        whole buffer (reach None: a captured step's), or its first `reach` slots, the filled part and
+        the step's real tokens (an uncaptured step on the plan's own routes, so that its sparse,
+        prefix and kernel rules see the mask an unpadded step would)."""
+        mask = inputs.mask if reach is None else inputs.mask[..., :reach]
+        return own(inputs.tokens, inputs.positions, mask, _SlotCache(buffers, inputs.slots, reach), inputs.rows,
+                   core=self.core)
 
-    def _record(self, inputs: _Inputs, buffers) -> None:
+    def _record(self, own, inputs: _Inputs, buffers) -> None:
         """Capture the bucket's forward as a CUDA graph, after warming it up on a side stream (as
         torch.cuda.graphs asks: lazy initialisation stays out of the graph). The warm-up writes the
         same keys and values to the same slots that the first replay writes again."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(inputs, buffers)
+            self._forward(own, inputs, buffers)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            inputs.logits = self._forward(inputs, buffers)
+            inputs.logits = self._forward(own, inputs, buffers)
         inputs.graph = graph
         self.captures += 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -49,10 +50,18 @@ CpuWeightsOpt = Annotated[
     typer.Option("--cpu-weights", help="float32 | int8: int8 quantizes the projections for CPU decoding (a quarter "
                  "of the bytes per step; exact up to near-ties, as bf16)."),
 ]
+class CudaGraphs(str, Enum):
+    auto = "auto"
+    off = "off"
+    static = "static"
+
+
 CudaGraphsOpt = Annotated[
-    Optional[str],
-    typer.Option("--cuda-graphs", help="auto: decode steps of up to 64 tokens on CUDA replayed as CUDA graphs; off: "
-                 "launched one by one (default: MDCLI_CUDA_GRAPHS, else auto).", show_default=False),
+    Optional[CudaGraphs],
+    typer.Option("--cuda-graphs", case_sensitive=False,
+                 help="auto: decode steps of up to 64 tokens on CUDA replayed as CUDA graphs; off: launched one by "
+                 "one; static: the same buffers, never captured (default: MDCLI_CUDA_GRAPHS, else auto).",
+                 show_default=False),
 ]
 DeviceMapOpt = Annotated[
     Optional[str], typer.Option("--device-map", help="Passed to from_pretrained, e.g. 'auto' (accelerate).")
@@ -202,7 +211,8 @@ class LoadFlags:
         quiet = overrides.pop("quiet", _flag(out, "quiet"))
         says_loading = not announced and (_flag(out, "progress") or _is_terminal(sys.stderr))
         progress = stderr_line if says_loading else _without_loading_line
-        return api.LoadOptions(**{**offered(self), **overrides}, progress=None if quiet else progress)
+        given = {name: value.value if isinstance(value, Enum) else value for name, value in offered(self).items()}
+        return api.LoadOptions(**{**given, **overrides}, progress=None if quiet else progress)
 
 
 @dataclass(frozen=True)
