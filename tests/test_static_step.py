@@ -21,8 +21,8 @@ from mdcli.backends.select import select
 from mdcli.core.cache import GrowingLayer
 from mdcli.events import Done, Finish
 from mdcli.models.load import load_model
-from tests.test_engine_exactness import (alone_logits, engine_for, greedy_forest, random_prompts, settings_with,
-                                         tiny_model)
+from tests.test_engine_exactness import (assert_each_step_matches_alone, engine_for, greedy_forest, random_prompts,
+                                         settings_with, tiny_model)
 from tests.test_low_precision import DOCUMENT, MAX_TIE_GAP, QUESTIONS, disagreements
 
 HAS_CUDA = torch.cuda.is_available()
@@ -30,22 +30,13 @@ OWN_FORWARD_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # mdcli's own forwar
 
 
 @pytest.mark.parametrize("arch", OWN_FORWARD_ARCHS)
-def test_every_branch_on_static_buffers_matches_its_sequence_run_alone_step_by_step(arch):
+@pytest.mark.parametrize("core", [None, graphs.CAPTURED_CORE])  # the plan's own routes, and a captured step's
+def test_every_branch_on_static_buffers_matches_its_sequence_run_alone_step_by_step(arch, core):
+    """4 branches, then 3 after a compaction: padded to 4 rows."""
     model = tiny_model(arch, "sdpa")
-    prompts = random_prompts(37, [3, 9, 1, 5])  # 4, then 3 branches after a compaction: padded to 4
     engine = engine_for(model, settings=settings_with(cuda_graphs="static"), max_forward_tokens=16)
-    worst = 0.0
-
-    def check(alive, logits, generated):
-        nonlocal worst
-        for row, i in enumerate(alive):
-            reference = alone_logits(model, prompts[i] + generated[i][:-1])
-            worst = max(worst, float((reference - logits[row]).abs().max()))
-            assert int(reference.argmax()) == generated[i][-1]
-
-    greedy_forest(engine, prompts, steps=10, drop_at=4, on_step=check)
-    assert worst < 1e-4, f"max logit difference {worst:.2e}"
-    assert engine.compactions == 1
+    engine.model_forward.static.core = core
+    assert_each_step_matches_alone(model, engine)
     assert engine.model_forward.static.steps >= 9  # every decode step ran on the static buffers
 
 
