@@ -81,9 +81,10 @@ class _SlotCache:
 
 
 class StaticStep:
-    """Callable like the own forward: (tokens, positions, mask, cache, keep) -> [C, V] logits or None,
-    for the forwards `serves` accepts. `capture`: record each bucket's forward as a CUDA graph and
-    replay it (a CUDA model); else run it on the same buffers as it comes (any device)."""
+    """Callable as (own, tokens, positions, mask, cache, keep) -> [C, V] logits or None, `own` the
+    forward to run and the rest as it takes them, for the forwards `serves` accepts. `capture`: record
+    each bucket's forward as a CUDA graph and replay it (a CUDA model); else run it on the same
+    buffers as it comes (any device)."""
 
     def __init__(self, *, capture: bool, core: str | None = None, windowed: bool = False,
                  buckets: tuple[int, ...] = BUCKETS) -> None:
