@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -74,7 +75,9 @@ def ask_many(
         if each and (recipe is not None or save_recipe is not None):
             raise UsageError("--each does not take --recipe or --save-recipe", fix="give the questions with -q")
         if recipe is not None or save_recipe is not None:
-            _run_with_recipe(ctx, recipe, save_recipe, announced, loading, decoding, out)
+            own = _Own(document=document, question=question, questions_file=questions_file, template=template,
+                       retrieve=retrieve, chunk_tokens=chunk_tokens, output=output)
+            _run_with_recipe(ctx, recipe, save_recipe, announced, own, loading, decoding, out)
             return
 
         options = decoding.run_options()
@@ -100,11 +103,24 @@ def ask_many(
 
 # -- --recipe and --save-recipe --------------------------------------------------------------------
 
-_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "stop")  # DecodeFlags fields
+
+
+@dataclass(frozen=True)
+class _Own:
+    """ask-many's own options as typed (the groups carry the shared ones)."""
+
+    document: list[str]
+    question: list[str] | None
+    questions_file: Path | None
+    template: str | None
+    retrieve: int | None
+    chunk_tokens: int
+    output: str
 
 
 def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path | None, announced: bool,
-                     loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags) -> None:
+                     own: _Own, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags) -> None:
     """ask-many through a recipe: the --recipe file (if any) with the flags you typed on top.
 
     Without --recipe every flag counts, defaults included, so the saved file pins them all. With
@@ -114,38 +130,39 @@ def _run_with_recipe(ctx: typer.Context, recipe_name: str | None, save_to: Path 
     # lazy: pydantic and yaml cost `mdcli --help` ~150 ms
     from mdcli.recipes import ask_many_recipe, dump_recipe, sampling_from_flags
 
-    p = ctx.params  # every option by name: a flag counts here by whether it was typed (_given)
     typed_speculation = decoding.run_options().speculate  # a bad --speculate fails before anything else
     base = _base_recipe(recipe_name) if recipe_name is not None else None
 
-    def flag(name: str):
-        """The flag's value if it counts (see above), else None (keep the recipe's)."""
-        return p[name] if base is None or _given(ctx, name) else None
+    def flag(value, name: str):
+        """The flag's value if it counts (see above; `name`: the option's parameter, which click
+        says was typed or not), else None (keep the recipe's)."""
+        return value if base is None or _given(ctx, name) else None
 
-    documents = read_inputs(p["document"])
-    questions = list(p["question"] or []) + read_questions_file(p["questions_file"])
+    documents = read_inputs(own.document)
+    questions = list(own.question or []) + read_questions_file(own.questions_file)
     if base is None:  # the same checks and messages as a plain ask-many
-        template = p["template"] or api.ASK_MANY_TEMPLATE
-        api.AskMany(documents=documents, questions=questions, template=template, retrieve=p["retrieve"],
-                    chunk_tokens=p["chunk_tokens"]).validate()
+        template = own.template or api.ASK_MANY_TEMPLATE
+        api.AskMany(documents=documents, questions=questions, template=template, retrieve=own.retrieve,
+                    chunk_tokens=own.chunk_tokens).validate()
     plan = ask_many_recipe(
         base,
         questions=questions or None,
-        template=flag("template") or (None if base is not None else api.ASK_MANY_TEMPLATE),
-        system=flag("system"),
-        chat_template=None if flag("no_chat_template") is None else not decoding.no_chat_template,
-        sampling=sampling_from_flags(**{name: flag(name) for name in _SAMPLING_FLAGS}),
-        speculate=None if flag("speculate") is None else typed_speculation.recipe_value(),
-        prompt_cache=flag("prompt_cache"),
-        retrieve=flag("retrieve"),
-        chunk_tokens=flag("chunk_tokens"),
+        template=flag(own.template, "template") or (None if base is not None else api.ASK_MANY_TEMPLATE),
+        system=flag(decoding.system, "system"),
+        chat_template=None if flag(decoding.no_chat_template, "no_chat_template") is None
+        else not decoding.no_chat_template,
+        sampling=sampling_from_flags(**{name: flag(getattr(decoding, name), name) for name in _SAMPLING_FLAGS}),
+        speculate=None if flag(decoding.speculate, "speculate") is None else typed_speculation.recipe_value(),
+        prompt_cache=flag(loading.prompt_cache, "prompt_cache"),
+        retrieve=flag(own.retrieve, "retrieve"),
+        chunk_tokens=flag(own.chunk_tokens, "chunk_tokens"),
         constraint=decoding.constraint(),
         source=recipe_name or "ask-many flags",
     )
     options = decoding.run_options(speculate=plan.speculation(None))  # --speculate is in the plan, over the --recipe file's
     if save_to is not None:
         write_recipe(save_to, dump_recipe(plan))
-    mode = out.mode(split_output(p["output"], False)[0])
+    mode = out.mode(split_output(own.output, False)[0])
     lm = load(loading.options(out, announced=announced, prompt_cache=plan.prompt_cache or "auto"))  # --prompt-cache is in the plan
 
     from mdcli.recipes import compile_recipe, resolved_seed  # lazy: as above
