@@ -61,7 +61,8 @@ def test_padded_rows_change_nothing_in_the_real_rows_logits(branches):
 
 def test_a_cache_that_grows_under_the_static_buffers_keeps_every_branch_exact():
     """256 slots to start, a quarter more when full: 40 steps of 8 branches past a 230-token prefix
-    regrow the buffers twice, and the step's inputs follow them to their new addresses."""
+    (550 slots by the end) regrow the buffers again and again, and the step's inputs follow them to
+    their new addresses."""
     model = tiny_model("qwen2", "sdpa")
     prompts = random_prompts(230, [1] * 8, seed=3)
     static = engine_for(model, settings=settings_with(cuda_graphs="static"))
@@ -69,7 +70,7 @@ def test_a_cache_that_grows_under_the_static_buffers_keeps_every_branch_exact():
     capacities = set()
     record = lambda alive, logits, generated: capacities.add(static.cache.layers[0].buffers[0].shape[-2])  # noqa: E731
     assert greedy_forest(static, prompts, 40, on_step=record) == greedy_forest(plain, prompts, 40)
-    assert len(capacities) >= 2
+    assert len(capacities) >= 3
 
 
 def test_slots_past_the_filled_part_hold_finite_numbers_so_masked_slots_add_exact_zeros():
