@@ -7,10 +7,13 @@ branch's whole sequence (logits) and `model.generate` (tokens).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from mdcli.backends.forward import forward_for
+from mdcli.backends.forward import ModelForward
+from mdcli.backends.select import select
 from mdcli.models.architectures import sliding_window_layout
 from mdcli.settings import Settings, current
 from mdcli.core.cache import GrowingLayer, cache_length, new_cache
@@ -63,11 +66,14 @@ def settings_with(**changes) -> Settings:
     return current().changed(**changes)
 
 
-def engine_for(model, *, settings: Settings | None = None, own_forward: bool = True, **options) -> Engine:
-    """An engine over a bare model, its plan chosen under `settings` (default: the environment's);
-    own_forward=False: every forward on transformers' own (the reference)."""
+def engine_for(model, *, settings: Settings | None = None, own_forward: bool = True, plan_changes: dict | None = None,
+               **options) -> Engine:
+    """An engine over a bare model, its plan chosen under `settings` (default: the environment's),
+    with `plan_changes` (Plan fields, through dataclasses.replace) on top; own_forward=False: every
+    forward on transformers' own (the reference)."""
     window, mixed = sliding_window_layout(model.config)
-    model_forward = forward_for(model, settings, sliding_window=window, own=own_forward)
+    plan = replace(select(model, settings), **(plan_changes or {}))
+    model_forward = ModelForward(model, plan, sliding_window=window, own=own_forward)
     return Engine(model_forward, sliding_window=window, mixed_layer_types=mixed, **options)
 
 

@@ -34,8 +34,8 @@ OWN_FORWARD_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # mdcli's own forwar
 def test_every_branch_on_static_buffers_matches_its_sequence_run_alone_step_by_step(arch, core):
     """4 branches, then 3 after a compaction: padded to 4 rows."""
     model = tiny_model(arch, "sdpa")
-    engine = engine_for(model, settings=settings_with(cuda_graphs="static"), max_forward_tokens=16)
-    engine.model_forward.static.core = core
+    engine = engine_for(model, settings=settings_with(cuda_graphs="static"), plan_changes={"static_core": core},
+                        max_forward_tokens=16)
     assert_each_step_matches_alone(model, engine)
     assert engine.model_forward.static.steps >= 9  # every decode step ran on the static buffers
 

@@ -37,7 +37,7 @@ class ModelForward:
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
         self.own = FastForward(model, plan) if own and plan.own_forward else None
-        self.static = StaticStep(capture=plan.cuda_graphs, core=plan.static_core, windowed=self.windowed) \
+        self.static = StaticStep(capture=plan.cuda_graphs, core=plan.static_core) \
             if self.own is not None and plan.static_step else None
 
     def __call__(self, tokens, positions, mask, cache, keep) -> torch.Tensor | None:

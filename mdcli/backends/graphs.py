@@ -41,9 +41,9 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # padded forward widths: a graph each
 # A captured step attends as two batched products per key/value group with the mask added (the
-# "bmm" core: mdcli.backends.llama), not through sdpa: with a mask over a 5,120-slot buffer sdpa's
-# kernels took 170-510 us a layer on an H200 for 1-64 queries, where FlexAttention's took 16-49 us
-# (docs/performance.md, "On a GPU"); FlexAttention compiles for every new shape (5-14 s each).
+# "bmm" core: mdcli.backends.llama): sdpa's kernels read a masked buffer several times slower, and
+# FlexAttention, faster still, compiles for seconds at every new shape (notebook/gpu.md, "CUDA graphs
+# for the forest's decode step").
 CAPTURED_CORE = "bmm"
 
 
@@ -86,13 +86,11 @@ class StaticStep:
     each bucket's forward as a CUDA graph and replay it (a CUDA model); else run it on the same
     buffers as it comes (any device)."""
 
-    def __init__(self, *, capture: bool, core: str | None = None, windowed: bool = False,
-                 buckets: tuple[int, ...] = BUCKETS) -> None:
+    def __init__(self, *, capture: bool, core: str | None = None, buckets: tuple[int, ...] = BUCKETS) -> None:
         self.capture = capture
         self.core = core  # the attention core, dense ("bmm", "sdpa"); None: the own forward's choice (uncaptured only)
         if capture and core is None:
             raise ValueError("a captured step needs a dense attention core: the sparse plans read the mask on the host")
-        self.windowed = windowed  # a lone token without a mask would need the window: not served
         self.buckets = buckets
         self.captures = 0  # graphs recorded, over this forward's life
         self.steps = 0  # forwards served
@@ -101,11 +99,10 @@ class StaticStep:
         self._pool = None  # one memory pool for every bucket's graph
 
     def serves(self, tokens, mask, cache) -> bool:
-        """A forward of at most the widest bucket, with one mask (or none, for a lone token seeing the
-        whole cache, where no window applies), over a non-empty cache whose layers keep static buffers."""
+        """A forward the own forward takes (mdcli.backends.forward decides that: a mask, or none for a
+        lone token where no window applies) of at most the widest bucket, with one mask, not a dict of
+        them by layer type, over a non-empty cache whose layers keep static buffers."""
         if tokens.shape[0] > self.buckets[-1] or isinstance(mask, dict):
-            return False
-        if mask is None and (tokens.shape[0] != 1 or self.windowed):
             return False
         layers = getattr(cache, "layers", None)
         return bool(layers) and cache.get_seq_length() > 0 and all(hasattr(layer, "reserve") for layer in layers)

@@ -197,21 +197,23 @@ def forest_without_blocks(model: LoadedModel, prompts: list[list[int]], case: Ca
     """The forest with every forward on the float32 kernels, none on the .gguf's blocks (the model's
     plan chosen again with gguf_blocks off; mdcli.backends.weights.gguf_blocks): what reading the
     blocks gains, same weights, so its tokens are compared with the forest's."""
-    plan = select(model.model, settings.current().changed(gguf_blocks=False))
-    without = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
-    measured = forest(without, prompts, case, reference=False)
-    measured.approach = "forest-no-blocks"
-    return measured
+    return _forest_on_a_plan_with(model, prompts, case, "forest-no-blocks", gguf_blocks=False)
 
 
 def forest_without_graphs(model: LoadedModel, prompts: list[list[int]], case: Case) -> Measurement:
     """The forest with no forward replayed as a CUDA graph (the model's plan chosen again with
     cuda_graphs off; mdcli.backends.graphs): what the graphs gain, the same weights and kernels, so
     its tokens are compared with the forest's."""
-    plan = select(model.model, settings.current().changed(cuda_graphs="off"))
-    without = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
-    measured = forest(without, prompts, case, reference=False)
-    measured.approach = "forest-no-graphs"
+    return _forest_on_a_plan_with(model, prompts, case, "forest-no-graphs", cuda_graphs="off")
+
+
+def _forest_on_a_plan_with(model: LoadedModel, prompts: list[list[int]], case: Case, approach: str,
+                           **changes) -> Measurement:
+    """The forest (no reference step) over the model's plan chosen again with these settings changed."""
+    plan = select(model.model, settings.current().changed(**changes))
+    changed = replace(model, forward=ModelForward(model.model, plan, sliding_window=model.sliding_window))
+    measured = forest(changed, prompts, case, reference=False)
+    measured.approach = approach
     return measured
 
 

@@ -59,15 +59,11 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
-        self._reserve(end)
+        self.reserve(end)
         self._k[..., start:end, :] = key_states
         self._v[..., start:end, :] = value_states
         self._length = end
         return self.keys, self.values
-
-    def reserve(self, needed: int) -> None:
-        """Room for `needed` slots in the buffer (it grows by a quarter, or to `needed`, when full)."""
-        self._reserve(needed)
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +74,8 @@ class GrowingLayer(DynamicLayer):
         """The filled part is now slots [0, length) (a forward wrote them into `buffers` itself)."""
         self._length = length
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` slots in the buffer (it grows by a quarter, or to `needed`, when full)."""
         capacity = self._k.shape[-2]
         if needed <= capacity:
             return
