@@ -41,18 +41,31 @@ NAMES = "Ana Bo Cy Dee Eli Fay Gus Hal Ivo Jun Kai Lea".split()
 
 
 def write_corpus(folder: Path, files: int, seed: int = 0) -> None:
-    """`files` invoices of about 200-600 tokens each (a line item is ~14 tokens)."""
+    """`files` invoices of 200-600 tokens each in the embedded model's tokenizer (the head and foot
+    are about 63 tokens, a line item 22-24: 6-21 items; `document_tokens` reports the range), and
+    nothing else in `folder`: files of an earlier, larger run are removed."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("invoice*.txt"):
+        old.unlink()
     for n in range(files):
         lines = [f"INVOICE {1000 + n}", f"Supplier: {rng.choice(NAMES)} {rng.choice(NAMES)}son Trading Ltd, "
                  f"{rng.choice(CITIES)}", f"Issued: {rng.randint(1, 28)} May 2026. Payment due: {rng.randint(1, 28)} "
                  f"June 2026.", ""]
-        for item in range(rng.randint(12, 40)):
+        for item in range(rng.randint(6, 21)):
             lines.append(f"Line {item + 1}: {rng.randint(1, 40)} x {rng.choice(WORDS)} at {rng.randint(2, 90)}.{rng.randint(0, 99):02d} "
                          f"euros each, delivered to {rng.choice(CITIES)}.")
         lines += ["", f"Total amount due: {rng.randint(300, 9000)}.{rng.randint(0, 99):02d} euros."]
         (folder / f"invoice{n:04d}.txt").write_text("\n".join(lines) + "\n")
+
+
+def document_tokens(files: list[Path]) -> tuple[int, float, int]:
+    """The fewest, mean and most tokens of the files' texts in the embedded model's tokenizer."""
+    from mdcli.api import load_tokenizer
+
+    tokenizer = load_tokenizer(quiet=True)
+    counts = [len(tokenizer(path.read_text(encoding="utf-8"))["input_ids"]) for path in files]
+    return min(counts), statistics.mean(counts), max(counts)
 
 
 def env() -> dict[str, str]:
@@ -148,6 +161,7 @@ def main() -> int:
     folder = args.workdir / "docs"
     write_corpus(folder, args.files)
     files = sorted(folder.glob("*.txt"))
+    fewest, mean, most = document_tokens(files)
     sample = files[: args.sample]
     scale = args.files / len(sample)
     extra = [] if args.budget_tokens is None else ["--budget-tokens", str(args.budget_tokens)]
@@ -169,8 +183,10 @@ def main() -> int:
     base_wall = statistics.median(w for w, _ in rounds["each (one process)"])
     base_cpu = statistics.median(c for _, c in rounds["each (one process)"])
     report = {"files": args.files, "sample": args.sample, "new_tokens": args.new_tokens, "questions": QUESTIONS,
-              "cpu": cpu_name(), "rounds": args.rounds, "runs": {}}
+              "cpu": cpu_name(), "rounds": args.rounds, "document_tokens": [fewest, round(mean, 1), most],
+              "runs": {}}
     lines = [f"# ask-many --each: {args.files} files, {len(QUESTIONS)} questions, {args.new_tokens} new tokens", "",
+             f"Documents of {fewest}-{most} tokens (mean {mean:.0f}). "
              f"CPU: {report['cpu']}; one thread per process (OMP_NUM_THREADS=1); whole processes; {args.rounds} "
              "round(s), order alternating; each cell the median round (every round in the JSON).", "",
              "| approach | wall s | vs --each | CPU s | vs --each | how | tokens |",
