@@ -225,7 +225,7 @@ def kernel_attention(lib, query, keys, values, mask, scale: float) -> torch.Tens
     q = query[0].contiguous()
     lib.attention(q.data_ptr(), q.stride(0), q.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
                   n, keys.stride(1), None if mask_t is None else mask_t.data_ptr(), ctypes.c_float(scale),
-                  out.data_ptr(), scratch.data_ptr())
+                  out.data_ptr(), scratch.data_ptr(), None)
     return out.view(1, m, heads * dim)
 
 

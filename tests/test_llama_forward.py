@@ -56,7 +56,8 @@ BMM_ONLY = {"attention": "bmm", "bmm_max_queries": None, "fused_attention": Fals
 def own_variant(engine, **changes) -> FastForward:
     """Replace the engine's own forward by one built on its plan with `changes` (Plan fields, through
     dataclasses.replace), as benchmarks compare the variants; returns it."""
-    engine.model_forward.own = FastForward(engine.model_forward.model, replace(engine.model_forward.plan, **changes))
+    model_forward = engine.model_forward
+    model_forward.own = FastForward(model_forward.model, replace(model_forward.plan, **changes), windowed=model_forward.windowed)
     return engine.model_forward.own
 
 

@@ -36,7 +36,7 @@ class ModelForward:
         self.dtype = compute_dtype(model)
         self.windowed = sliding_window is not None
         self.reference = ReferenceForward(model, onednn=plan.linears.name == "oneDNN")
-        self.own = FastForward(model, plan) if own and plan.own_forward else None
+        self.own = FastForward(model, plan, windowed=self.windowed) if own and plan.own_forward else None
         self.static = StaticStep(capture=plan.cuda_graphs, core=plan.static_core) \
             if self.own is not None and plan.static_step else None
 

@@ -31,7 +31,8 @@ these rules hold on the host:
 * where the queries see a small part of the cache (a wide forest of unrelated branches), attention
   runs over each chain's gathered visible slots only (mdcli.backends.attention.sparse); where they see
   different prefixes of one long run of slots (margins' chain layout), over each prefix read in
-  place plus the few other slots gathered (mdcli.backends.attention.prefix);
+  place plus the few other slots gathered (mdcli.backends.attention.prefix); several documents' trees
+  (--each) on mdcli's kernel, over each document's own slots (mdcli.backends.attention.documents);
 * the final norm and `lm_head` run only on the rows whose logits are wanted;
 * no module calls, hooks, output records or keyword plumbing between the operations.
 
@@ -54,6 +55,7 @@ from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.attention.documents import DocumentsPlan, documents_plan
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends.select import Plan
@@ -119,7 +121,7 @@ class FastForward:
     `lone_blas`); the tiled copy for M <= TILED_MAX_ROWS; else the packed copy, or the plain weights.
     Forwards of up to `blas_queries` tokens take OpenBLAS's weighted sum of the values."""
 
-    def __init__(self, model, plan: Plan) -> None:
+    def __init__(self, model, plan: Plan, *, windowed: bool = False) -> None:
         config = model.config
         self.model = model
         self.inner = model.model
@@ -134,6 +136,7 @@ class FastForward:
         self.bmm_max_queries = plan.bmm_max_queries
         # dense forwards of 1 to FUSED_MAX_QUERIES queries on the bmm core run on mdcli's attention kernel
         self.fused_attention = plan.fused_attention
+        self.by_document = self.fused_attention and not windowed  # a window starts each query elsewhere: no documents
         self.gather_cost = plan.gather_cost
         self.sparse_mode = plan.sparse_attention
         self.read_ahead = plan.read_ahead
@@ -142,6 +145,7 @@ class FastForward:
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
         self.fused_forwards = 0  # forwards whose dense attention ran on mdcli's kernel (mdcli.backends.attention.fused)
+        self.document_forwards = 0  # forwards split by document there (mdcli.backends.attention.documents)
         self.head = _weight(model.lm_head)  # [V, hidden]
         self.tiled = plan.tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
@@ -236,14 +240,17 @@ class FastForward:
         cos, sin = self.inner.rotary_emb(hidden, positions[None])  # [1, M, D] each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1, M, 1, D]: broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        # attention over each query's visible slots only, or None: dense; where the kernel serves dense
-        # attention, the one-product cascade over a shared document starts later (fused.JOINED_MIN_QUERIES_WITH_KERNEL)
+        # attention over each query's visible slots only (several documents' on the kernel first), or None: dense;
+        # where the kernel serves dense attention, the one-product cascade starts later (fused.JOINED_MIN_QUERIES_WITH_KERNEL)
         joined = fused.JOINED_MIN_QUERIES_WITH_KERNEL if self.fused_attention else JOINED_MIN_QUERIES
-        plan = None if core else plan_for(mask, self.gather_cost, self.sparse_mode, joined)
+        fits = fused.FUSED_MIN_QUERIES <= m <= fused.FUSED_MAX_QUERIES
+        kernel = not core and self.by_document and fits and self.attention == "bmm" and m <= (self.bmm_max_queries or m)
+        documents = documents_plan(mask, self.heads // self.kv_heads) if kernel and isinstance(mask, torch.Tensor) else None
+        plan = None if core else documents or plan_for(mask, self.gather_cost, self.sparse_mode, joined)
+        self.document_forwards += isinstance(plan, DocumentsPlan)
         self.sparse_forwards += plan is not None
         self.prefix_forwards += isinstance(plan, PrefixPlan)
         attention = core or (self.attention if self.bmm_max_queries is None or m <= self.bmm_max_queries else "sdpa")
-        fits = fused.FUSED_MIN_QUERIES <= m <= fused.FUSED_MAX_QUERIES
         if plan is None and attention == "bmm" and self.fused_attention and fits:
             attention = "fused"
             self.fused_forwards += 1

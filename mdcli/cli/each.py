@@ -38,8 +38,8 @@ EachOpt = Annotated[
 BudgetTokensOpt = Annotated[
     Optional[int],
     typer.Option("--budget-tokens", min=1, show_default=False,
-                 help="With --each: most cache tokens in one forest of documents (default: 1024 on a CPU, a "
-                 "document or two; on a GPU what a quarter of its free memory holds)."),
+                 help="With --each: most cache tokens in one forest of documents (default: 2048 on a CPU, a "
+                 "few documents; on a GPU what a quarter of its free memory holds)."),
 ]
 WorkersOpt = Annotated[
     Optional[int],

@@ -9,8 +9,8 @@ question's new tokens; one document is always admitted, however large): at the s
 every step after a document has finished, so the forest stays full. A document admitted mid-forest
 is laid down between two steps (the slots of the finished ones reclaimed first), its prompts
 prefilled on their own (its prefix a causal run, not masked against the others), and its branches
-join the next step. On a CPU core a forest of a document or two measured fastest (CPU_BUDGET_TOKENS),
-so there the gain is the one process and the one load.
+join the next step. On a CPU core a forest of three or four short documents measured fastest
+(CPU_BUDGET_TOKENS): most of the gain there is the one process and the one load.
 
 A Margins job (margins --each) packs consecutive documents, as many as `budget_tokens` holds of
 their margins (at least one), into one forest that runs margins' three phases for all of them
@@ -52,12 +52,14 @@ from mdcli.strategies.memory import check_forest_fits, trie_tokens
 if TYPE_CHECKING:
     from mdcli.models.load import LoadedModel
 
-CPU_BUDGET_TOKENS = 1024
-"""A forest's most cache tokens on a CPU when --budget-tokens is not given: a document or two. On
-one CPU core a forest of many documents was slower than one document per forest (12 invoices of
-~450 tokens, 3 questions, 32 tokens: 13.5-20 s at 1,024 tokens against 23-27 s at 4,096-16,384;
-docs/performance.md): a decode step already costs about the same for 3 rows as for 18, and each
-document's prefill and every step's attention over a larger cache cost more."""
+CPU_BUDGET_TOKENS = 2048
+"""A forest's most cache tokens on a CPU when --budget-tokens is not given: three or four documents
+of a few hundred tokens. On one Zen 5 core (invoices of 205-598 tokens, 3 questions, 32 tokens,
+alternated three times) a file took 0.839-0.853 s at 2,048 against 0.873-0.895 s at 1,024 and
+0.835-0.844 s at 3,072: a step shared by several documents saves its glue, and each document's
+queries read only their own slots (mdcli.backends.attention.documents), while the products grow
+by a row per branch either way (notebook/ask-many.md, "ask-many --each at the issue's document
+sizes")."""
 MAX_BUDGET_TOKENS = 65536  # elsewhere (a GPU): as much as a quarter of the free memory holds, up to this
 
 

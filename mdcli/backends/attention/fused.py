@@ -72,19 +72,20 @@ def step_mask(mask: torch.Tensor | None, per_group: int) -> StepMask | None:
 
 
 def fused_attention(query, keys, values, mask: StepMask | None, scale: float, groups: int,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                    lib: ctypes.CDLL | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v per key/value group, query head h reading group h // (H / G).
 
     query: [1, H, M, D]; keys, values: [1, G, N, D] float32 with rows of D contiguous (views of
-    the cache's buffer); mask: `step_mask` of the engine's mask, or None for a lone query seeing
-    the whole cache; lib: another build of the kernel (`bound`), for comparing one with this one.
+    the cache's buffer); mask: `step_mask` of the engine's mask over the slots read, or None for a
+    lone query seeing them all; lib: another build of the kernel (`bound`), for comparing one with
+    this one; slots: [S] long, ascending: read only these slots, in place (S keys), else all N.
     Returns [1, M, H * D]."""
     lib = library() if lib is None else lib
     _, heads, m, dim = query.shape
     queries = query[0]  # [H, M, D]: the kernel reads each query's D elements in a row
     if queries.stride(2) != 1:
         queries = queries.contiguous()
-    n = keys.shape[2]
+    n = keys.shape[2] if slots is None else slots.shape[0]
     if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
@@ -93,7 +94,7 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     lib.attention(
         queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
         n, keys.stride(1), None if mask is None else mask.transposed.data_ptr(), ctypes.c_float(scale),
-        out.data_ptr(), scratch.data_ptr())
+        out.data_ptr(), scratch.data_ptr(), None if slots is None else slots.data_ptr())
     return out.view(1, m, heads * dim)
 
 
@@ -122,7 +123,7 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attention_rows.argtypes, lib.attention_rows.restype = [size, size], size
     lib.attention_dim_multiple.argtypes, lib.attention_dim_multiple.restype = [], size
     lib.attention.argtypes = [pointer, *[size] * 6, pointer, pointer, size, size, pointer, ctypes.c_float,
-                              pointer, pointer]
+                              pointer, pointer, pointer]
     lib.attention.restype = None
     return lib
 

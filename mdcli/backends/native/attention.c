@@ -97,11 +97,15 @@ static inline void fetch_keys(const float *keys, int64_t floats) {
         __builtin_prefetch(keys + f, 0, 0);
 }
 
-/* s[p][r0 .. r0 + V * LANES) = scale * sum_d k[p][d] qt[d][...] (+ mask_t[p][...]) for keys [0, n);
- * the rows' running maxima in mx. */
+/* Key or value p of a call: row slots[p] of the cache where the call reads chosen slots (several
+ * documents' trees in one forest: each document's queries read its own slots), else row p. */
+#define SLOT(slots, p) ((slots) ? (slots)[p] : (p))
+
+/* s[p][r0 .. r0 + V * LANES) = scale * sum_d k[SLOT(p)][d] qt[d][...] (+ mask_t[p][...]) for keys
+ * [0, n); the rows' running maxima in mx. */
 static inline __attribute__((always_inline)) void score_rows(int V, const float *qt, int64_t r_stride, int64_t d_size,
-                                                             const float *k, int64_t n, const float *mask_t,
-                                                             float scale, float *s, float *mx) {
+                                                             const float *k, int64_t n, const int64_t *slots,
+                                                             const float *mask_t, float scale, float *s, float *mx) {
     const vec sc = vset1(scale);
     vec top[ROW_VECTORS];
 #pragma GCC unroll 4
@@ -115,8 +119,15 @@ static inline __attribute__((always_inline)) void score_rows(int V, const float 
 #pragma GCC unroll 4
             for (int i = 0; i < V; i++)
                 acc[j][i] = vzero();
-        const float *kp = k + p * d_size;
-        fetch_keys(kp + KEYS_AHEAD * d_size, KEYS * d_size); /* past the end: a hint, never a fault */
+        const float *kp[KEYS];
+#pragma GCC unroll 4
+        for (int j = 0; j < KEYS; j++)
+            kp[j] = k + SLOT(slots, p + j) * d_size;
+        if (!slots)
+            fetch_keys(kp[0] + KEYS_AHEAD * d_size, KEYS * d_size); /* past the end: a hint, never a fault */
+        else if (p + KEYS_AHEAD + KEYS <= n)
+            for (int j = 0; j < KEYS; j++)
+                fetch_keys(k + slots[p + KEYS_AHEAD + j] * d_size, d_size);
         for (int64_t d = 0; d < d_size; d++) {
             vec q[ROW_VECTORS];
 #pragma GCC unroll 4
@@ -124,7 +135,7 @@ static inline __attribute__((always_inline)) void score_rows(int V, const float 
                 q[i] = vload(qt + d * r_stride + i * LANES);
 #pragma GCC unroll 4
             for (int j = 0; j < KEYS; j++) {
-                const vec key = vset1(kp[j * d_size + d]);
+                const vec key = vset1(kp[j][d]);
 #pragma GCC unroll 4
                 for (int i = 0; i < V; i++)
                     acc[j][i] = vfma(key, q[i], acc[j][i]);
@@ -147,7 +158,7 @@ static inline __attribute__((always_inline)) void score_rows(int V, const float 
         for (int i = 0; i < V; i++)
             acc[i] = vzero();
         for (int64_t d = 0; d < d_size; d++) {
-            const vec key = vset1(k[p * d_size + d]);
+            const vec key = vset1(k[SLOT(slots, p) * d_size + d]);
 #pragma GCC unroll 4
             for (int i = 0; i < V; i++)
                 acc[i] = vfma(key, vload(qt + d * r_stride + i * LANES), acc[i]);
@@ -169,7 +180,8 @@ static inline __attribute__((always_inline)) void score_rows(int V, const float 
 /* ot[d0 + j][r] += sum_p v[p][d0 + j] s[p][r] for j < VALUE_DIMS and V vectors of rows, keys [p0, p1):
  * the values summed as the scores were made, a key's element broadcast against a vector of rows. */
 static inline __attribute__((always_inline)) void sum_values(int V, const float *s, int64_t R, const float *v,
-                                                             int64_t D, int64_t p0, int64_t p1, float *ot) {
+                                                             int64_t D, int64_t p0, int64_t p1, const int64_t *slots,
+                                                             float *ot) {
     vec acc[VALUE_DIMS][ROW_VECTORS];
 #pragma GCC unroll 4
     for (int j = 0; j < VALUE_DIMS; j++)
@@ -183,7 +195,7 @@ static inline __attribute__((always_inline)) void sum_values(int V, const float 
             weights[i] = vload(s + p * R + i * LANES);
 #pragma GCC unroll 4
         for (int j = 0; j < VALUE_DIMS; j++) {
-            const vec value = vset1(v[p * D + j]);
+            const vec value = vset1(v[SLOT(slots, p) * D + j]);
 #pragma GCC unroll 4
             for (int i = 0; i < V; i++)
                 acc[j][i] = vfma(value, weights[i], acc[j][i]);
@@ -206,7 +218,8 @@ static inline void fetch_rows(const float *rows, int64_t D, int64_t p0, int64_t 
  * ot [D][R] (the weighted sums, the softmax's denominators not yet divided out) and sum [R] (those
  * denominators); work: N * R + R floats. */
 static void group_attention(const float *qt, int64_t R, int64_t D, const float *k, const float *v, int64_t n,
-                            const float *mask_t, float scale, float *ot, float *sum, float *work) {
+                            const int64_t *slots, const float *mask_t, float scale, float *ot, float *sum,
+                            float *work) {
     float *s = work, *mx = work + n * R;
     for (int64_t r = 0; r < R; r++)
         mx[r] = -__builtin_inff();
@@ -214,13 +227,13 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
         const int64_t left = (R - r0) / LANES;
         const float *mask_r = mask_t ? mask_t + r0 : NULL;
         switch (left < ROW_VECTORS ? left : ROW_VECTORS) {
-        case 1: score_rows(1, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
-        case 2: score_rows(2, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+        case 1: score_rows(1, qt + r0, R, D, k, n, slots, mask_r, scale, s + r0, mx + r0); break;
+        case 2: score_rows(2, qt + r0, R, D, k, n, slots, mask_r, scale, s + r0, mx + r0); break;
 #if ROW_VECTORS >= 3
-        case 3: score_rows(3, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+        case 3: score_rows(3, qt + r0, R, D, k, n, slots, mask_r, scale, s + r0, mx + r0); break;
 #endif
 #if ROW_VECTORS >= 4
-        case 4: score_rows(4, qt + r0, R, D, k, n, mask_r, scale, s + r0, mx + r0); break;
+        case 4: score_rows(4, qt + r0, R, D, k, n, slots, mask_r, scale, s + r0, mx + r0); break;
 #endif
         }
     }
@@ -239,19 +252,20 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
     memset(ot, 0, (size_t)(R * D) * sizeof(float));
     for (int64_t p0 = 0; p0 < n; p0 += VALUE_TILE) {
         const int64_t p1 = p0 + VALUE_TILE < n ? p0 + VALUE_TILE : n;
-        fetch_rows(v, D, p1, p1 + VALUE_TILE < n ? p1 + VALUE_TILE : n); /* the next tile's values */
+        if (!slots)
+            fetch_rows(v, D, p1, p1 + VALUE_TILE < n ? p1 + VALUE_TILE : n); /* the next tile's values */
         for (int64_t r0 = 0; r0 < R; r0 += ROW_VECTORS * LANES) {
             const int64_t left = (R - r0) / LANES;
             for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
                 float *o = ot + d0 * R + r0;
                 switch (left < ROW_VECTORS ? left : ROW_VECTORS) {
-                case 1: sum_values(1, s + r0, R, v + d0, D, p0, p1, o); break;
-                case 2: sum_values(2, s + r0, R, v + d0, D, p0, p1, o); break;
+                case 1: sum_values(1, s + r0, R, v + d0, D, p0, p1, slots, o); break;
+                case 2: sum_values(2, s + r0, R, v + d0, D, p0, p1, slots, o); break;
 #if ROW_VECTORS >= 3
-                case 3: sum_values(3, s + r0, R, v + d0, D, p0, p1, o); break;
+                case 3: sum_values(3, s + r0, R, v + d0, D, p0, p1, slots, o); break;
 #endif
 #if ROW_VECTORS >= 4
-                case 4: sum_values(4, s + r0, R, v + d0, D, p0, p1, o); break;
+                case 4: sum_values(4, s + r0, R, v + d0, D, p0, p1, slots, o); break;
 #endif
                 }
             }
@@ -289,7 +303,8 @@ static inline vec sum_lanes(const vec a[LANES]) {
  * and values [n][D]; mask_t [n][mask_stride] additive (row r at column r) or NULL -> out[r] (D floats),
  * normalized. work: FEW_ROWS * (n rounded up to LANES) floats. */
 static void few_rows(int R, const float *const *q, int64_t D, const float *k, const float *v, int64_t n,
-                     const float *mask_t, int64_t mask_stride, float scale, float *const *out, float *work) {
+                     const int64_t *slots, const float *mask_t, int64_t mask_stride, float scale,
+                     float *const *out, float *work) {
     const int64_t padded = (n + LANES - 1) / LANES * LANES, C = D / LANES;
     float *s = work; /* s[r * padded + p] */
     vec dots[FEW_ROWS][LANES];
@@ -301,8 +316,8 @@ static void few_rows(int R, const float *const *q, int64_t D, const float *k, co
                     dots[r][j] = vzero();
                 continue;
             }
-            const float *key = k + p * D;
-            if (j == 0)
+            const float *key = k + SLOT(slots, p) * D;
+            if (j == 0 && !slots)
                 fetch_keys(key + KEYS_AHEAD * D, LANES * D); /* a hint past the end never faults */
             vec acc[FEW_ROWS];
             for (int r = 0; r < R; r++)
@@ -341,7 +356,7 @@ static void few_rows(int R, const float *const *q, int64_t D, const float *k, co
             vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
             for (int64_t p = 0; p < n; p++) {
                 const vec weight = vset1(row[p]);
-                const float *value = v + p * D + c0 * LANES;
+                const float *value = v + SLOT(slots, p) * D + c0 * LANES;
                 for (int c = 0; c < width; c++)
                     acc[c] = vfma(weight, vload(value + c * LANES), acc[c]);
             }
@@ -375,6 +390,7 @@ struct call {
     int64_t q_head, q_query, H, M, G, D;
     const float *k, *v;
     int64_t n, group_stride;
+    const int64_t *slots;
     const float *mask_t;
     float scale;
     float *out;
@@ -394,7 +410,7 @@ static void group_run(const void *job, int g, float *scratch) {
                 rows_q[h * M + m] = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
                 rows_out[h * M + m] = c->out + m * H * D + (g * per_group + h) * D;
             }
-        few_rows((int)(per_group * M), rows_q, D, k, v, c->n, c->mask_t, R, c->scale, rows_out, scratch);
+        few_rows((int)(per_group * M), rows_q, D, k, v, c->n, c->slots, c->mask_t, R, c->scale, rows_out, scratch);
         return;
     }
 #endif
@@ -406,7 +422,7 @@ static void group_run(const void *job, int g, float *scratch) {
             for (int64_t d = 0; d < D; d++)
                 qt[d * R + h * M + m] = row[d];
         }
-    group_attention(qt, R, D, k, v, c->n, c->mask_t, c->scale, ot, sum, work);
+    group_attention(qt, R, D, k, v, c->n, c->slots, c->mask_t, c->scale, ot, sum, work);
     for (int64_t h = 0; h < per_group; h++)
         for (int64_t m = 0; m < M; m++) {
             const int64_t r = h * M + m;
@@ -418,13 +434,14 @@ static void group_run(const void *job, int g, float *scratch) {
 }
 
 /* Every group's attention, the groups on the pool's threads. q: query head h, query m at q + h *
- * q_head + m * q_query (D contiguous floats); k and v rows p of group g at k + g * group_stride + p *
- * D; mask_t [N][R] additive, R = the padded rows (H/G heads x M queries, row (h mod H/G) * M + m;
+ * q_head + m * q_query (D contiguous floats); the n keys and values of group g: rows SLOT(slots, p)
+ * at k + g * group_stride + row * D (slots: n cache rows, ascending, or NULL for rows 0 .. n - 1);
+ * mask_t [n][R] additive, R = the padded rows (H/G heads x M queries, row (h mod H/G) * M + m;
  * padding rows see everything), the same for every group, or NULL -> out [M][H * D]. scratch:
  * attention_scratch_floats. */
 void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
                const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
-               float *out, float *scratch) {
-    const struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, mask_t, scale, out};
+               float *out, float *scratch, const int64_t *slots) {
+    const struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, slots, mask_t, scale, out};
     parallel((int)G, group_run, &c, attention_scratch_floats(n, H / G, M, D), scratch);
 }
