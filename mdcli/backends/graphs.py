@@ -20,9 +20,9 @@ The forward is mdcli's own (mdcli.backends.llama, with its attention kept dense:
 the mask on the host), handed these buffers, so the arithmetic is the same as an uncaptured step's;
 a padded product or a longer key range may only sum in another order (within float32 rounding).
 
-A graph stays valid while the cache's buffers keep their addresses. When the cache grows past its
-buffer (by a quarter: mdcli.core.cache) or is compacted, every graph is dropped and each bucket is
-captured again on its next use; `captures` counts every capture, and a run reports its own
+A graph stays valid while the cache's buffers keep their addresses (a compaction moves the kept
+slots down inside them). When the cache grows past its buffer (by a quarter: mdcli.core.cache),
+every graph is dropped and each bucket is captured again on its next use; `captures` counts every capture, and a run reports its own
 (`done.stats.graph_captures`). Wider forwards (a document's prefill, a wide verification tree) and
 forwards this shape cannot hold run as they come.
 
@@ -131,8 +131,8 @@ class StaticStep:
         return None if keep is None else logits[keep]  # a gather: a copy the next replay leaves alone
 
     def _follow(self, buffers, own) -> None:
-        """Drop every bucket's inputs and graph when the cache's buffers moved (grown or compacted) or
-        another forward runs on them."""
+        """Drop every bucket's inputs and graph when the cache's buffers moved (grown) or another
+        forward runs on them."""
         key = (id(own), *((k.data_ptr(), v.data_ptr(), k.shape[-2]) for k, v in buffers))
         if key != self._buffer_key:
             self._inputs.clear()

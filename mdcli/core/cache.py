@@ -21,6 +21,8 @@ Facts it relies on (transformers 5.x):
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
@@ -32,10 +34,11 @@ def output_cache(output):
     return output["cache"] if "cache" in output else output.past_key_values
 
 
-def new_cache() -> Cache:
+def new_cache(capacity: int = 0) -> Cache:
     """An empty cache of plain full-attention layers (see the module notes for why no config),
-    each a `GrowingLayer`."""
-    return Cache(layer_class_to_replicate=GrowingLayer)
+    each a `GrowingLayer`; capacity: slots each layer makes room for at its first write (a prefill
+    of known size then never grows its buffer midway)."""
+    return Cache(layer_class_to_replicate=partial(GrowingLayer, capacity) if capacity else GrowingLayer)
 
 
 class GrowingLayer(DynamicLayer):
@@ -47,6 +50,10 @@ class GrowingLayer(DynamicLayer):
 
     min_capacity = 256
     growth = 1.25
+
+    def __init__(self, first_capacity: int = 0) -> None:
+        super().__init__()
+        self.first_capacity = first_capacity  # the room made at the first write, if more than it needs
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -79,7 +86,7 @@ class GrowingLayer(DynamicLayer):
         capacity = self._k.shape[-2]
         if needed <= capacity:
             return
-        capacity = max(needed, int(self.growth * capacity), self.min_capacity)
+        capacity = max(needed, int(self.growth * capacity), self.min_capacity, self.first_capacity if not capacity else 0)
         self._k = _regrow(self._k, self._length, capacity)
         self._v = _regrow(self._v, self._length, capacity)
 
@@ -121,14 +128,9 @@ def cache_length(cache: Cache) -> int:
 
 
 def compact(cache: Cache, keep: torch.Tensor) -> None:
-    """Keep only the cache slots in `keep` ([K] long, ascending), in every layer."""
-    for layer in _layers(cache):
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        index = keep.to(layer.keys.device)
-        # select both before assigning either: assigning keys moves a growing layer's length
-        keys, values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
-        layer.keys, layer.values = keys, values
+    """Keep only the cache slots in `keep` ([K] long, ascending), in every layer: a growing layer
+    moves them down inside its buffer, which keeps its room (the next tokens need not grow it)."""
+    keep_tail(cache, 0, keep)
 
 
 def keep_tail(cache: Cache, start: int, keep: torch.Tensor) -> None:

@@ -68,6 +68,7 @@ class Engine:
         sliding_window: int | None = None,
         mixed_layer_types: bool = False,
         max_forward_tokens: int = 1024,
+        capacity: int = 0,
     ) -> None:
         self.model_forward = model_forward
         self.device = model_forward.device
@@ -76,7 +77,7 @@ class Engine:
         self.mixed_layer_types = mixed_layer_types
         self.max_forward_tokens = max_forward_tokens
         self.forest = Forest(self.device)
-        self.cache = kv.new_cache()
+        self.cache = kv.new_cache(capacity)  # capacity: the slots a prefill of known size will fill
         self.forwards = 0
         self.peak_tokens = 0
         self.compactions = 0

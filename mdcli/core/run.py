@@ -247,7 +247,8 @@ class Run:
         after this run's: --each admits a document mid-forest so. Rows are over this run's cache."""
         started, engine = time.perf_counter(), self.engine
         apart = Engine(engine.model_forward, sliding_window=engine.sliding_window,
-                       mixed_layer_types=engine.mixed_layer_types, max_forward_tokens=engine.max_forward_tokens)
+                       mixed_layer_types=engine.mixed_layer_types, max_forward_tokens=engine.max_forward_tokens,
+                       capacity=trie_size(prompts))
         results = yield from progress_events(phase, prefill_steps(apart, prompts))
         offset = engine.append_apart(apart)
         self.counters.prefill_tokens += len(apart)
