@@ -10,9 +10,8 @@ import torch
 from mdcli.backends.attention import fused
 from mdcli.backends.attention.documents import MAX_GROUPS, documents_plan
 from tests.reference import generate_alone
-from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts
-from tests.test_fused_attention import LOWEST, cache_views, needs_kernel, torch_attention
-from tests.test_llama_forward import BMM_ONLY, own_variant, settings_with
+from tests.test_engine_exactness import greedy_forest, random_prompts
+from tests.test_fused_attention import LOWEST, cache_views, engine_on_kernel, needs_kernel, torch_attention
 from tests.test_sparse_attention import SUPPORTED, model_for
 
 
@@ -85,8 +84,7 @@ def test_more_documents_than_calls_pay_for_stay_dense():
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_branches_off_several_documents_in_one_forest_get_the_tokens_generate_gives_each_alone(arch):
     model = model_for(arch)
-    engine = engine_for(model, settings=settings_with(sparse_attention="off"))
-    own_variant(engine, **{**BMM_ONLY, "fused_attention": True})  # the kernel whatever this host's plan says
+    engine = engine_on_kernel(model)
     prompts = [p for seed, n in ((3, 60), (4, 90), (5, 45)) for p in random_prompts(n, [3, 5], seed=seed)]
     generated = greedy_forest(engine, prompts, steps=10, drop_at=4)
     split = engine.model_forward.own.document_forwards

@@ -17,6 +17,13 @@ needs_kernel = pytest.mark.skipif(fused.library() is None, reason="mdcli's atten
 LOWEST = torch.finfo(torch.float32).min
 
 
+def engine_on_kernel(model):
+    """An engine whose dense attention runs on mdcli's kernel whatever this host's plan says (no sparse plans)."""
+    engine = engine_for(model, settings=settings_with(sparse_attention="off"))
+    own_variant(engine, **{**BMM_ONLY, "fused_attention": True})
+    return engine
+
+
 def torch_attention(query, keys, values, mask, scale):
     """sdpa with each key/value head repeated for its query heads, as transformers pairs them: [1, M, H * D]."""
     heads, groups = query.shape[1], keys.shape[1]
@@ -156,8 +163,7 @@ def test_a_forest_on_the_kernel_decodes_transformers_tokens_and_logits(arch):
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_every_branch_on_the_kernel_gets_the_tokens_generate_gives_it_alone(arch):
     model = model_for(arch)
-    engine = engine_for(model, settings=settings_with(sparse_attention="off"))
-    own_variant(engine, **{**BMM_ONLY, "fused_attention": True})  # the kernel whatever this host's plan says
+    engine = engine_on_kernel(model)
     prompts = random_prompts(50, [4, 4, 12, 2, 7], seed=3)
     generated = greedy_forest(engine, prompts, steps=12, drop_at=3)
     assert engine.model_forward.own.fused_forwards >= 12  # every step of the forest ran on the kernel
