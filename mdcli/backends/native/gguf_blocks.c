@@ -104,6 +104,21 @@ static inline ivec shift_b(void) { return _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8,
 static inline ivec both_halves(const uint8_t *bytes32) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)bytes32));
 }
+/* Q6_K's 64 codes of quarter c (weights 64c .. 64c + 63) of the super-block at sb, byte p of the
+ * register the code of weight 64c + p, bits 6 and 7 of each byte left unclear (the caller keeps 6 bits):
+ * quarters 0 and 2 are the low nibbles of 64 bytes, 1 and 3 their high nibbles, and each weight's top two
+ * bits sit in byte p mod 32 of the 32 high-bit bytes, at bits 0-1 (p < 32) or 2-3 (p >= 32) for the low
+ * nibbles, 4-5 or 6-7 for the high ones. Four instructions make 64 codes, where assembling each code
+ * in its own lane took four for 16: on a Zen 5 core a 1B model's Q6_K matrices (of a Q4_K_M file) took
+ * 0.80x the time at one row, 0.86x at two (notebook/gguf-blocks.md). */
+static inline ivec q6_codes(const uint8_t *sb, int c) {
+    const __m512i low = _mm512_loadu_si512((const void *)(sb + (c / 2) * 64));
+    const ivec high = both_halves(sb + 128 + (c / 2) * 32);
+    const ivec half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2); /* p >= 32: two bits on */
+    const ivec nibbles = c % 2 ? _mm512_srli_epi32(low, 4) : low;
+    const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
+    return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
+}
 #define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LOOKUP_ROWS */
 #elif defined(__AVX2__)
 #define LANES 8
@@ -238,15 +253,21 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 #define LANE_ORDERED(kind) 0
 #endif
 
-/* x's m rows (stride ldx) in lane order into out (stride k): each 32 inputs as the weights' two vectors
- * hold them, inputs 4i + {0, 2} then 4i + {1, 3}. */
-static void lane_ordered(const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
+/* x's m rows (stride ldx) in lane order into out (stride k), as `kind`'s weights hold them: Q4_K's
+ * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}; Q6_K's
+ * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. */
+static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
     static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
                                      1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
     for (int64_t r = 0; r < m; r++)
-        for (int64_t c = 0; c < k; c += BLOCK)
-            for (int i = 0; i < BLOCK; i++)
-                out[r * k + c + i] = x[r * ldx + c + order[i]];
+        if (kind == 11)
+            for (int64_t c = 0; c < k; c += 2 * BLOCK)
+                for (int i = 0; i < 2 * BLOCK; i++)
+                    out[r * k + c + i] = x[r * ldx + c + 4 * (i % 16) + i / 16];
+        else
+            for (int64_t c = 0; c < k; c += BLOCK)
+                for (int i = 0; i < BLOCK; i++)
+                    out[r * k + c + i] = x[r * ldx + c + order[i]];
 }
 
 #define PER (BLOCK / LANES) /* vectors per block */
@@ -469,16 +490,16 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
     } else if (kind == 11) { /* Q6_K: w = (d * scale) * (q - 32), a scale every 16 weights */
         const int h = s / 4, t = s % 4;
 #if defined(__AVX512F__)
-        if (lookup) { /* in lane order: lanes 0-3 and 8-11 hold the first 16 weights, 4-7 and 12-15 the next */
-            const vec scale = _mm512_mask_blend_ps(0xf0f0, vset1(k->scale[2 * s]), vset1(k->scale[2 * s + 1]));
+        if (lookup) { /* in lane order (q6_codes): the 64 codes of quarter s / 2, this sub-block's two vectors of them */
+            const int quarter = s / 2;
+            const ivec codes = q6_codes(sb, quarter);
+            /* lane i of every vector holds input 4i + j of the quarter: group 4 quarter + i / 4 */
+            const vec scale = _mm512_permutexvar_ps(iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * quarter)),
+                                                    _mm512_loadu_ps(k->scale));
             const vec offset = vmul(scale, vset1(-32.0f)); /* exact: (q - 32) * scale = q * scale - 32 * scale, rounded once */
-            const ivec low = both_halves(sb + h * 64 + 32 * (t % 2)), high = both_halves(sb + 128 + h * 32);
             for (int j = 0; j < PER; j++) {
-                const ivec at = j == 0 ? shift_a() : shift_b(); /* the code's byte, in bits */
-                const ivec nibble = isrlv(low, iadd(at, iset1(4 * (t / 2))));
-                /* bits 2t, 2t + 1 of the high byte to bits 4, 5: rotated right by (at + 2t - 4) mod 32 */
-                const ivec top = iand(_mm512_rorv_epi32(high, iand(iadd(at, iset1(2 * t - 4)), iset1(31))), iset1(0x30));
-                const ivec q = _mm512_ternarylogic_epi32(nibble, iset1(15), top, 0xEA); /* (nibble & 15) | top */
+                const int byte = 2 * (s % 2) + j; /* vector 2 (s % 2) + j of the quarter: byte `byte` of each lane */
+                const ivec q = iand(byte == 0 ? codes : isrl(codes, 8 * byte), iset1(63));
                 w[j] = vfma(vfloat(q), scale, offset);
             }
             return;
@@ -841,7 +862,7 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
         }                                                                                          \
         const float *x_in = x;                                                                     \
         if (LANE_ORDERED(kind) && m <= LOOKUP_ROWS) {                                              \
-            lane_ordered(x, m, k, k, scratch);                                                     \
+            lane_ordered(kind, x, m, k, k, scratch);                                               \
             x_in = scratch;                                                                        \
         }                                                                                          \
         const int64_t ahead = rows_ahead(row_bytes) * row_bytes;                                   \
