@@ -161,6 +161,21 @@ def test_fused_projections_are_views_of_one_buffer_made_once():
     assert again.qkv.data_ptr() == first.qkv.data_ptr()  # a second engine reuses the fused buffer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_forwards_norm_is_transformers_rms_norm_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from mdcli.backends.llama import _rms_norm
+
+    generator = torch.Generator().manual_seed(0)
+    for hidden, rows, scale in [(576, 1, 1.0), (2048, 3, 1e-3), (64, 17, 1e3), (960, 256, 30.0)]:
+        norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(hidden, generator=generator))
+        x = (torch.randn(1, rows, hidden, generator=generator) * scale).to(dtype)
+        assert torch.equal(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
 def test_real_model_own_forward_matches_transformers_and_generate(embedded_float32):
     """The embedded_float32 SmolLM2 (Llama): three questions over a shared document, one finishing early."""
     tokenizer = embedded_float32.tokenizer

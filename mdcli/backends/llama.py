@@ -402,7 +402,9 @@ def _blas_linear(x, weight_t, bias=None):
 
 
 def _rms_norm(x, weight, eps: float):
-    """LlamaRMSNorm's operations, in its order (x: [..., hidden])."""
+    """LlamaRMSNorm's operations, in its order (x: [..., hidden]); float32's by torch's rms_norm."""
+    if x.dtype == weight.dtype == torch.float32:  # the same operations in one call: 0.7x the time
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -414,7 +416,6 @@ def _normed_heads(qk, heads: int, norms: tuple | None):
     queries first); unchanged for models without them."""
     if norms is None:
         return qk
-
     q_weight, q_eps, k_weight, k_eps = norms
     queries, keys = _rms_norm(qk[:, :, :heads], q_weight, q_eps), _rms_norm(qk[:, :, heads:], k_weight, k_eps)
     return torch.cat((queries, keys), dim=2)
