@@ -279,8 +279,12 @@ static void group_attention(const float *qt, int64_t R, int64_t D, const float *
  * branch), so the layout above fills 3 of a vector's 16 lanes and broadcasts every element of every
  * key. Here a key's D floats are loaded as D / 16 vectors and multiplied by each row's query held in
  * registers; the 16 keys' sums of a row are then added across lanes at once (sum_lanes), the softmax
- * runs along each row's scores, and the values are summed with D across the lanes, a row's weight
- * broadcast. The same scores, softmax and weighted sums, summed in another order. */
+ * runs along each row's scores, and the values are summed with D across the lanes, each value
+ * vector read once for every row and each row's weight broadcast. The same scores, softmax and
+ * weighted sums, summed in another order. The row count is made a constant for each of 1-4, so that
+ * the rows' accumulators stay in registers: on a Zen 5 core a 1B model's lone-query attention over
+ * 567 slots took 0.71x the time, the embedded model's over 1,825 0.80x, the numbers bit for bit the
+ * same (each value's rows had been summed one row after another, on 4 chains). */
 #define FEW_ROWS 4
 
 /* out lane i = the sum of a[i]'s lanes: 16 vectors added across in a tree of in-register transposes. */
@@ -299,12 +303,55 @@ static inline vec sum_lanes(const vec a[LANES]) {
     return vadd(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
 }
 
+/* out[r] = inverse[r] * sum_p w[r][p] v[p] for R rows at once (w: row r's weights at w + r * padded),
+ * 4 vectors of D at a time: each value vector read once for every row, R x 4 multiply-add chains. */
+static inline __attribute__((always_inline)) void weighted_values(int R, int64_t C, int64_t D, const float *v, int64_t n,
+                                                                  const int64_t *slots, const float *w, int64_t padded,
+                                                                  const float *inverse, float *const *out) {
+    for (int64_t c0 = 0; c0 < C; c0 += 4) {
+        const int width = C - c0 < 4 ? (int)(C - c0) : 4;
+        vec acc[FEW_ROWS][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = vzero();
+        if (width == 4)
+            for (int64_t p = 0; p < n; p++) {
+                const float *value = v + SLOT(slots, p) * D + c0 * LANES;
+                vec part[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    part[c] = vload(value + c * LANES);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const vec weight = vset1(w[r * padded + p]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++)
+                        acc[r][c] = vfma(weight, part[c], acc[r][c]);
+                }
+            }
+        else
+            for (int64_t p = 0; p < n; p++)
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < width; c++)
+                        acc[r][c] = vfma(vset1(w[r * padded + p]), vload(v + SLOT(slots, p) * D + (c0 + c) * LANES), acc[r][c]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                if (c < width)
+                    vstore(out[r] + (c0 + c) * LANES, vmul(acc[r][c], vset1(inverse[r])));
+    }
+}
+
 /* One group's rows (R <= FEW_ROWS) of queries q[r] (D floats each, D a multiple of LANES) over keys
  * and values [n][D]; mask_t [n][mask_stride] additive (row r at column r) or NULL -> out[r] (D floats),
  * normalized. work: FEW_ROWS * (n rounded up to LANES) floats. */
-static void few_rows(int R, const float *const *q, int64_t D, const float *k, const float *v, int64_t n,
-                     const int64_t *slots, const float *mask_t, int64_t mask_stride, float scale,
-                     float *const *out, float *work) {
+static inline __attribute__((always_inline)) void few_rows_of(int R, const float *const *q, int64_t D, const float *k,
+                                                              const float *v, int64_t n, const int64_t *slots,
+                                                              const float *mask_t, int64_t mask_stride, float scale,
+                                                              float *const *out, float *work) {
     const int64_t padded = (n + LANES - 1) / LANES * LANES, C = D / LANES;
     float *s = work; /* s[r * padded + p] */
     vec dots[FEW_ROWS][LANES];
@@ -333,6 +380,7 @@ static void few_rows(int R, const float *const *q, int64_t D, const float *k, co
         for (int r = 0; r < R; r++)
             vstore(s + r * padded + p0, vmul(sum_lanes(dots[r]), vset1(scale)));
     }
+    float inverse[FEW_ROWS];
     for (int r = 0; r < R; r++) {
         float *row = s + r * padded;
         if (mask_t)
@@ -350,19 +398,20 @@ static void few_rows(int R, const float *const *q, int64_t D, const float *k, co
             vstore(row + p, e);
             total = vadd(total, e);
         }
-        const float inverse = 1.0f / _mm512_reduce_add_ps(total);
-        for (int64_t c0 = 0; c0 < C; c0 += 4) { /* 4 vectors of the value's D at a time */
-            const int width = C - c0 < 4 ? (int)(C - c0) : 4;
-            vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
-            for (int64_t p = 0; p < n; p++) {
-                const vec weight = vset1(row[p]);
-                const float *value = v + SLOT(slots, p) * D + c0 * LANES;
-                for (int c = 0; c < width; c++)
-                    acc[c] = vfma(weight, vload(value + c * LANES), acc[c]);
-            }
-            for (int c = 0; c < width; c++)
-                vstore(out[r] + (c0 + c) * LANES, vmul(acc[c], vset1(inverse)));
-        }
+        inverse[r] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    weighted_values(R, C, D, v, n, slots, s, padded, inverse, out);
+}
+
+/* few_rows_of with the rows a constant (1-4), so that their accumulators stay in registers. */
+static void few_rows(int R, const float *const *q, int64_t D, const float *k, const float *v, int64_t n,
+                     const int64_t *slots, const float *mask_t, int64_t mask_stride, float scale,
+                     float *const *out, float *work) {
+    switch (R) {
+    case 1: few_rows_of(1, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
+    case 2: few_rows_of(2, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
+    case 3: few_rows_of(3, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
+    default: few_rows_of(4, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
     }
 }
 #endif
