@@ -17,6 +17,7 @@ a usage error (exit 2) that names the variable and what it accepts. The README's
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Literal
@@ -83,6 +84,15 @@ class Settings(BaseSettings):
         "", description="How many checks torch's OpenMP threads spin after an operation before sleeping; mdcli's "
         "command line starts them at 3000 where neither this nor OMP_WAIT_POLICY is set (process_defaults).",
         **_other("GOMP_SPINCOUNT"))
+    glibc_tunables: str = Field(
+        "", description="glibc's settings; one naming malloc leaves the allocator as it says, else mdcli's command "
+        "line keeps big blocks on the heap (process_defaults).", **_other("GLIBC_TUNABLES"))
+    malloc_mmap_threshold: str = Field(
+        "", description="glibc's malloc: blocks from this size get pages of their own; set, mdcli's command line "
+        "leaves the allocator as the environment says.", **_other("MALLOC_MMAP_THRESHOLD_"))
+    malloc_trim_threshold: str = Field(
+        "", description="glibc's malloc: freed heap past this size goes back to the system; set, mdcli's command "
+        "line leaves the allocator as the environment says.", **_other("MALLOC_TRIM_THRESHOLD_"))
     cc: str = Field("cc", description="The C compiler mdcli's native kernels are built with, at first use.",
                     **_other("CC"))
 
@@ -143,13 +153,35 @@ PROCESS_DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
 OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one set: the user chose how OpenMP waits
 
 
+# glibc's malloc gives blocks past a threshold (128 KiB, raised to the size of the last such block
+# freed) pages of their own and returns freed memory at the heap's top past twice that: a prefill's
+# activations and scores (megabytes each, every 256-token piece) were pages the kernel zeroed anew,
+# and a fresh process's first prefill of 1,825 tokens took 3.9 s where later ones took 3.0 (the
+# embedded model, one thread, Zen 5). mdcli's command line keeps blocks up to 32 MiB (mallopt's most)
+# on the heap and up to 128 MiB of freed heap (docs/cpu-backends.md, "Threads").
+ALLOCATOR_DEFAULTS = {-3: 32 << 20, -1: 128 << 20}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+ALLOCATOR_CHOSEN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # set, or GLIBC_TUNABLES naming malloc
+
+
 def process_defaults() -> None:
     """Give this process PROCESS_DEFAULTS where the environment sets none of OPENMP_WAITING (call
-    before torch is imported: OpenMP reads its variables once)."""
+    before torch is imported: OpenMP reads its variables once), and glibc's malloc ALLOCATOR_DEFAULTS
+    where the environment does not set it."""
+    _allocator_defaults()
     if any(os.environ.get(name) for name in OPENMP_WAITING):
         return
     for name, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def _allocator_defaults() -> None:
+    chosen = any(os.environ.get(name) for name in ALLOCATOR_CHOSEN) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    glibc = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+    if chosen or not glibc:
+        return
+    mallopt = ctypes.CDLL(None).mallopt
+    for option, value in ALLOCATOR_DEFAULTS.items():
+        mallopt(option, value)
 
 
 def child_environment(**values: str) -> dict[str, str]:

@@ -3,6 +3,7 @@ spelled the same way, and a bad value is one line naming the variable and what i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,36 @@ def test_the_command_line_gives_openmp_a_short_spin_only_where_the_user_chose_no
            "print('GOMP_SPINCOUNT=' + str(os.environ.get('GOMP_SPINCOUNT')))"
     done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == expected
+
+
+ALLOCATE_TWICE = """
+import ctypes, resource
+from mdcli.settings import process_defaults
+process_defaults()
+libc, size = ctypes.CDLL(None), 16 << 20
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+faults = []
+for _ in range(2):  # a prefill piece's temporaries, made and freed, then made again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}), reason="glibc's allocator only")
+@pytest.mark.parametrize(("given", "reused"), [
+    ({}, True),  # mdcli's defaults: the freed block's pages are used again
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, False),  # the user's choice: big blocks mapped anew
+])
+def test_the_command_line_keeps_a_freed_big_block_for_the_next_one_unless_the_user_set_malloc(given, reused):
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k not in settings.ALLOCATOR_CHOSEN + ("GLIBC_TUNABLES",)}
+    done = subprocess.run([sys.executable, "-c", ALLOCATE_TWICE], env=environment | given, capture_output=True,
+                          text=True, check=True)
+    first, second = map(int, done.stdout.split())
+    assert (second * 10 < first) == reused, (first, second)
