@@ -15,39 +15,21 @@ from mdcli.cli.options import DECODE, LOAD, OUTPUT, DecodeFlags, LoadFlags, Outp
 
 @takes(loading=LOAD, decoding=DECODE.without("stop", "speculate"), out=OUTPUT)
 def explore(
-    prompt: Annotated[
-        str, typer.Argument(help="The prompt: text, a file holding it, or - for stdin.", show_default=False)
-    ],
-    k: Annotated[
-        int, typer.Option("--candidates", "-k", "--k", help="Candidates sampled per kept path at each step (--k is its "
-                          "old spelling).")
-    ] = 4,
+    prompt: Annotated[str, typer.Argument(help="The prompt: text, a file holding it, or - for stdin.")],
+    k: Annotated[int, typer.Option(
+        "--candidates", "-k", "--k",
+        help="Candidates sampled per kept path at each step (--k is its old spelling).")] = 4,
     keep: Annotated[int, typer.Option("--keep", help="Paths kept after each step (at most --candidates).")] = 1,
-    chunk_tokens: Annotated[
-        Optional[int],
-        typer.Option(
-            "--chunk-tokens",
-            help="Steps of exactly this many tokens. Default: a step ends at the end of a sentence or a line "
-            "(or after 64 tokens).",
-            show_default=False,
-        ),
-    ] = None,
-    score: Annotated[
-        str,
-        typer.Option(
-            "--score",
-            help="How candidates are ranked: logprob (mean token logprob of the step) or judge (the model's "
-            "own Yes-minus-No logit when asked whether the step is correct and helpful, a branch of the same "
-            "forest).",
-        ),
-    ] = "logprob",
-    temperature: Annotated[
-        float,
-        typer.Option(
-            "--temperature", "-t", min=0.0,
-            help="Sampling temperature of the candidates; 0 = greedy (then the k candidates are all the same).",
-        ),
-    ] = 0.8,
+    chunk_tokens: Annotated[Optional[int], typer.Option(
+        "--chunk-tokens", help="Steps of exactly this many tokens. Default: a step ends at the end of a sentence or a "
+        "line (or after 64 tokens).")] = None,
+    score: Annotated[str, typer.Option(
+        "--score", help="How candidates are ranked: logprob (mean token logprob of the step) or judge (the model's "
+        "own Yes-minus-No logit when asked whether the step is correct and helpful, a branch of the same "
+        "forest).")] = "logprob",
+    temperature: Annotated[float, typer.Option(
+        "--temperature", "-t", min=0.0,
+        help="Sampling temperature of the candidates; 0 = greedy (then the k candidates are all the same).")] = 0.8,
     save_recipe: SaveRecipeOpt = None,
     *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:

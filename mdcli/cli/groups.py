@@ -1,9 +1,9 @@
 """Option groups: shared options declared once, as the fields of a dataclass.
 
 Typer has no option groups, so this module makes them. A group is a dataclass whose fields are
-Typer options (`Annotated` aliases with defaults): `LoadFlags`, `DecodeFlags` and `OutputFlags`
-in mdcli/cli/options.py. A command names the groups it takes with `takes`, and a parameter for
-each; its signature lists only its own options:
+Typer options (`Annotated[type, typer.Option(...)]` with defaults): `LoadFlags`, `DecodeFlags`
+and `OutputFlags` in mdcli/cli/options.py. A command names the groups it takes with `takes`, and
+a parameter for each; its signature lists only its own options:
 
     @takes(load=LOAD, decode=DECODE.without("stop"), out=OUTPUT)
     def explore(prompt: PromptArg, k: KOpt = 4, *, load: LoadFlags, decode: DecodeFlags, out: OutputFlags):

@@ -39,92 +39,49 @@ class KeepMargins(str, Enum):
 @takes(loading=LOAD, decoding=DECODE.without("stop", "choices", "regex", "schema"), out=OUTPUT, each_run=EACH)
 def margins(
     ctx: typer.Context,
-    documents: Annotated[
-        list[str],
-        typer.Argument(
-            help="Documents, each its own segment group: files, folders (read recursively, text files only, "
-            "sorted), globs, or - for stdin.", show_default=False,
-        ),
-    ],
-    query: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--question", "-q", "--query",
-            help="A question (repeatable: every question's margins share one cache; --query is its old spelling).",
-            show_default=False,
-        ),
-    ] = None,
+    documents: Annotated[list[str], typer.Argument(
+        help="Documents, each its own segment group: files, folders (read recursively, text files only, sorted), "
+        "globs, or - for stdin.")],
+    query: Annotated[Optional[list[str]], typer.Option(
+        "--question", "-q", "--query",
+        help="A question (repeatable: every question's margins share one cache; --query is its old spelling).")] = None,
     questions_file: QuestionsFileOpt = None,
-    show_margins: Annotated[
-        bool,
-        typer.Option("--show-margins", help="Plain output: print each question's margins and which were kept."),
-    ] = False,
-    save_recipe: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--save-recipe", help="Write these settings as a recipe YAML (its context the run's --input), then run "
-            "as usual.",
-            show_default=False,
-        ),
-    ] = None,
-    context: Annotated[
-        Optional[ContextLayout],
-        typer.Option(
-            "--context",
-            help="chain: margin i reads segments 1..i (default for one document); "
-            "independent: margin i reads segment i alone (default for several).",
-            show_default=False,
-        ),
-    ] = None,
-    segment_tokens: Annotated[
-        int, typer.Option("--segment-tokens", min=_MIN_SEGMENT_TOKENS, help="Most tokens per segment.")
-    ] = _SEGMENT_TOKENS,
-    keep: Annotated[
-        KeepMargins, typer.Option("--keep", help="Margins the answer reads: those classified relevant, or all.")
-    ] = KeepMargins.relevant,
-    no_classify: Annotated[
-        bool, typer.Option("--no-classify", help="Skip the YES/NO classification; the answer reads every margin.")
-    ] = False,
-    no_classify_constraint: Annotated[
-        bool, typer.Option("--no-classify-constraint", help="Let the classifier write freely instead of decoding "
-                           "it under '(YES|NO)#<one line>' (the default), then read YES/NO out of its reply.")
-    ] = False,
-    with_segments: Annotated[
-        bool, typer.Option("--with-segments", help="Give the answer each kept margin's source segment too.")
-    ] = False,
-    max_new_tokens: Annotated[
-        Optional[int],
-        typer.Option(
-            "--max-new-tokens", "-n", min=1, show_default=False,
-            help=f"Most tokens per branch in every phase: each margin, each classification (at most "
-            f"{_CLASSIFY_TOKENS}) and the answer, unless --classify-tokens or --answer-tokens is given. "
-            f"Not given: margins {_MARGIN_TOKENS}, classifications {_CLASSIFY_TOKENS}, answer {_ANSWER_TOKENS}.",
-        ),
-    ] = None,
-    classify_tokens: Annotated[
-        Optional[int],
-        typer.Option("--classify-tokens", min=1, show_default=False,
-                     help=f"Most tokens per YES/NO classification (default: {_CLASSIFY_TOKENS}, at most -n)."),
-    ] = None,
-    answer_tokens: Annotated[
-        Optional[int],
-        typer.Option("--answer-tokens", min=1, show_default=False,
-                     help=f"Most tokens in each answer (default: -n if given, else {_ANSWER_TOKENS})."),
-    ] = None,
-    margin_template: Annotated[
-        Optional[str],
-        typer.Option("--margin-template", help="Margin prompt with $context and $query.", show_default=False),
-    ] = None,
-    classification_template: Annotated[
-        Optional[str],
-        typer.Option(
-            "--classification-template", help="Classifier prompt with $query and $margin.", show_default=False
-        ),
-    ] = None,
-    answer_template: Annotated[
-        Optional[str],
-        typer.Option("--answer-template", help="Answer prompt with $notes and $query.", show_default=False),
-    ] = None,
+    show_margins: Annotated[bool, typer.Option(
+        "--show-margins", help="Plain output: print each question's margins and which were kept.")] = False,
+    save_recipe: Annotated[Optional[Path], typer.Option(
+        "--save-recipe", help="Write these settings as a recipe YAML (its context the run's --input), then run as "
+        "usual.")] = None,
+    context: Annotated[Optional[ContextLayout], typer.Option(
+        "--context", help="chain: margin i reads segments 1..i (default for one document); independent: margin i "
+        "reads segment i alone (default for several).")] = None,
+    segment_tokens: Annotated[int, typer.Option(
+        "--segment-tokens", min=_MIN_SEGMENT_TOKENS, help="Most tokens per segment.")] = _SEGMENT_TOKENS,
+    keep: Annotated[KeepMargins, typer.Option(
+        "--keep", help="Margins the answer reads: those classified relevant, or all.")] = KeepMargins.relevant,
+    no_classify: Annotated[bool, typer.Option(
+        "--no-classify", help="Skip the YES/NO classification; the answer reads every margin.")] = False,
+    no_classify_constraint: Annotated[bool, typer.Option(
+        "--no-classify-constraint", help="Let the classifier write freely instead of decoding it under "
+        "'(YES|NO)#<one line>' (the default), then read YES/NO out of its reply.")] = False,
+    with_segments: Annotated[bool, typer.Option(
+        "--with-segments", help="Give the answer each kept margin's source segment too.")] = False,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        "--max-new-tokens", "-n", min=1,
+        help=f"Most tokens per branch in every phase: each margin, each classification (at most {_CLASSIFY_TOKENS}) "
+        f"and the answer, unless --classify-tokens or --answer-tokens is given. Not given: margins {_MARGIN_TOKENS}, "
+        f"classifications {_CLASSIFY_TOKENS}, answer {_ANSWER_TOKENS}.")] = None,
+    classify_tokens: Annotated[Optional[int], typer.Option(
+        "--classify-tokens", min=1,
+        help=f"Most tokens per YES/NO classification (default: {_CLASSIFY_TOKENS}, at most -n).")] = None,
+    answer_tokens: Annotated[Optional[int], typer.Option(
+        "--answer-tokens", min=1,
+        help=f"Most tokens in each answer (default: -n if given, else {_ANSWER_TOKENS}).")] = None,
+    margin_template: Annotated[Optional[str], typer.Option(
+        "--margin-template", help="Margin prompt with $context and $query.")] = None,
+    classification_template: Annotated[Optional[str], typer.Option(
+        "--classification-template", help="Classifier prompt with $query and $margin.")] = None,
+    answer_template: Annotated[Optional[str], typer.Option(
+        "--answer-template", help="Answer prompt with $notes and $query.")] = None,
     output: EachOutputOpt = "auto",
     *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags, each_run: EachFlags,
 ) -> None:

@@ -28,96 +28,44 @@ class MergeMode(str, Enum):
 
 @takes(loading=LOAD, decoding=DECODE, out=OUTPUT)
 def think(
-    question: Annotated[
-        str,
-        typer.Argument(help="The question: text, a file holding it, or - for stdin.", show_default=False),
-    ],
-    paths: Annotated[
-        Optional[int],
-        typer.Option(
-            "--paths",
-            help="Independent paths (default 4, or one per --path-instruction). With --plan: how many "
-            "plain paths to run if the outline cannot be parsed.",
-            show_default=False,
-        ),
-    ] = None,
-    context: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--context", "-c", show_default=False,
-            help="Documents the question is about, read before it: files, folders (text files, sorted), globs, "
-            "or - for stdin (repeatable; several each under a '# path' line).",
-        ),
-    ] = None,
-    plan: Annotated[
-        bool, typer.Option("--plan", help="The model first writes a numbered outline; one path per item.")
-    ] = False,
+    question: Annotated[str, typer.Argument(help="The question: text, a file holding it, or - for stdin.")],
+    paths: Annotated[Optional[int], typer.Option(
+        "--paths", help="Independent paths (default 4, or one per --path-instruction). With --plan: how many plain "
+        "paths to run if the outline cannot be parsed.")] = None,
+    context: Annotated[Optional[list[str]], typer.Option(
+        "--context", "-c", help="Documents the question is about, read before it: files, folders (text files, "
+        "sorted), globs, or - for stdin (repeatable; several each under a '# path' line).")] = None,
+    plan: Annotated[bool, typer.Option(
+        "--plan", help="The model first writes a numbered outline; one path per item.")] = False,
     max_paths: Annotated[int, typer.Option("--max-paths", help="Most outline items used as paths (--plan).")] = 8,
-    merge: Annotated[
-        Optional[MergeMode],
-        typer.Option(
-            "--merge",
-            help="How the conclusion reads the paths. reencode (default, exact): their texts go into one "
-            "prompt after the cached question. attend (approximate): it attends to every path's cache "
-            "directly, Multiverse-style. none: no conclusion (the default with --vote).",
-            show_default=False,
-        ),
-    ] = None,
-    vote: Annotated[
-        bool,
-        typer.Option("--vote", help="Self-consistency: extract each path's final answer and report the majority."),
-    ] = False,
-    answer_pattern: Annotated[
-        Optional[str],
-        typer.Option(
-            "--answer-pattern",
-            help="Regex for a path's answer with --vote (last match; group 'answer', else group 1, else the "
-            "match). Default: the text after the last 'Answer:' / 'answer is', else the last number. With --vote "
-            "each path decodes under it: any text that ends in a match.",
-            show_default=False,
-        ),
-    ] = None,
-    path_instruction: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--path-instruction",
-            help="An instruction for one path, e.g. 'Work backwards.' (repeatable; dealt out to the paths in turn).",
-            show_default=False,
-        ),
-    ] = None,
-    plan_tokens: Annotated[
-        Optional[int],
-        typer.Option("--plan-tokens", min=1, show_default=False,
-                     help="Most tokens for the outline (--plan). Default: 128, at most -n."),
-    ] = None,
-    conclusion_tokens: Annotated[
-        Optional[int],
-        typer.Option("--conclusion-tokens", min=1, show_default=False,
-                     help="Most tokens for the conclusion. Default: -n."),
-    ] = None,
-    max_new_tokens: Annotated[
-        int,
-        typer.Option("--max-new-tokens", "-n", min=1,
-                     help="Most tokens per branch in every phase: each path, the outline (at most 128) and the "
-                     "conclusion, unless --plan-tokens or --conclusion-tokens is given."),
-    ] = 256,
-    temperature: Annotated[
-        Optional[float],
-        typer.Option(
-            "--temperature", "-t", min=0.0, show_default=False,
-            help="Sampling temperature of the paths. Default: 0.7 with --seed 0 when several paths share one "
-            "prompt (no --plan, no --path-instruction), since greedy paths would be copies of one; else 0 "
-            "(greedy, exact).",
-        ),
-    ] = None,
-    greedy: Annotated[
-        bool, typer.Option("--greedy", help="Greedy paths, as -t 0: exact, each path model.generate's answer.")
-    ] = False,
-    save_recipe: Annotated[
-        Optional[Path],
-        typer.Option("--save-recipe", help="Write these settings as a recipe YAML (not with --context), then run as "
-                     "usual.", show_default=False),
-    ] = None,
+    merge: Annotated[Optional[MergeMode], typer.Option(
+        "--merge", help="How the conclusion reads the paths. reencode (default, exact): their texts go into one prompt "
+        "after the cached question. attend (approximate): it attends to every path's cache directly, Multiverse-style. "
+        "none: no conclusion (the default with --vote).")] = None,
+    vote: Annotated[bool, typer.Option(
+        "--vote", help="Self-consistency: extract each path's final answer and report the majority.")] = False,
+    answer_pattern: Annotated[Optional[str], typer.Option(
+        "--answer-pattern", help="Regex for a path's answer with --vote (last match; group 'answer', else group 1, "
+        "else the match). Default: the text after the last 'Answer:' / 'answer is', else the last number. With --vote "
+        "each path decodes under it: any text that ends in a match.")] = None,
+    path_instruction: Annotated[Optional[list[str]], typer.Option(
+        "--path-instruction", help="An instruction for one path, e.g. 'Work backwards.' (repeatable; dealt out to the "
+        "paths in turn).")] = None,
+    plan_tokens: Annotated[Optional[int], typer.Option(
+        "--plan-tokens", min=1, help="Most tokens for the outline (--plan). Default: 128, at most -n.")] = None,
+    conclusion_tokens: Annotated[Optional[int], typer.Option(
+        "--conclusion-tokens", min=1, help="Most tokens for the conclusion. Default: -n.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Most tokens per branch in every phase: each path, the outline (at most "
+        "128) and the conclusion, unless --plan-tokens or --conclusion-tokens is given.")] = 256,
+    temperature: Annotated[Optional[float], typer.Option(
+        "--temperature", "-t", min=0.0, help="Sampling temperature of the paths. Default: 0.7 with --seed 0 when "
+        "several paths share one prompt (no --plan, no --path-instruction), since greedy paths would be copies of "
+        "one; else 0 (greedy, exact).")] = None,
+    greedy: Annotated[bool, typer.Option(
+        "--greedy", help="Greedy paths, as -t 0: exact, each path model.generate's answer.")] = False,
+    save_recipe: Annotated[Optional[Path], typer.Option(
+        "--save-recipe", help="Write these settings as a recipe YAML (not with --context), then run as usual.")] = None,
     *, loading: LoadFlags, decoding: DecodeFlags, out: OutputFlags,
 ) -> None:
     """Think along several paths at once, then conclude.
