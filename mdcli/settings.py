@@ -155,10 +155,10 @@ OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one set: the us
 
 # glibc's malloc gives blocks past a threshold (128 KiB, raised to the size of the last such block
 # freed) pages of their own and returns freed memory at the heap's top past twice that: a prefill's
-# activations and scores (megabytes each, every 256-token piece) were pages the kernel zeroed anew,
-# and a fresh process's first prefill of 1,825 tokens took 3.9 s where later ones took 3.0 (the
-# embedded model, one thread, Zen 5). mdcli's command line keeps blocks up to 32 MiB (mallopt's most)
-# on the heap and up to 128 MiB of freed heap (docs/cpu-backends.md, "Threads").
+# activations and scores (megabytes each, every 256-token piece) were pages the kernel zeroed anew:
+# a 1,825-token prefill took 3.5-3.9 s, 3.0-3.1 with the blocks kept (the embedded model, one thread,
+# Zen 5). mdcli's command line keeps blocks up to 32 MiB (mallopt's most) on the heap and up to 128
+# MiB of freed heap (docs/cpu-backends.md, "Threads").
 ALLOCATOR_DEFAULTS = {-3: 32 << 20, -1: 128 << 20}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 ALLOCATOR_CHOSEN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # set, or GLIBC_TUNABLES naming malloc
 
@@ -175,6 +175,7 @@ def process_defaults() -> None:
 
 
 def _allocator_defaults() -> None:
+    """ALLOCATOR_DEFAULTS by mallopt, on glibc, where the user set neither variable nor a malloc tunable."""
     chosen = any(os.environ.get(name) for name in ALLOCATOR_CHOSEN) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
     glibc = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
     if chosen or not glibc:
