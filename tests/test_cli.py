@@ -184,7 +184,9 @@ def test_questions_file_adds_questions_skipping_blank_lines(story, tmp_path):
 # -- process-level behaviour: real signals and pipes ---------------------------------------------
 
 
-def _sigint_default() -> None:
+def sigint_default() -> None:
+    """A child's Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a
+    script) hands its children SIGINT ignored, and mdcli rightly keeps running then."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -196,9 +198,7 @@ def test_ctrl_c_keeps_the_partial_answers_and_exits_130(story):
         [sys.executable, "-m", "mdcli", "ask-many", str(story), "-q", "Count from 1 to 300, one number per line.",
          "-q", "Who?", "-n", "400", "--jsonl", "--speculate", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-        # Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a script)
-        # hands its children SIGINT ignored, and mdcli rightly keeps running then.
-        preexec_fn=_sigint_default,
+        preexec_fn=sigint_default,
     )
     lines = []
     deadline = time.monotonic() + 120

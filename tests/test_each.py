@@ -23,6 +23,7 @@ from mdcli import api
 from mdcli.cli.app import app
 from mdcli.events import DocumentDone
 from mdcli.render.each import answered_keys
+from tests.test_cli import sigint_default
 
 QUESTIONS = ["Who is the supplier?", "What is the total?"]
 SUPPLIERS = ["Ana", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal"]
@@ -295,12 +296,6 @@ def test_margins_each_gives_every_document_the_answers_of_margins_on_it_alone(ti
         return [answers[n] for n in sorted(answers)]
 
     assert got == {str(p): margins_alone(p) for p in paths}
-
-
-def sigint_default() -> None:
-    """The child's Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a
-    script) hands its children SIGINT ignored, and mdcli rightly keeps running then."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_midway_exits_130_with_every_finished_document_in_the_results_file(embedded, tmp_path):
