@@ -174,11 +174,16 @@ def process_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+def on_glibc() -> bool:
+    """This process runs on glibc, whose malloc ALLOCATOR_DEFAULTS are for."""
+    names = getattr(os, "confstr_names", {})
+    return "CS_GNU_LIBC_VERSION" in names and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+
+
 def _allocator_defaults() -> None:
     """ALLOCATOR_DEFAULTS by mallopt, on glibc, where the user set neither variable nor a malloc tunable."""
     chosen = any(os.environ.get(name) for name in ALLOCATOR_CHOSEN) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
-    glibc = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
-    if chosen or not glibc:
+    if chosen or not on_glibc():
         return
     mallopt = ctypes.CDLL(None).mallopt
     for option, value in ALLOCATOR_DEFAULTS.items():

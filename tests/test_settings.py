@@ -151,7 +151,7 @@ print(*faults)
 """
 
 
-@pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}), reason="glibc's allocator only")
+@pytest.mark.skipif(not settings.on_glibc(), reason="glibc's allocator only")
 @pytest.mark.parametrize(("given", "reused"), [
     ({}, True),  # mdcli's defaults: the freed block's pages are used again
     ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, False),  # the user's choice: big blocks mapped anew
