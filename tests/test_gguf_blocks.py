@@ -212,6 +212,15 @@ def test_a_wide_product_writes_out_one_tile_of_float32_weights_at_a_time():
     assert gguf_blocks.tile_rows(250, most=41) == 36  # 7 tiles: 6 of 36 and one of 34
 
 
+def test_a_tile_of_wide_weights_holds_at_most_tile_bytes_of_float32():
+    """Rows of 576 inputs (the embedded model) come 1,024 to a tile; a 1B model's 2,048 and 8,192
+    inputs 512 and 128, so that no tile passes TILE_BYTES; never fewer than 16 rows."""
+    assert gguf_blocks.TILE_BYTES == 4 << 20
+    assert [gguf_blocks.tile_limit(k) for k in (576, 1536, 2048, 8192, 1 << 20)] == [1024, 682, 512, 128, 16]
+    for k in (576, 2048, 8192):
+        assert gguf_blocks.tile_limit(k) * k * 4 <= max(gguf_blocks.TILE_BYTES, 16 * k * 4)
+
+
 @needs_kernel
 def test_the_kernel_refuses_anything_but_float32_cpu_rows_of_its_width():
     codes, _ = quantized(np.ones((4, 64)), "Q4_1")

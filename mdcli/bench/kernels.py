@@ -134,7 +134,7 @@ def layer_weights() -> tuple[list[torch.Tensor], list, bool]:
 def dequantize_tiles(weight) -> None:
     """Only the float32 tiles a wide product writes out (gguf_blocks.tiled_product), not multiplied."""
     out_features, inner = weight.shape
-    tile = gguf_blocks.tile_rows(out_features)
+    tile = gguf_blocks.tile_rows(out_features, gguf_blocks.tile_limit(inner))
     scratch = torch.empty(tile, inner)
     expand = getattr(gguf_blocks.library(), f"{weight.kind.lower()}_dequantize")
     for start in range(0, out_features, tile):

@@ -84,11 +84,15 @@ MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16, "PLAIN": 16}  # PLAIN: unmea
 # "The kernel past 16 rows on one thread"). Not measured on AVX-512: 16 there.
 ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
 # Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
-# rows written out as float32 into a scratch (this thread's, kept: TILE_ROWS x in_features float32),
+# rows, and no more than TILE_BYTES of float32, written out into a scratch (this thread's, kept),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
 # several threads, waits for them all, so tiles are few and large: the fewest that measured fastest
-# (notebook/gguf-blocks.md, "Wide forwards on the blocks").
+# on the embedded model (notebook/gguf-blocks.md, "Wide forwards on the blocks"). Wider weights
+# take fewer rows: a 1B model's tiles of 1,024 rows were 8 and 32 MB, which the GEMM read back from
+# memory, and its 567-token prefill took 0.95x the time (two threads; 0.97x on one) with tiles of
+# 4 MB (Zen 5; notebook/gguf-blocks.md, "Tiles by bytes").
 TILE_ROWS = 1024
+TILE_BYTES = 4 << 20
 # Beside each model, never on it (keyed weakly: they go when the model does): the .gguf file its
 # float32 weights were dequantized from, and its blocks read from that file (or why there are none).
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -272,15 +276,15 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -
             out.stride(0), scratch)
 
 
-def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int = TILE_ROWS, *,
+def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int | None = None, *,
                   matmul: Callable | None = None) -> None:
     """out = flat @ W.T (flat [rows, in] contiguous float32, out [rows, out] float32), a tile of
-    W's rows at a time: the tile's weights written out as float32 by the kernel's own code
+    W's rows (at most `most`; None: tile_limit's) at a time: the tile's weights written out as float32 by the kernel's own code
     (`*_dequantize`, gguf-py's weights bit for bit) into this thread's scratch, then multiplied by
     `matmul(flat, tile)` (the plan's float32 GEMM: oneDNN's where linears run on it, 2.1-3.1x
     torch's on a Zen 5 core) or, for None, torch's, into the tile's columns of `out`."""
     out_features, inner = weight.shape
-    tile = tile_rows(out_features, most)
+    tile = tile_rows(out_features, tile_limit(inner) if most is None else most)
     scratch = _scratch(tile * inner)[: tile * inner].view(tile, inner)
     expand = getattr(library(), f"{weight.kind.lower()}_dequantize")
     row_bytes, start_of = weight.data.stride(0), weight.data.data_ptr()
@@ -292,6 +296,12 @@ def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, mo
                 torch.mm(flat, scratch[:rows].t(), out=out[:, start:start + rows])
             else:
                 out[:, start:start + rows] = matmul(flat, scratch[:rows])
+
+
+def tile_limit(inner: int) -> int:
+    """Most weight rows of a tile of weights with `inner` inputs: TILE_ROWS, fewer where their float32
+    would pass TILE_BYTES (2,048 inputs: 512 rows; 8,192: 128), never under 16."""
+    return max(16, min(TILE_ROWS, TILE_BYTES // (4 * inner)))
 
 
 def tile_rows(out_features: int, most: int = TILE_ROWS) -> int:

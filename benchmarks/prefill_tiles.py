@@ -1,0 +1,81 @@
+"""A prefill on a .gguf's blocks with tiles of each rule, side by side in one process.
+
+    python benchmarks/prefill_tiles.py -m MODELS/r1b-Q4_K_M.gguf --tokens 567 --threads 2 [--rules bytes,1024] [--rounds 6]
+
+A forward wider than the block kernel's rows (a prefill) multiplies each weight a tile of its rows at
+a time (mdcli.backends.weights.gguf_blocks.tiled_product). Rules: `bytes` is the default
+(tile_limit: at most TILE_ROWS rows and TILE_BYTES of float32), a number N is tiles of at most N rows
+whatever the width. Each round runs the same forward (a fresh cache, the first `--tokens` tokens of
+the README three times over) once per rule, the order reversed every other round; the process gets
+the command line's OpenMP and allocator defaults (mdcli.settings.process_defaults). Prints the median
+forward per rule and its ratio to the first rule's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mdcli import settings  # noqa: E402
+
+settings.process_defaults()  # before torch: OpenMP reads its variables once
+
+import torch  # noqa: E402
+
+from mdcli import api  # noqa: E402
+from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.backends.weights import gguf_blocks  # noqa: E402
+from mdcli.core import cache as kv  # noqa: E402
+
+
+def forward_with_tiles(lm, tokens: torch.Tensor, rule: str) -> float:
+    """Seconds of one forward of `tokens` whose wide products take tiles of `rule`."""
+    most = None if rule == "bytes" else int(rule)
+    default = gguf_blocks.tiled_product
+
+    def tiled(flat, weight, out, _most=None, *, matmul=None):
+        return default(flat, weight, out, most, matmul=matmul)
+
+    gguf_blocks.tiled_product = tiled
+    try:
+        started = time.perf_counter()
+        lm.forward(tokens, torch.arange(len(tokens)), None, kv.new_cache(), torch.tensor([len(tokens) - 1]))
+        return time.perf_counter() - started
+    finally:
+        gguf_blocks.tiled_product = default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--tokens", type=int, default=567)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rules", default="bytes,1024")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = api.load_model(api.LoadOptions(model=args.model, prompt_cache="off"))
+    text = (REPO / "README.md").read_text() * 3
+    tokens = torch.tensor(lm.tokenizer(text)["input_ids"][: args.tokens])
+    rules = args.rules.split(",")
+    with torch.inference_mode():
+        forward_with_tiles(lm, tokens, rules[0])  # warm
+        seconds: dict[str, list[float]] = {rule: [] for rule in rules}
+        for round_ in range(args.rounds):
+            for rule in rules if round_ % 2 == 0 else reversed(rules):
+                seconds[rule].append(forward_with_tiles(lm, tokens, rule))
+    print(f"{cpu_line()}; {args.model}, {len(tokens)} tokens, {args.threads} thread(s), {args.rounds} rounds (ABBA)")
+    first = statistics.median(seconds[rules[0]])
+    for rule, times in seconds.items():
+        median = statistics.median(times)
+        print(f"tiles {rule}: {median * 1e3:.0f} ms ({median / first:.3f}x), each {[round(t * 1e3) for t in times]}")
+
+
+if __name__ == "__main__":
+    main()
