@@ -443,7 +443,7 @@ def main() -> int:
         save()
         rows = summarize(runs, list(jobs))
         print(f"\n{out}.md, {out}.json  ({meta['total_seconds']} s of runs)\n", file=sys.stderr)
-        print(f"| job | before median s | after median s | after/before | same tokens |")
+        print("| job | before median s | after median s | after/before | same tokens |")
         print("|---|---:|---:|---:|---|")
         for row in rows:
             w = row["wall"]

@@ -83,7 +83,8 @@ def test_a_weight_row_gives_the_same_numbers_read_alone_or_beside_its_neighbour(
 @needs_kernel
 def test_a_matrix_joined_from_parts_of_different_kinds_fills_each_parts_columns():
     """q, k and v of a Q4_K_M layer (Q4_K, Q4_K, Q6_K) multiplied as one: the same numbers as each
-    part alone, side by side, at a decode step's width and a prefill's."""
+    part alone, side by side, at a decode step's width and a prefill's, for inputs [in], [M, in]
+    and [1, M, in] (a step writes each part straight into its columns of the [..., M, out] output)."""
     rng = np.random.default_rng(3)
     parts = tuple(BlockWeight(kind, torch.from_numpy(random_blocks(kind, rows, 256, rng)), 256)
                   for kind, rows in (("Q4_K", 64), ("Q6_K", 32), ("Q5_0", 32)))
@@ -93,6 +94,9 @@ def test_a_matrix_joined_from_parts_of_different_kinds_fills_each_parts_columns(
         x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32))
         alone = torch.cat([block_linear(x, part) for part in parts], dim=1)
         assert torch.equal(block_linear(x, joined), alone)
+        assert torch.equal(block_linear(x[None], joined), alone[None])
+    lone = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    assert torch.equal(block_linear(lone, joined), torch.cat([block_linear(lone[None], part)[0] for part in parts]))
 
 
 def written(kind: str, shape, folder: Path, seed: int = 0) -> Path:

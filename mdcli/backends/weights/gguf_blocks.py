@@ -242,38 +242,42 @@ def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torc
     multiplies; wider inputs (a prefill) are multiplied tile by tile (`tiled_product`, each tile by
     `tile_matmul(x, tile) = x @ tile.T`: the plan's float32 GEMM; None: torch's). A JoinedBlocks
     multiplies part by part, each into its columns of the output."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
-    if flat.dtype != torch.float32 or flat.device.type != "cpu":  # the kernel reads raw float32 memory
-        raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {flat.dtype} on {flat.device}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":  # the kernel reads raw float32 memory
+        raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {x.dtype} on {x.device}")
     out_features, inner = weight.shape
-    if inner != flat.shape[1]:
-        raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {flat.shape[1]}")
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)  # [rows, out]
-    wide = flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1)
-    start = 0
-    for part in weight.parts if isinstance(weight, JoinedBlocks) else (weight,):
-        columns = out[:, start:start + part.shape[0]]
-        if wide:
-            tiled_product(flat, part, columns, matmul=tile_matmul)
-        else:
-            narrow_product(flat, part, columns)
-        start += part.shape[0]
+    if inner != x.shape[-1]:
+        raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {x.shape[-1]}")
+    flat = x.reshape(-1, inner).contiguous()  # [rows, in]
+    out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [..., out]: rows of out_features
+    parts = weight.parts if isinstance(weight, JoinedBlocks) else (weight,)
+    if flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1):
+        columns = out.view(-1, out_features)  # [rows, out]
+        start = 0
+        for part in parts:
+            tiled_product(flat, part, columns[:, start:start + part.shape[0]], matmul=tile_matmul)
+            start += part.shape[0]
+    else:  # a step: each part straight into its columns, no view made (a step makes about a hundred products)
+        rows_out = out if out.dim() > 1 else out.view(1, out_features)
+        start = 0
+        for part in parts:
+            narrow_product(flat, part, rows_out, start)
+            start += part.shape[0]
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], out_features)
+    return out
 
 
-def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
-    """out = flat @ W.T by the block kernel (flat [rows, in] contiguous float32; out [rows, out]
-    float32 with unit column stride: columns of a wider output may be filled), on as many threads
-    as torch is given, each on its run of W's rows (the same numbers at any count)."""
+def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, start: int = 0) -> None:
+    """out[..., start:start + W's rows] = flat @ W.T by the block kernel (flat [rows, in] contiguous
+    float32; out float32, [rows, out] or [..., rows, out], its last dimension of unit stride and its
+    rows evenly spaced: columns of a wider output may be filled), on as many threads as torch is
+    given, each on its run of W's rows (the same numbers at any count)."""
     lib = library()
     native.use_threads(torch.get_num_threads())
-    rows = flat.shape[0]
-    scratch = _scratch(lib.scratch_floats(flat.shape[1])).data_ptr()  # wide panels; a narrow pass's inputs in lane order
-    product = getattr(lib, f"{weight.kind.lower()}_gemm")
-    product(flat.data_ptr(), rows, flat.shape[1], weight.data.data_ptr(), weight.shape[0], out.data_ptr(),
-            out.stride(0), scratch)
+    rows, inner = flat.shape
+    scratch = _scratch(lib.scratch_floats_of(inner)).data_ptr()  # wide panels; a narrow pass's inputs in lane order
+    lib.products[weight.kind](flat.data_ptr(), rows, inner, weight.data.data_ptr(), weight.data.shape[0],
+                              out.data_ptr() + start * 4, out.stride(-2), scratch)
 
 
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int | None = None, *,
@@ -346,11 +350,14 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib`, a build of gguf_blocks.c, with its functions' argument and result types declared."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
+    lib.scratch_floats_of = cache(lib.scratch_floats)  # a step asks it for each product: a lookup, not a call into C
+    lib.products = {}  # kind -> <kind>_gemm, looked up once
     for kind in KERNEL_KINDS:
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
         product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, size, pointer], None
         expand.argtypes, expand.restype = [pointer, size, size, pointer], None
         compare.argtypes, compare.restype = [pointer, size, size, pointer], ctypes.c_int
+        lib.products[kind] = product
     return lib
 
 
