@@ -1,6 +1,7 @@
 """A prefill on a .gguf's blocks with tiles of each rule, side by side in one process.
 
-    python benchmarks/prefill_tiles.py -m MODELS/r1b-Q4_K_M.gguf --tokens 567 --threads 2 [--rules bytes,1024] [--rounds 6]
+    python benchmarks/prefill_tiles.py -m MODELS/r1b-Q4_K_M.gguf --tokens 567 --threads 2 \\
+        [--rules bytes,1024] [--rounds 6]
 
 A forward wider than the block kernel's rows (a prefill) multiplies each weight a tile of its rows at
 a time (mdcli.backends.weights.gguf_blocks.tiled_product). Rules: `bytes` is the default

@@ -89,7 +89,7 @@ ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
 # several threads, waits for them all, so tiles are few and large: the fewest that measured fastest
 # on the embedded model (notebook/gguf-blocks.md, "Wide forwards on the blocks"). Wider weights
 # take fewer rows: a 1B model's tiles of 1,024 rows were 8 and 32 MB, which the GEMM read back from
-# memory, and its 567-token prefill took 0.95x the time (two threads; 0.97x on one) with tiles of
+# memory, and its 567-token prefill took 0.95x the time (two threads; 0.96x on one) with tiles of
 # 4 MB (Zen 5; notebook/gguf-blocks.md, "Tiles by bytes").
 TILE_ROWS = 1024
 TILE_BYTES = 4 << 20
@@ -283,8 +283,9 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, s
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int | None = None, *,
                   matmul: Callable | None = None) -> None:
     """out = flat @ W.T (flat [rows, in] contiguous float32, out [rows, out] float32), a tile of
-    W's rows (at most `most`; None: tile_limit's) at a time: the tile's weights written out as float32 by the kernel's own code
-    (`*_dequantize`, gguf-py's weights bit for bit) into this thread's scratch, then multiplied by
+    W's rows (at most `most`; None: tile_limit's) at a time: the tile's weights written out as
+    float32 by the kernel's own code (`*_dequantize`, gguf-py's weights bit for bit) into this
+    thread's scratch, then multiplied by
     `matmul(flat, tile)` (the plan's float32 GEMM: oneDNN's where linears run on it, 2.1-3.1x
     torch's on a Zen 5 core) or, for None, torch's, into the tile's columns of `out`."""
     out_features, inner = weight.shape
