@@ -249,19 +249,17 @@ def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torc
         raise ValueError(f"a weight of {inner} inputs cannot multiply rows of {x.shape[-1]}")
     flat = x.reshape(-1, inner).contiguous()  # [rows, in]
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [..., out]: rows of out_features
-    parts = weight.parts if isinstance(weight, JoinedBlocks) else (weight,)
-    if flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1):
-        columns = out.view(-1, out_features)  # [rows, out]
-        start = 0
-        for part in parts:
-            tiled_product(flat, part, columns[:, start:start + part.shape[0]], matmul=tile_matmul)
-            start += part.shape[0]
-    else:  # a step: each part straight into its columns, no view made (a step makes about a hundred products)
-        rows_out = out if out.dim() > 1 else out.view(1, out_features)
-        start = 0
-        for part in parts:
+    wide = flat.shape[0] > max(max_rows() if rows_on_kernel is None else rows_on_kernel, 1)
+    # a step's products write straight into their columns of `out` (a step makes about a hundred: no view
+    # each); the tiles take a [rows, out] view's column slices
+    rows_out = out.view(-1, out_features) if wide or out.dim() == 1 else out
+    start = 0
+    for part in weight.parts if isinstance(weight, JoinedBlocks) else (weight,):
+        if wide:
+            tiled_product(flat, part, rows_out[:, start:start + part.shape[0]], matmul=tile_matmul)
+        else:
             narrow_product(flat, part, rows_out, start)
-            start += part.shape[0]
+        start += part.shape[0]
     if bias is not None:
         out += bias
     return out
@@ -285,9 +283,9 @@ def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, mo
     """out = flat @ W.T (flat [rows, in] contiguous float32, out [rows, out] float32), a tile of
     W's rows (at most `most`; None: tile_limit's) at a time: the tile's weights written out as
     float32 by the kernel's own code (`*_dequantize`, gguf-py's weights bit for bit) into this
-    thread's scratch, then multiplied by
-    `matmul(flat, tile)` (the plan's float32 GEMM: oneDNN's where linears run on it, 2.1-3.1x
-    torch's on a Zen 5 core) or, for None, torch's, into the tile's columns of `out`."""
+    thread's scratch, then multiplied by `matmul(flat, tile)` (the plan's float32 GEMM: oneDNN's
+    where linears run on it, 2.1-3.1x torch's on a Zen 5 core) or, for None, torch's, into the
+    tile's columns of `out`."""
     out_features, inner = weight.shape
     tile = tile_rows(out_features, tile_limit(inner) if most is None else most)
     scratch = _scratch(tile * inner)[: tile * inner].view(tile, inner)
