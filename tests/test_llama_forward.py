@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mdcli.backends.attention.gemm import onednn_linear_works
-from mdcli.backends.forward import forward_for
+from mdcli.backends.forward import causal_mask, forward_for
 from mdcli.backends.forward_support import unsupported_reason
 from mdcli.backends.llama import FastForward
 from mdcli.backends.select import (
@@ -32,6 +32,7 @@ from mdcli.backends.weights.blas import (
     openblas_works,
 )
 from mdcli.backends.weights.packed import pack, packed_linear, pair_padded_linear
+from mdcli.core.cache import new_cache
 from mdcli.core.decoding import prefill_prompts
 from mdcli.core.forest import pad_rows
 from tests.reference import generate_alone
@@ -520,3 +521,39 @@ def test_forwards_past_the_bmm_query_limit_attend_with_sdpa_and_agree(arch):
         rows = torch.stack([pad_rows(o.row[None], len(engine))[0] for o in engine.outs])
         steps.append(torch.stack([o.logits for o in engine.forward(rows, tokens)]))
     assert float((steps[0] - steps[1]).abs().max()) < 1e-4
+
+
+def test_the_last_layer_multiplies_only_the_rows_whose_logits_are_kept():
+    """Past the last layer's attention nothing reads a row whose logits are not kept: its output
+    projection and MLP take the kept rows only, and a forward that keeps none stops at the last
+    layer's keys and values. The kept rows' logits and the cache are a whole forward's."""
+    model = tiny_model("llama", "sdpa")
+    own = engine_for(model).model_forward.own
+    layers = len(model.model.layers)
+    rows_multiplied = []
+
+    def recorded(linear):
+        def product(x, weight, bias=None):
+            rows_multiplied.append(x.reshape(-1, x.shape[-1]).shape[0])
+            return linear(x, weight, bias)
+        return product
+
+    own.formats = tuple(replace(f, linear=recorded(f.linear)) for f in own.formats)
+    tokens = torch.tensor(random_prompts(4, [5], seed=5)[0])  # 9 tokens
+    positions, mask = torch.arange(9), causal_mask(9, 0, torch.float32)
+    caches = {keep: new_cache() for keep in ("every", "two", "none")}
+    with torch.inference_mode():
+        every = own(tokens, positions, mask, caches["every"], torch.arange(9))
+        multiplied_every, rows_multiplied[:] = list(rows_multiplied), []
+        two = own(tokens, positions, mask, caches["two"], torch.tensor([6, 2]))
+        multiplied_two, rows_multiplied[:] = list(rows_multiplied), []
+        assert own(tokens, positions, mask, caches["none"], None) is None
+    per_layer = 4  # q/k/v, o, gate/up, down
+    assert multiplied_every == [9] * (per_layer * layers) + [9]  # and the head
+    assert multiplied_two == [9] * (per_layer * (layers - 1) + 1) + [2] * 3 + [2]
+    assert rows_multiplied == [9] * (per_layer * (layers - 1) + 1)  # the last layer's q/k/v, nothing after
+    assert torch.allclose(two, every[[6, 2]], atol=1e-5, rtol=1e-5)
+    for index in range(layers):
+        for keep in ("two", "none"):
+            held, whole = caches[keep].layers[index], caches["every"].layers[index]
+            assert torch.equal(held.keys, whole.keys) and torch.equal(held.values, whole.values)

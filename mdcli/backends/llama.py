@@ -33,7 +33,9 @@ these rules hold on the host:
   different prefixes of one long run of slots (margins' chain layout), over each prefix read in
   place plus the few other slots gathered (mdcli.backends.attention.prefix); several documents' trees
   (--each) on mdcli's kernel, over each document's own slots (mdcli.backends.attention.documents);
-* the final norm and `lm_head` run only on the rows whose logits are wanted;
+* the last layer's output projection and MLP, the final norm and `lm_head` run only on the rows
+  whose logits are wanted, and a forward that wants none (a document's prefill) stops at the last
+  layer's keys and values: nothing reads the other rows (llama.cpp's graph drops them too);
 * no module calls, hooks, output records or keyword plumbing between the operations.
 
 The arithmetic is the same operations on the same numbers; products over a fused or packed weight
@@ -58,13 +60,13 @@ from mdcli.backends.attention.gemm import onednn_matmul_t, read_ahead, routed_li
 from mdcli.backends.attention.documents import DocumentsPlan, documents_plan
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
+from mdcli.backends.layers import Layer, fuse_layer, weight_of, with_weights
 from mdcli.backends.select import Plan
 from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import packed as packing
 from mdcli.backends.weights.blas import one_blas_thread, openblas_bmm, openblas_linear
 from mdcli.backends.weights.gguf_blocks import block_linear
-from mdcli.backends.weights.int8 import fused_int8, has_int8_weights, int8_linear
-from mdcli.backends.weights.row_slices import joined_rows
+from mdcli.backends.weights.int8 import has_int8_weights, int8_linear
 from mdcli.backends.weights.tiled import TILED_MAX_ROWS, tiled_linear
 
 
@@ -82,28 +84,6 @@ class WeightFormat:
 
     def serves(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
-
-
-@dataclass
-class _Layer:
-    """One decoder layer's tensors, gathered once."""
-
-    qkv: torch.Tensor  # [(H + 2G) * D, hidden] fused q/k/v weight (q_proj etc. are views of it), or an Int8Weight
-    qkv_bias: torch.Tensor | None  # [(H + 2G) * D]
-    o: torch.Tensor  # [hidden, H * D]
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * I, hidden] fused gate/up weight
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, I]
-    down_bias: torch.Tensor | None
-    norm_in: torch.Tensor  # [hidden]
-    norm_in_eps: float
-    norm_post: torch.Tensor
-    norm_post_eps: float
-    head_norms: tuple | None  # Qwen3: (q weight [D], q eps, k weight [D], k eps), RMSNorm over each head
-    attention: object  # the HF attention module (the attention function reads its attributes)
-    act: object
-    layer_type: str
 
 
 class FastForward:
@@ -141,16 +121,16 @@ class FastForward:
         self.sparse_mode = plan.sparse_attention
         self.read_ahead = plan.read_ahead
         self.int8 = has_int8_weights(model)  # int8 projections (mdcli.backends.weights.int8): no float32 copies
-        self.layers = [_fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
+        self.layers = [fuse_layer(layer, i, config) for i, layer in enumerate(self.inner.layers)]
         self.sparse_forwards = 0  # forwards whose attention ran on a plan: gathered slots or prefixes in place
         self.prefix_forwards = 0  # of those, on prefixes in place (mdcli.backends.attention.prefix)
         self.fused_forwards = 0  # forwards whose dense attention ran on mdcli's kernel (mdcli.backends.attention.fused)
         self.document_forwards = 0  # forwards split by document there (mdcli.backends.attention.documents)
-        self.head = _weight(model.lm_head)  # [V, hidden]
+        self.head = weight_of(model.lm_head)  # [V, hidden]
         self.tiled = plan.tiled
         if self.tiled:  # what forwards of up to TILED_MAX_ROWS tokens multiply by
             copies, self.small_head = packing.tiled_weights(model, self.layers)
-            self.small = _with_weights(self.layers, copies)
+            self.small = with_weights(self.layers, copies)
         self.on_blocks = plan.on_blocks  # the model holds no float32 projections: every forward reads the blocks
         self.embedding = gguf_blocks.embedding_blocks(model) if self.on_blocks else None  # None: float32 rows
         self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
@@ -159,7 +139,7 @@ class FastForward:
         self.block_kernel_rows = plan.block_kernel_rows  # wider forwards on the blocks go tile by tile
         if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
-            self.block_layers = _with_weights(self.layers, copies)
+            self.block_layers = with_weights(self.layers, copies)
         # a lone token takes the blocks where they are made, so no transposed copy for it
         self.transposed = not self.blocks and plan.transposed
         self.lone, self.lone_head = self.layers, self.head  # what a lone token's step multiplies by
@@ -167,7 +147,7 @@ class FastForward:
         self.blas_queries = plan.blas_queries if self.lone_blas or ((self.tiled or self.blocks) and plan.lone_blas) else 0
         if self.transposed:  # copied from the plain weights, before packing replaces them below
             copies, self.lone_head = packing.transposed_weights(model, self.layers)
-            self.lone = _with_weights(self.layers, copies)
+            self.lone = with_weights(self.layers, copies)
         self.packed = plan.packed
         self.pair_padded = self.packed and plan.pair_padding
         if self.packed:
@@ -256,6 +236,7 @@ class FastForward:
             self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
+        last = len(layers) - 1
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
@@ -266,6 +247,8 @@ class FastForward:
             key = qk[:, :, heads:].transpose(1, 2)  # [1, G, M, D]
             value = qkv[:, :, heads + kv_heads:].transpose(1, 2)  # [1, G, M, D]
             keys, values = cache.update(key, value, index)  # [1, G, N + M, D] each
+            if index == last and keep is None:  # the cache has every key and value; no logits are read
+                return None
             if reach:
                 read_ahead(keys[0, :, :reach], values[0, :, :reach])
             if plan is not None:  # [1, M, H * D]
@@ -273,11 +256,13 @@ class FastForward:
             else:
                 attended = self._attend(layer, query, keys, values, layer_mask, attention,
                                         weighted_sum)  # [1, M, H * D]
+            if index == last and keep.shape[0] < m:  # past the last attention, only the kept rows are read
+                attended, hidden, keep = attended[:, keep], hidden[:, keep], slice(None)  # [1, C, ...]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, layer.norm_post_eps)
             gate, up = linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [1, M, I] each
             hidden = hidden + linear(_gated(layer.act, gate, up), layer.down, layer.down_bias)
-        if keep is None:
+        if keep is None:  # no layers
             return None
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
@@ -317,7 +302,7 @@ class FastForward:
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
 
-    def _attend(self, layer: _Layer, query, keys, values, mask, attention: str, weighted_sum=None):
+    def _attend(self, layer: Layer, query, keys, values, mask, attention: str, weighted_sum=None):
         """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
         m = query.shape[2]
         if attention == "fused":
@@ -356,12 +341,6 @@ def _gated(act, gate, up) -> torch.Tensor:
     if type(act) in _SILU:
         return F.silu(gate, inplace=True).mul_(up)
     return act(gate) * up
-
-
-def _with_weights(layers, copies) -> list[_Layer]:
-    """The layers with each one's (qkv, o, gate_up, down) replaced by its copies."""
-    return [_Layer(**{**vars(layer), "qkv": qkv, "o": o, "gate_up": gate_up, "down": down})
-            for layer, (qkv, o, gate_up, down) in zip(layers, copies)]
 
 
 # Each format's product looks its kernel up when called, so a profiler can time the kernels by name.
@@ -421,80 +400,9 @@ def _normed_heads(qk, heads: int, norms: tuple | None):
     return torch.cat((queries, keys), dim=2)
 
 
-def _head_norms(attention) -> tuple | None:
-    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-    if q_norm is None:
-        return None
-    return q_norm.weight, q_norm.variance_epsilon, k_norm.weight, k_norm.variance_epsilon
-
-
 def _rotate(x, cos, sin):
     """Rotary embedding of x: [1, M, heads, D] (queries and keys together), as transformers'
     `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-# -- fusing the weights ---------------------------------------------------------------------------
-
-
-def _fuse_layer(layer, index: int, config) -> _Layer:
-    attention, mlp = layer.self_attn, layer.mlp
-    qkv, qkv_bias = _fuse([attention.q_proj, attention.k_proj, attention.v_proj])
-    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-    layer_types = getattr(config, "layer_types", None)
-    return _Layer(
-        qkv=qkv, qkv_bias=qkv_bias, o=_weight(attention.o_proj), o_bias=attention.o_proj.bias,
-        gate_up=gate_up, gate_up_bias=gate_up_bias, down=_weight(mlp.down_proj), down_bias=mlp.down_proj.bias,
-        norm_in=layer.input_layernorm.weight, norm_in_eps=layer.input_layernorm.variance_epsilon,
-        norm_post=layer.post_attention_layernorm.weight, norm_post_eps=layer.post_attention_layernorm.variance_epsilon,
-        head_norms=_head_norms(attention),
-        attention=attention, act=mlp.act_fn,
-        layer_type=layer_types[index] if layer_types else "full_attention",
-    )
-
-
-def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [sum of outputs, in] weight for several linears that read the same input; each linear's
-    weight (and bias) becomes a row slice of it, so memory is not doubled. Done once per model:
-    a model fused before is recognised by its weights already being consecutive slices."""
-    if hasattr(linears[0], "int8"):  # int8 weights (mdcli.backends.weights.int8), fused when quantized
-        fused = fused_int8(linears)
-    else:
-        weights = [m.weight for m in linears]
-        fused = None if weights[0].is_meta else joined_rows(weights)  # meta: the blocks replace them (mdcli.models.on_blocks)
-        if fused is None and not weights[0].is_meta:
-            with torch.inference_mode(False), torch.no_grad():
-                fused = torch.cat([w.detach() for w in weights])  # [sum out, in]
-                _repoint(linears, "weight", fused)
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return fused, None
-    if any(b is None for b in biases):  # some biased, some not: give the missing ones zeros
-        with torch.inference_mode(False), torch.no_grad():
-            for m in linears:
-                if m.bias is None:
-                    given = next(b for b in biases if b is not None)
-                    m.bias = torch.nn.Parameter(given.new_zeros(m.out_features), requires_grad=False)
-        biases = [m.bias for m in linears]
-    fused_bias = joined_rows(biases)
-    if fused_bias is None:
-        with torch.inference_mode(False), torch.no_grad():
-            fused_bias = torch.cat([b.detach() for b in biases])
-            _repoint(linears, "bias", fused_bias)
-    return fused, fused_bias
-
-
-def _weight(linear):
-    """What a projection multiplies by: its float32 weight, or its `Int8Weight` (mdcli.backends.weights.int8)."""
-    return linear.int8 if hasattr(linear, "int8") else linear.weight
-
-
-def _repoint(linears, name: str, fused) -> None:
-    start = 0
-    for m in linears:
-        rows = getattr(m, name).shape[0]
-        requires_grad = getattr(m, name).requires_grad
-        setattr(m, name, torch.nn.Parameter(fused[start:start + rows], requires_grad=requires_grad))
-        start += rows
