@@ -139,7 +139,7 @@ def test_a_downloaded_files_type_loads_on_its_blocks_and_decodes_generates_token
     prompts = random_prompts(20, [3, 6, 2, 5], seed=4)
     for prompt, tokens in zip(prompts, greedy_forest(engine, prompts, steps=5)):
         assert tokens == generate_alone(reference, prompt, len(tokens))
-    long = random_prompts(40, [30], seed=5)  # 70 tokens: a prefill past the kernel's rows, tile by tile
+    long = random_prompts(40, [30], seed=5)  # 70 tokens: a prefill past the kernel's rows, on its GEMM or tiles
     assert greedy_forest(engine_for(model), long, steps=4)[0] == generate_alone(reference, long[0], 4)
 
 

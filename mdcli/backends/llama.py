@@ -136,7 +136,8 @@ class FastForward:
         self.blocks_reason = plan.blocks_reason  # why forwards of a few tokens do not read the .gguf's blocks
         self.blocks = self._block_copies(model) if plan.blocks else None
         self.block_rows = plan.block_rows
-        self.block_kernel_rows = plan.block_kernel_rows  # wider forwards on the blocks go tile by tile
+        self.block_kernel_rows = plan.block_kernel_rows  # wider forwards on the blocks: its GEMM or tiles
+        self.block_gemm = plan.block_gemm
         if self.blocks:  # what forwards of up to block_rows tokens multiply by
             copies, self.block_head = self.blocks
             self.block_layers = with_weights(self.layers, copies)
@@ -167,7 +168,8 @@ class FastForward:
         if self.blocks:
             formats.append(WeightFormat("file blocks", None if self.on_blocks else self.block_rows,
                                         partial(_block_linear, rows_on_kernel=self.block_kernel_rows,
-                                                tile_matmul=onednn_matmul_t if self.onednn else None),
+                                                tile_matmul=onednn_matmul_t if self.onednn else None,
+                                                own_gemm=self.block_gemm),
                                         self.block_layers, self.block_head))
             if self.on_blocks:  # no float32 weights: the blocks serve every width
                 return tuple(formats)
@@ -348,8 +350,8 @@ def _int8_linear(x, weight, bias=None):
     return int8_linear(x, weight, bias)
 
 
-def _block_linear(x, weight, bias=None, *, rows_on_kernel=None, tile_matmul=None):
-    return block_linear(x, weight, bias, rows_on_kernel=rows_on_kernel, tile_matmul=tile_matmul)
+def _block_linear(x, weight, bias=None, *, rows_on_kernel=None, tile_matmul=None, own_gemm=False):
+    return block_linear(x, weight, bias, rows_on_kernel=rows_on_kernel, tile_matmul=tile_matmul, own_gemm=own_gemm)
 
 
 def _routed_linear(x, weight, bias=None):

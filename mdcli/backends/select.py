@@ -27,8 +27,9 @@ measured on):
   weights are exactly them and the block kernel works here, and then no transposed copy is made
   (notebook/gguf-blocks.md, "One rebuild for every row");
 * where they serve every width, the block kernel multiplies up to `block_kernel_rows` tokens (64
-  with torch on one AVX2 thread, else 16) and wider forwards go tile by tile to torch's GEMM
-  (notebook/gguf-blocks.md, "The kernel past 16 rows on one thread");
+  with torch on one AVX2 thread, else 16) (notebook/gguf-blocks.md, "The kernel past 16 rows on one
+  thread"), and wider forwards on its own GEMM on AVX-512 (`block_gemm`; notebook/gguf-blocks.md,
+  "A prefill on the kernel's own GEMM"), else tile by tile on torch's GEMM;
 * two-token products are padded to four rows on AMD cores with AVX-512 (notebook/cpu-kernels.md,
   "Two-token forwards");
 * the cached keys and values are read ahead of a wide forward's products on AMD cores
@@ -130,7 +131,8 @@ class Plan:
     blocks_reason: str | None  # why the blocks were looked for and not used
     blocks_held: str  # what each matrix is held as, by type name ("q/k/v Q4_K or Q4_K+Q6_K, ..., head Q6_K"; "" without blocks)
     block_rows: int
-    block_kernel_rows: int  # forwards on the blocks of up to this many tokens take the block kernel, wider ones its tiles and torch's GEMM
+    block_kernel_rows: int  # forwards on the blocks of up to this many tokens take the block kernel, wider ones its GEMM or tiles
+    block_gemm: bool  # forwards on the blocks wider than block_kernel_rows take the kernel's own GEMM, not tiles and the float32 GEMM
     on_blocks: bool  # every forward multiplies by the blocks: the model holds no float32 projections or head
     float32_reason: str  # why a .gguf's float32 weights were loaded all the same ("" where they were not, or no .gguf)
     blas_queries: int  # forwards of up to this many tokens take OpenBLAS's weighted sum of the values, where
@@ -176,7 +178,10 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     blocks, blocks_reason, blocks_held = _blocks(model, device, dtype, settings, host, own_reason)
     transposed = blocks is None and copies and (avx2_only or lone_blas_host) and fits(1 + packed + tiled)
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
-    notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows)] if blocks else []
+    # measured against the tiles and oneDNN's GEMM on a Zen 5 core, AVX-512 (notebook/gguf-blocks.md,
+    # "A prefill on the kernel's own GEMM"); the AVX2 and plain builds have no such GEMM
+    block_gemm = bool(blocks) and auto_x86 and host.capability == "AVX512" and gguf_blocks.gemm_works()
+    notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows, block_gemm)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
     # slower on an AVX-512 Xeon (whose 2 MB of L2 a core and 300 MB of L3 keep a step's keys and
     # values warm): AMD's x86-64 hosts alone (docs/performance.md, "The files users run")
@@ -212,6 +217,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         blocks_held=blocks_held,
         block_rows=gguf_blocks.max_rows(),
         block_kernel_rows=block_kernel_rows,
+        block_gemm=block_gemm,
         on_blocks=on_blocks,
         float32_reason=float32_reason or "",
         blas_queries=SMALL_BLAS_QUERIES_AVX2 if avx2_only else SMALL_BLAS_QUERIES,
@@ -247,10 +253,11 @@ def _head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _blocks_note(held: str, on_blocks: bool, kernel_rows: int) -> str:
+def _blocks_note(held: str, on_blocks: bool, kernel_rows: int, gemm: bool) -> str:
     if on_blocks:
+        wider = "wider on its own GEMM" if gemm else "wider tile by tile"
         return (f"every forward on the file's own weights ({held}), widened to float32 in the kernel, "
-                f"never held in float32; the block kernel up to {kernel_rows} tokens, wider tile by tile")
+                f"never held in float32; the block kernel up to {kernel_rows} tokens, {wider}")
     return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own blocks ({held}), widened to float32 in the kernel"
 
 

@@ -88,7 +88,8 @@ def _copies(plan: dict) -> list[str]:
     copies = []
     if plan["blocks"]:
         copies.append(f".gguf {plan['blocks']} blocks for " + (
-            f"every forward (the block kernel up to {plan['block_kernel_rows']} tokens, wider tile by tile)"
+            f"every forward (the block kernel up to {plan['block_kernel_rows']} tokens, wider "
+            f"{'on its own GEMM' if plan['block_gemm'] else 'tile by tile'})"
             if plan["on_blocks"] else f"1-{plan['block_rows']} tokens"))
     if plan["tiled"]:
         copies.append(f"tiled for up to {plan['tiled_rows']} tokens")

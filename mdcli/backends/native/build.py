@@ -34,6 +34,10 @@ X86_FLAGS = {"AVX512": (*_X86_COMMON, "-mavx512f"), "AVX2": (*_X86_COMMON, "-mav
 # vector extensions, vectorized as the compiler can (gguf_blocks.c's last branch). Its speed is
 # unmeasured on such a host; its numbers are checked at load as the x86 builds' are (blocks_work).
 PLAIN_FLAGS = ("-O3", "-pthread", "-Wno-psabi")
+# A kernel built with OpenMP runs its parallel regions on torch's OpenMP threads: it needs
+# libgomp.so.1, and in a process that imported torch that name is already torch's own copy (torch's
+# wheels ship GNU OpenMP under it), so the dynamic loader binds that one, not a second runtime.
+OPENMP_FLAG = "-fopenmp"
 
 
 def x86_capability() -> str | None:
@@ -47,10 +51,11 @@ def build_kind(capability: str | None) -> str:
     return capability if capability in X86_FLAGS else "PLAIN"
 
 
-def load_any(source: Path) -> ctypes.CDLL | None:
-    """`source` built for this CPU, x86-64 vector widths or plain C (build_kind); None where it cannot be."""
-    kind = build_kind(x86_capability())
-    return load(source, X86_FLAGS.get(kind, PLAIN_FLAGS))
+def load_any(source: Path, *, openmp: bool = False) -> ctypes.CDLL | None:
+    """`source` built for this CPU, x86-64 vector widths or plain C (build_kind); None where it cannot
+    be. openmp: with OPENMP_FLAG first, without it where the compiler refuses it."""
+    flags = X86_FLAGS.get(build_kind(x86_capability()), PLAIN_FLAGS)
+    return (openmp and load(source, (*flags, OPENMP_FLAG))) or load(source, flags)
 
 
 POOL_SOURCE = Path(__file__).parent / "pool.c"

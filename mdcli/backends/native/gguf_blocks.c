@@ -922,6 +922,255 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
     parallel(p.runs, product_run, &p, scratch_floats(k), scratch);
 }
 
+/* ---- A prefill's products: a GEMM on panels rebuilt from the blocks (AVX-512 builds) ----------
+ * A forward of many rows (a prefill) is bound by its float32 multiply-adds, not by the blocks. The
+ * rows of x are packed input-major, GEMM_ROWS at a time, once per product (on all threads, into the
+ * caller's buffer). Each thread takes runs of weight rows, GEMM_BLOCK of them (output columns) at a
+ * time, and GEMM_DEPTH inputs at a time: for each panel of GEMM_COLS weight rows it writes those
+ * inputs' blocks out as float32 (blocks_out, the weights bit for bit), turns them input-major in
+ * 16 x 16 tiles, and multiplies every row of x by them in registers: 28 accumulators (GEMM_ROWS
+ * rows x two vectors of the panel's columns) gain a broadcast input times two weight vectors per
+ * input, the BLIS micro-kernel's shape. The packed inputs of one span (672 KB for 567 rows) stay in
+ * the core's L2 while the block's panels pass; the outputs gather in the thread's scratch, rows
+ * GEMM_LD floats apart (a prefill's outputs are wide: rows of y 8-64 KB apart share the caches'
+ * sets), and are copied into their columns of y once per block. No float32 tile of weights goes
+ * through memory and each thread rebuilds its own rows. Each output sums its inputs in order, one
+ * multiply-add chain per span of GEMM_DEPTH inputs, added to the earlier spans' sum: another
+ * summation order than other BLAS kernels, so results agree with them to float32 rounding.
+ * Measured against the tiles and oneDNN's GEMM: notebook/gguf-blocks.md, "A prefill on the
+ * kernel's own GEMM". */
+#if defined(__AVX512F__)
+#define GEMM_DEPTH 256 /* inputs a panel holds: one K-quant super-block, 8 blocks of 32 */
+#define GEMM_COLS 32   /* weight rows (output columns) a panel holds: two vectors */
+#define GEMM_ROWS 14   /* rows of x a micro-kernel takes: 28 accumulators, 2 weight vectors, a broadcast */
+#define GEMM_STRIDE 16 /* floats per input of a packed group of GEMM_ROWS rows (two unused: whole vectors) */
+/* Output columns a thread takes at a time (a run, handed out one at a time, so a thread slowed by
+ * another process's work leaves the rest to the others): 4 panels, 0.98x the time of runs of one
+ * on one thread (a run's packed inputs serve more panels from L2), the same on two. */
+#define GEMM_BLOCK 128
+#define GEMM_LD (GEMM_BLOCK + 16) /* floats between the rows of the gathered outputs: 9 cache lines, not 8 */
+
+/* Floats of scratch a wide product of m rows needs on each thread: a panel as written out and
+ * input-major, then the block's outputs (m rows of GEMM_LD). */
+int64_t gemm_scratch_floats(int64_t m) { return 2 * GEMM_COLS * GEMM_DEPTH + m * GEMM_LD; }
+
+/* Floats of the caller's buffer for x [m, k] packed (pack_rows). */
+int64_t gemm_packed_floats(int64_t m, int64_t k) { return (m + GEMM_ROWS - 1) / GEMM_ROWS * GEMM_STRIDE * k; }
+
+/* r[i][j] -> r[j][i] for 16 vectors of 16: pairs, then quads, then 128-bit lanes exchanged. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#define PD_ _mm512_castps_pd
+#define PS_ _mm512_castpd_ps
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) { /* u[4 g + j], lane L: rows 4 g .. 4 g + 3 at column 4 L + j */
+        u[4 * g] = PS_(_mm512_unpacklo_pd(PD_(t[4 * g]), PD_(t[4 * g + 2])));
+        u[4 * g + 1] = PS_(_mm512_unpackhi_pd(PD_(t[4 * g]), PD_(t[4 * g + 2])));
+        u[4 * g + 2] = PS_(_mm512_unpacklo_pd(PD_(t[4 * g + 1]), PD_(t[4 * g + 3])));
+        u[4 * g + 3] = PS_(_mm512_unpackhi_pd(PD_(t[4 * g + 1]), PD_(t[4 * g + 3])));
+    }
+#undef PD_
+#undef PS_
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        r[j] = _mm512_shuffle_f32x4(v0, v2, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + j] = _mm512_shuffle_f32x4(v0, v2, _MM_SHUFFLE(3, 1, 3, 1));
+        r[8 + j] = _mm512_shuffle_f32x4(v1, v3, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + j] = _mm512_shuffle_f32x4(v1, v3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* x's rows of groups [g0, g1) (GEMM_ROWS rows a group; x [m, k]) -> packed[g][c][GEMM_STRIDE]: a
+ * group's rows side by side for each input c < k, zero past m. */
+static void pack_rows(const float *x, int64_t m, int64_t k, int64_t g0, int64_t g1, float *packed) {
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t c = 0; c < k; c += 16) {
+            __m512 r[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                const int64_t row = g * GEMM_ROWS + i;
+                r[i] = i < GEMM_ROWS && row < m ? _mm512_loadu_ps(x + row * k + c) : _mm512_setzero_ps();
+            }
+            transpose16(r);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_ps(packed + (g * k + c + i) * GEMM_STRIDE, r[i]);
+        }
+}
+
+/* panel[c][o] = weight row o (of `cols`; zero past them), input c0 + c, for c < depth, by way of
+ * `rows` (the rows as written out, GEMM_DEPTH floats apart). */
+static inline __attribute__((always_inline)) void panel_of(int kind, const uint8_t *w, int64_t row_bytes, int cols,
+                                                           int64_t c0, int64_t depth, float *rows, float *panel) {
+    for (int o = 0; o < cols; o++)
+        blocks_out(kind, w + o * row_bytes, c0 / BLOCK, depth / BLOCK, rows + o * GEMM_DEPTH);
+    for (int o = cols; o < GEMM_COLS; o++)
+        memset(rows + o * GEMM_DEPTH, 0, depth * sizeof(float));
+    for (int64_t c = 0; c < depth; c += 16)
+        for (int o = 0; o < GEMM_COLS; o += 16) {
+            __m512 r[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps(rows + (o + i) * GEMM_DEPTH + c);
+            transpose16(r);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_ps(panel + (c + i) * GEMM_COLS + o, r[i]);
+        }
+}
+
+/* Ask the caches for the blocks of the panel after the one at column j - GEMM_COLS of a block of
+ * `cols` columns from j0 (the block's first panel at the next span of inputs after the last): each
+ * panel reads a short stretch of 32 rows far apart, which the hardware does not fetch ahead, and
+ * waited on memory for each. */
+static inline __attribute__((always_inline)) void fetch_panel(int kind, const uint8_t *w, int64_t row_bytes,
+                                                              int64_t j0, int64_t cols, int64_t j, int64_t c0,
+                                                              int64_t k) {
+    if (j >= cols) {
+        j = 0;
+        c0 += GEMM_DEPTH;
+        if (c0 >= k)
+            return;
+    }
+    const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH, rows = cols - j < GEMM_COLS ? cols - j : GEMM_COLS;
+    const int64_t first = row_bytes_of(kind, c0), bytes = row_bytes_of(kind, c0 + depth) - first;
+    for (int64_t o = 0; o < rows; o++)
+        fetch(w + (j0 + j + o) * row_bytes + first, bytes);
+}
+
+/* y[0:R][0:32] (+)= a packed group's R rows times the panel, over `depth` inputs. add: the outputs
+ * hold earlier inputs' sums. */
+static inline __attribute__((always_inline)) void gemm_tile(int R, const float *packed, const float *panel,
+                                                            int64_t depth, float *y, int64_t ldy, int add) {
+    __m512 acc[GEMM_ROWS][2];
+#pragma GCC unroll 14
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < depth; c++) {
+        const __m512 w0 = _mm512_loadu_ps(panel + c * GEMM_COLS), w1 = _mm512_loadu_ps(panel + c * GEMM_COLS + 16);
+#pragma GCC unroll 14
+        for (int r = 0; r < R; r++) {
+            const __m512 in = _mm512_set1_ps(packed[c * GEMM_STRIDE + r]);
+            acc[r][0] = _mm512_fmadd_ps(in, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(in, w1, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 14
+    for (int r = 0; r < R; r++) {
+        float *out = y + r * ldy;
+        if (add) {
+            acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(out));
+            acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(out + 16));
+        }
+        _mm512_storeu_ps(out, acc[r][0]);
+        _mm512_storeu_ps(out + 16, acc[r][1]);
+    }
+}
+
+#define GEMM_TILE_CASE(R) case R: gemm_tile(R, packed, panel, depth, y, ldy, add); break;
+static void gemm_tile_of(int R, const float *packed, const float *panel, int64_t depth, float *y, int64_t ldy,
+                         int add) {
+    switch (R) {
+        GEMM_TILE_CASE(1) GEMM_TILE_CASE(2) GEMM_TILE_CASE(3) GEMM_TILE_CASE(4) GEMM_TILE_CASE(5)
+        GEMM_TILE_CASE(6) GEMM_TILE_CASE(7) GEMM_TILE_CASE(8) GEMM_TILE_CASE(9) GEMM_TILE_CASE(10)
+        GEMM_TILE_CASE(11) GEMM_TILE_CASE(12) GEMM_TILE_CASE(13)
+        default: gemm_tile(GEMM_ROWS, packed, panel, depth, y, ldy, add); break;
+    }
+}
+
+/* y[m][0:n] = x [m, k] (packed by pack_rows) times n weight rows of `kind` (as PRODUCT's), on one thread. */
+#define WIDE_PRODUCT(name, kind)                                                                   \
+    static void name(const float *packed, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y, \
+                     int64_t ldy, float *scratch) {                                                \
+        const int64_t row_bytes = row_bytes_of(kind, k), groups = (m + GEMM_ROWS - 1) / GEMM_ROWS; \
+        float *rows = scratch, *panel = rows + GEMM_COLS * GEMM_DEPTH, *out = panel + GEMM_COLS * GEMM_DEPTH; \
+        for (int64_t j0 = 0; j0 < n; j0 += GEMM_BLOCK) {                                           \
+            const int64_t cols = n - j0 < GEMM_BLOCK ? n - j0 : GEMM_BLOCK;                       \
+            for (int64_t c0 = 0; c0 < k; c0 += GEMM_DEPTH) {                                       \
+                const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH;                   \
+                for (int64_t j = 0; j < cols; j += GEMM_COLS) {                                    \
+                    const int here = cols - j < GEMM_COLS ? (int)(cols - j) : GEMM_COLS;           \
+                    panel_of(kind, w + (j0 + j) * row_bytes, row_bytes, here, c0, depth, rows, panel); \
+                    fetch_panel(kind, w, row_bytes, j0, cols, j + GEMM_COLS, c0, k);                \
+                    for (int64_t g = 0; g < groups; g++) {                                         \
+                        const int R = m - g * GEMM_ROWS < GEMM_ROWS ? (int)(m - g * GEMM_ROWS) : GEMM_ROWS; \
+                        gemm_tile_of(R, packed + (g * k + c0) * GEMM_STRIDE, panel, depth,         \
+                                     out + g * GEMM_ROWS * GEMM_LD + j, GEMM_LD, c0 > 0);          \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int64_t r = 0; r < m; r++)                                                        \
+                memcpy(y + r * ldy + j0, out + r * GEMM_LD, cols * sizeof(float));               \
+        }                                                                                          \
+    }
+
+/* This thread's scratch of at least `floats` floats, kept for its next wide product (each thread of
+ * the team its own). */
+static __thread float *held_scratch;
+static __thread int64_t held_floats;
+static float *thread_scratch(int64_t floats) {
+    if (held_floats < floats) {
+        free(held_scratch);
+        held_scratch = malloc(floats * sizeof(float));
+        held_floats = held_scratch ? floats : 0;
+    }
+    return held_scratch;
+}
+
+/* 1 if wide products run on OpenMP's threads (a build with -fopenmp), else 0: they run on the calling
+ * thread alone. */
+int gemm_parallel(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The wide product on torch's OpenMP threads: x packed into `packed` (gemm_packed_floats(m, k)),
+ * then runs of GEMM_BLOCK weight rows handed out one at a time. Not on the pool: a prefill alternates its
+ * products with torch's operations (norms, attention), and each hand-over of the cores from
+ * OpenMP's threads, which spin a while after an operation, to the pool's cost a product of the
+ * embedded model 1.2-1.3x its time on two threads; built with -fopenmp, this library binds the
+ * libgomp.so.1 that torch loaded, so its parallel regions take the same threads as torch's
+ * (notebook/gguf-blocks.md, "A prefill on the kernel's own GEMM"). Returns 0, or -1 where a
+ * thread's scratch could not be allocated (y is then incomplete). */
+#define WIDE_THREADED(name, rows, kind)                                                            \
+    int name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,         \
+             int64_t ldy, float *packed) {                                                         \
+        const int64_t groups = (m + GEMM_ROWS - 1) / GEMM_ROWS, row_bytes = row_bytes_of(kind, k); \
+        int failed = 0;                                                                            \
+        _Pragma("omp parallel reduction(|: failed)")                                               \
+        {                                                                                          \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int64_t g = 0; g < groups; g++)                                                   \
+                pack_rows(x, m, k, g, g + 1, packed);                                              \
+            float *scratch = thread_scratch(gemm_scratch_floats(m));                               \
+            _Pragma("omp for schedule(dynamic, 1)")                                                \
+            for (int64_t start = 0; start < n; start += GEMM_BLOCK) {                              \
+                const int64_t stop = start + GEMM_BLOCK < n ? start + GEMM_BLOCK : n;              \
+                if (scratch == NULL)                                                               \
+                    failed = 1;                                                                    \
+                else                                                                               \
+                    rows(packed, m, k, w + start * row_bytes, stop - start, y + start, ldy, scratch); \
+            }                                                                                      \
+        }                                                                                          \
+        return failed ? -1 : 0;                                                                    \
+    }
+#define WIDE(prefix, kind) WIDE_PRODUCT(prefix##_wide_rows, kind) WIDE_THREADED(prefix##_wide, prefix##_wide_rows, kind)
+#else
+#define WIDE(prefix, kind)
+#endif
+
 /* out[n][k] = the weights, float32, computed as the products above compute them. */
 #define DEQUANTIZE(name, kind)                                                                     \
     void name(const uint8_t *w, int64_t n, int64_t k, float *out) {                               \
@@ -949,9 +1198,9 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
         split_product(rows, x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch);                \
     }
 
-/* Each kind's three entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches. */
+/* Each kind's entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches, and on AVX-512 <kind>_wide. */
 #define KIND(prefix, kind) PRODUCT(prefix##_rows, kind) THREADED(prefix##_gemm, prefix##_rows, kind) \
-    DEQUANTIZE(prefix##_dequantize, kind) MATCHES(prefix##_matches, kind)
+    DEQUANTIZE(prefix##_dequantize, kind) MATCHES(prefix##_matches, kind) WIDE(prefix, kind)
 
 KIND(q4_1, 0)
 KIND(q8_0, 1)

@@ -4,13 +4,16 @@ Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bi
 block kernel builds here, `block_linear` multiplies by the blocks at any width: up to kernel_rows()
 tokens (16: MAX_ROWS_BY_CAPABILITY; 64 with torch on one AVX2 thread: ONE_THREAD_ROWS_BY_CAPABILITY)
 the block kernel rebuilds each weight once, in registers or, past a pass's rows, into a panel of
-three float32 weight rows every row of the forward reads; above that (a prefill) a tile of up to
-TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by the
-plan's float32 GEMM (oneDNN's where linears run on it, else torch's), which keeps wide forwards
-level with the float32 weights' own products (notebook/gguf-blocks.md, "Wide forwards on the
-blocks"). The kernel splits a product's weight rows over torch's threads (`narrow_product`). The selector
-(mdcli.backends.select) decides which forwards take the blocks and, from torch's threads, up to how
-many tokens the kernel multiplies (Plan.block_kernel_rows); `MDCLI_GGUF_BLOCKS=0` turns them off.
+three float32 weight rows every row of the forward reads. Above that (a prefill), on AVX-512, the
+kernel's own GEMM (`gemm_product`) rebuilds panels of 32 weight rows and 256 inputs into each
+thread's scratch and multiplies every row by them, on torch's OpenMP threads (the plan's
+block_gemm; notebook/gguf-blocks.md, "A prefill on the kernel's own GEMM"); elsewhere a tile of up
+to TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by
+the plan's float32 GEMM (oneDNN's where linears run on it, else torch's) (notebook/gguf-blocks.md,
+"Wide forwards on the blocks"). The kernel splits a step's product's weight rows over torch's
+threads (`narrow_product`). The selector (mdcli.backends.select) decides which forwards take the
+blocks and, from torch's threads, up to how many tokens the kernel multiplies
+(Plan.block_kernel_rows); `MDCLI_GGUF_BLOCKS=0` turns them off.
 
 The embedded model ships as a Q4_1 GGUF (its output head Q8_0), and so does any `.gguf` a user
 passes: transformers dequantizes every block to float32 at load (gguf-py's `dequantize`), so the
@@ -48,7 +51,8 @@ rule of mdcli.backends.weights.packed's copies), gives no copy, with the reason,
 kernels. (measured: notebook/gguf-blocks.md, "The .gguf's own blocks: the same float32 weights in a
 sixth of the bytes")
 
-Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 + FMA + F16C, not on other CPUs.
+Built with mdcli.backends.native.build: AVX-512 where torch found it, else AVX2 + FMA + F16C, else
+plain C; with OpenMP where the compiler has it (the GEMM's threads).
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16, "PLAIN": 16}  # PLAIN: unmea
 # on AVX2 (a question's prefill and a speculative step's guesses are 17-64 tokens; notebook/gguf-blocks.md,
 # "The kernel past 16 rows on one thread"). Not measured on AVX-512: 16 there.
 ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
-# Wider forwards (a prefill) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
+# Wider forwards (a prefill) without the kernel's own GEMM (AVX2 and plain builds, or
+# MDCLI_CPU_KERNELS=torch) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
 # rows, and no more than TILE_BYTES of float32, written out into a scratch (this thread's, kept),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
 # several threads, waits for them all, so tiles are few and large: the fewest that measured fastest
@@ -235,13 +240,15 @@ def source_known(model) -> bool:
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torch.Tensor | None = None, *,
-                 rows_on_kernel: int | None = None, tile_matmul: Callable | None = None) -> torch.Tensor:
+                 rows_on_kernel: int | None = None, tile_matmul: Callable | None = None,
+                 own_gemm: bool = False) -> torch.Tensor:
     """x @ W.T (+ bias) for W in blocks, any number of rows. x: [..., in] float32 CPU -> [..., out].
 
     Up to `rows_on_kernel` rows (the plan's block_kernel_rows; None: max_rows()) the block kernel
-    multiplies; wider inputs (a prefill) are multiplied tile by tile (`tiled_product`, each tile by
-    `tile_matmul(x, tile) = x @ tile.T`: the plan's float32 GEMM; None: torch's). A JoinedBlocks
-    multiplies part by part, each into its columns of the output."""
+    multiplies; wider inputs (a prefill) on the kernel's own GEMM where `own_gemm` (the plan's
+    block_gemm: `gemm_product`), else tile by tile (`tiled_product`, each tile by `tile_matmul(x,
+    tile) = x @ tile.T`: the plan's float32 GEMM; None: torch's). A JoinedBlocks multiplies part by
+    part, each into its columns of the output."""
     if x.dtype != torch.float32 or x.device.type != "cpu":  # the kernel reads raw float32 memory
         raise ValueError(f"the block kernel multiplies float32 CPU tensors, not {x.dtype} on {x.device}")
     out_features, inner = weight.shape
@@ -255,7 +262,9 @@ def block_linear(x: torch.Tensor, weight: BlockWeight | JoinedBlocks, bias: torc
     rows_out = out.view(-1, out_features) if wide or out.dim() == 1 else out
     start = 0
     for part in weight.parts if isinstance(weight, JoinedBlocks) else (weight,):
-        if wide:
+        if wide and own_gemm:
+            gemm_product(flat, part, rows_out, start)
+        elif wide:
             tiled_product(flat, part, rows_out[:, start:start + part.shape[0]], matmul=tile_matmul)
         else:
             narrow_product(flat, part, rows_out, start)
@@ -276,6 +285,20 @@ def narrow_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, s
     scratch = _scratch(lib.scratch_floats_of(inner)).data_ptr()  # wide panels; a narrow pass's inputs in lane order
     lib.products[weight.kind](flat.data_ptr(), rows, inner, weight.data.data_ptr(), weight.data.shape[0],
                               out.data_ptr() + start * 4, out.stride(-2), scratch)
+
+
+def gemm_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, start: int = 0) -> None:
+    """out[:, start:start + W's rows] = flat @ W.T on the kernel's own GEMM (flat [rows, in]
+    contiguous float32, out [rows, out] float32 with unit column stride): panels of W rebuilt from
+    its blocks into each thread's scratch, never a float32 tile in memory (gguf_blocks.c, "A
+    prefill's products"), on torch's OpenMP threads where the library was built with OpenMP
+    (gemm_parallel), else on this thread. AVX-512 builds only (gemm_works)."""
+    lib = library()
+    rows, inner = flat.shape
+    packed = _packed(lib.gemm_packed_floats(rows, inner)).data_ptr()  # flat's rows as the GEMM reads them
+    if lib.wides[weight.kind](flat.data_ptr(), rows, inner, weight.data.data_ptr(), weight.data.shape[0],
+                              out.data_ptr() + start * 4, out.stride(0), packed) != 0:
+        raise MemoryError("no memory for the block kernel's scratch")
 
 
 def tiled_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, most: int | None = None, *,
@@ -322,6 +345,14 @@ def _scratch(size: int) -> torch.Tensor:
     return held
 
 
+def _packed(size: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least `size` values for a wide product's packed rows, kept."""
+    held = getattr(_SCRATCH, "packed", None)
+    if held is None or held.numel() < size:
+        held = _SCRATCH.packed = torch.empty(size, dtype=torch.float32)
+    return held
+
+
 def matches(weight: BlockWeight, expected: torch.Tensor) -> bool:
     """Whether the weights the kernel multiplies by are `expected` ([out, in] float32), bit for bit."""
     if tuple(expected.shape) != weight.shape or expected.dtype != torch.float32 or expected.device.type != "cpu":
@@ -341,8 +372,9 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The kernel for this CPU (built on first use, mdcli.backends.native.build); None where it cannot be."""
-    return None if (lib := native.load_any(SOURCE)) is None else bound(lib)
+    """The kernel for this CPU (built on first use, with OpenMP where the compiler has it:
+    mdcli.backends.native.build); None where it cannot be."""
+    return None if (lib := native.load_any(SOURCE, openmp=True)) is None else bound(lib)
 
 
 def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -351,7 +383,14 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
     lib.scratch_floats_of = cache(lib.scratch_floats)  # a step asks it for each product: a lookup, not a call into C
     lib.products = {}  # kind -> <kind>_gemm, looked up once
+    lib.wides = {}  # kind -> <kind>_wide (AVX-512 builds only)
+    if hasattr(lib, "gemm_packed_floats"):
+        lib.gemm_packed_floats.argtypes, lib.gemm_packed_floats.restype = [size, size], size
+        lib.gemm_parallel.argtypes, lib.gemm_parallel.restype = [], ctypes.c_int
     for kind in KERNEL_KINDS:
+        if hasattr(lib, f"{kind.lower()}_wide"):
+            wide = lib.wides[kind] = getattr(lib, f"{kind.lower()}_wide")
+            wide.argtypes, wide.restype = [pointer, size, size, pointer, size, pointer, size, pointer], ctypes.c_int
         product, expand, compare = (getattr(lib, f"{kind.lower()}_{job}") for job in ("gemm", "dequantize", "matches"))
         product.argtypes, product.restype = [pointer, size, size, pointer, size, pointer, size, pointer], None
         expand.argtypes, expand.restype = [pointer, size, size, pointer], None
@@ -390,6 +429,26 @@ def blocks_work() -> bool:
             x = torch.from_numpy(generator.standard_normal((rows, 256)).astype(np.float32))
             if not torch.allclose(block_linear(x, weight), x @ expected.T, rtol=1e-5, atol=1e-5):
                 return False
+    return True
+
+
+@cache
+def gemm_works() -> bool:
+    """The kernel built here has its own GEMM for wide forwards (AVX-512 builds) and it multiplies
+    as torch does, for every kind, with a last panel and a last group of rows cut short."""
+    lib = library()
+    if lib is None or not lib.wides or not blocks_work():
+        return False
+    generator = np.random.default_rng(1)
+    for kind in KERNEL_KINDS:
+        weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 37, 512, generator)), 512)
+        x = torch.from_numpy(generator.standard_normal((31, 512)).astype(np.float32))
+        out = torch.full((31, 40), torch.nan)
+        gemm_product(x, weight, out, start=2)
+        if not torch.allclose(out[:, 2:39], x @ reference_weights(weight).T, rtol=1e-5, atol=1e-4):
+            return False
+        if not (out[:, :2].isnan().all() and out[:, 39:].isnan().all()):  # columns past the weight's untouched
+            return False
     return True
 
 
