@@ -17,6 +17,7 @@ import torch
 
 from mdcli import settings as settings_module
 from mdcli.backends.host import cpu_capability
+from mdcli.backends.native import build as native
 from mdcli.backends.select import select
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights.gguf_blocks import BlockWeight, block_linear, gemm_product
@@ -97,13 +98,13 @@ def test_the_gemms_threads_are_torchs_openmp_threads():
 
 def test_the_plan_takes_the_gemm_on_avx512_with_mdclis_kernels_only(tmp_path):
     """A model on its blocks multiplies wide forwards on the kernel's own GEMM where torch dispatches
-    to AVX-512 and the GEMM passes its check at load, and says so; MDCLI_CPU_KERNELS=torch keeps
-    the tiles and torch's GEMM."""
+    to AVX-512, the GEMM passes its check at load and runs on torch's threads, and says so;
+    MDCLI_CPU_KERNELS=torch keeps the tiles and torch's GEMM."""
     path = written("Q4_K_M", WHOLE, tmp_path)
     model, why = load_on_blocks(path, transformers_load(path).config, "sdpa")
     assert why is None, why
     plan = select(model)
-    expected = cpu_capability() == "AVX512" and gguf_blocks.gemm_works()
+    expected = cpu_capability() == "AVX512" and gguf_blocks.gemm_serves(torch.get_num_threads())
     assert plan.block_gemm is expected
     assert ("wider on its own GEMM" in plan.describe()) is expected
     assert select(model, settings_module.current().changed(cpu_kernels="torch")).block_gemm is False
@@ -126,3 +127,23 @@ def test_a_prefill_on_the_gemm_decodes_generates_tokens_as_the_tiles_do(kind, tm
         forward.own = type(forward.own)(model, replace(forward.plan, block_gemm=own_gemm))
         assert forward.own.block_gemm is own_gemm
         assert greedy_forest(engine, prompts, steps=4) == expected, own_gemm
+
+
+@needs_gemm
+def test_without_openmp_the_gemm_runs_on_one_thread_and_serves_only_one(monkeypatch):
+    """A compiler without OpenMP builds the same GEMM for the calling thread alone: the same
+    products, and the plan takes it only where torch runs one thread."""
+    flags = native.X86_FLAGS["AVX512"]  # the build load_any falls back to
+    serial = gguf_blocks.bound(native.load(gguf_blocks.SOURCE, flags))
+    assert serial.gemm_parallel() == 0
+    rng = np.random.default_rng(9)
+    weight = BlockWeight("Q4_K", torch.from_numpy(random_blocks("Q4_K", 70, 512, rng)), 512)
+    x = torch.from_numpy(rng.standard_normal((40, 512)).astype(np.float32))
+    threaded = block_linear(x, weight, rows_on_kernel=16, own_gemm=True)
+    monkeypatch.setattr(gguf_blocks, "library", lambda: serial)
+    gguf_blocks.gemm_works.cache_clear()
+    try:
+        assert torch.equal(block_linear(x, weight, rows_on_kernel=16, own_gemm=True), threaded)
+        assert gguf_blocks.gemm_serves(1) and not gguf_blocks.gemm_serves(2)
+    finally:
+        gguf_blocks.gemm_works.cache_clear()

@@ -180,7 +180,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
     # measured against the tiles and oneDNN's GEMM on a Zen 5 core, AVX-512 (notebook/gguf-blocks.md,
     # "A prefill on the kernel's own GEMM"); the AVX2 and plain builds have no such GEMM
-    block_gemm = bool(blocks) and auto_x86 and host.capability == "AVX512" and gguf_blocks.gemm_works()
+    block_gemm = bool(blocks) and auto_x86 and host.capability == "AVX512" and gguf_blocks.gemm_serves(host.threads)
     notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows, block_gemm)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
     # slower on an AVX-512 Xeon (whose 2 MB of L2 a core and 300 MB of L3 keep a step's keys and

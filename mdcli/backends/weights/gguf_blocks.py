@@ -452,6 +452,12 @@ def gemm_works() -> bool:
     return True
 
 
+def gemm_serves(threads: int) -> bool:
+    """The kernel's own GEMM works here (gemm_works) and runs on `threads` threads: one, or as many
+    as torch's where the library was built with OpenMP (a build without it runs the GEMM on one)."""
+    return gemm_works() and (threads == 1 or bool(library().gemm_parallel()))
+
+
 def _capability() -> str:
     """This CPU's build of the kernel: "AVX512", "AVX2" or "PLAIN"."""
     return native.build_kind(native.x86_capability())
