@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mdcli import settings as settings_module
-from mdcli.backends.host import cpu_capability
+from mdcli.backends.host import cpu_capability, cpu_vendor
 from mdcli.backends.native import build as native
 from mdcli.backends.select import select
 from mdcli.backends.weights import gguf_blocks
@@ -98,14 +98,15 @@ def test_the_gemms_threads_are_torchs_openmp_threads():
 
 def test_the_plan_takes_the_gemm_on_avx512_with_mdclis_kernels_only(tmp_path):
     """A model on its blocks multiplies wide forwards on the kernel's own GEMM where torch dispatches
-    to AVX-512, the GEMM passes its check at load and runs on torch's threads, and mdcli chooses
-    the CPU kernels, and says so; MDCLI_CPU_KERNELS=torch keeps the tiles and torch's GEMM."""
+    to AVX-512 on an AMD core (where it was measured), the GEMM passes its check at load and runs
+    on torch's threads, and mdcli chooses the CPU kernels, and says so; MDCLI_CPU_KERNELS=torch
+    keeps the tiles and torch's GEMM."""
     path = written("Q4_K_M", WHOLE, tmp_path)
     model, why = load_on_blocks(path, transformers_load(path).config, "sdpa")
     assert why is None, why
     plan = select(model)
     expected = (settings_module.current().cpu_kernels == "auto" and cpu_capability() == "AVX512"
-                and gguf_blocks.gemm_serves(torch.get_num_threads()))
+                and cpu_vendor() == "AMD" and gguf_blocks.gemm_serves(torch.get_num_threads()))
     assert plan.block_gemm is expected
     assert ("wider on its own GEMM" in plan.describe()) is expected
     assert select(model, settings_module.current().changed(cpu_kernels="torch")).block_gemm is False

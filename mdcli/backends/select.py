@@ -28,8 +28,8 @@ measured on):
   (notebook/gguf-blocks.md, "One rebuild for every row");
 * where they serve every width, the block kernel multiplies up to `block_kernel_rows` tokens (64
   with torch on one AVX2 thread, else 16) (notebook/gguf-blocks.md, "The kernel past 16 rows on one
-  thread"), and wider forwards on its own GEMM on AVX-512 (`block_gemm`; notebook/gguf-blocks.md,
-  "A prefill on the kernel's own GEMM"), else tile by tile on torch's GEMM;
+  thread"), and wider forwards on its own GEMM on AMD's AVX-512 cores (`block_gemm`;
+  notebook/gguf-blocks.md, "A prefill on the kernel's own GEMM"), else tile by tile on torch's GEMM;
 * two-token products are padded to four rows on AMD cores with AVX-512 (notebook/cpu-kernels.md,
   "Two-token forwards");
 * the cached keys and values are read ahead of a wide forward's products on AMD cores
@@ -179,8 +179,10 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     transposed = blocks is None and copies and (avx2_only or lone_blas_host) and fits(1 + packed + tiled)
     block_kernel_rows = gguf_blocks.kernel_rows(host.threads, host.capability)
     # measured against the tiles and oneDNN's GEMM on a Zen 5 core, AVX-512 (notebook/gguf-blocks.md,
-    # "A prefill on the kernel's own GEMM"); the AVX2 and plain builds have no such GEMM
-    block_gemm = bool(blocks) and auto_x86 and host.capability == "AVX512" and gguf_blocks.gemm_serves(host.threads)
+    # "A prefill on the kernel's own GEMM"): AMD's AVX-512 hosts alone (an Intel core's oneDNN, with
+    # its AMX, unmeasured against it); the AVX2 and plain builds have no such GEMM
+    block_gemm = bool(blocks) and auto_x86 and host.vendor == "AMD" and host.capability == "AVX512" \
+        and gguf_blocks.gemm_serves(host.threads)
     notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows, block_gemm)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
     # slower on an AVX-512 Xeon (whose 2 MB of L2 a core and 300 MB of L3 keep a step's keys and

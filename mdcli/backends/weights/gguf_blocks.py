@@ -4,8 +4,8 @@ Rule: where a model's float32 weights are exactly its .gguf's blocks (checked bi
 block kernel builds here, `block_linear` multiplies by the blocks at any width: up to kernel_rows()
 tokens (16: MAX_ROWS_BY_CAPABILITY; 64 with torch on one AVX2 thread: ONE_THREAD_ROWS_BY_CAPABILITY)
 the block kernel rebuilds each weight once, in registers or, past a pass's rows, into a panel of
-three float32 weight rows every row of the forward reads. Above that (a prefill), on AVX-512, the
-kernel's own GEMM (`gemm_product`) rebuilds panels of 32 weight rows and 256 inputs into each
+three float32 weight rows every row of the forward reads. Above that (a prefill), on AMD's AVX-512
+cores, the kernel's own GEMM (`gemm_product`) rebuilds panels of 32 weight rows and 256 inputs into each
 thread's scratch and multiplies every row by them, on torch's OpenMP threads (the plan's
 block_gemm; notebook/gguf-blocks.md, "A prefill on the kernel's own GEMM"); elsewhere a tile of up
 to TILE_ROWS weight rows at a time is written out as float32 by the same code and multiplied by
@@ -87,7 +87,7 @@ MAX_ROWS_BY_CAPABILITY = {"AVX512": 16, "AVX2": 16, "PLAIN": 16}  # PLAIN: unmea
 # on AVX2 (a question's prefill and a speculative step's guesses are 17-64 tokens; notebook/gguf-blocks.md,
 # "The kernel past 16 rows on one thread"). Not measured on AVX-512: 16 there.
 ONE_THREAD_ROWS_BY_CAPABILITY = {"AVX2": 64}
-# Wider forwards (a prefill) without the kernel's own GEMM (AVX2 and plain builds, or
+# Wider forwards (a prefill) without the kernel's own GEMM (AVX2 and plain builds, Intel cores, or
 # MDCLI_CPU_KERNELS=torch) multiply by the blocks a tile at a time: up to TILE_ROWS of a weight's
 # rows, and no more than TILE_BYTES of float32, written out into a scratch (this thread's, kept),
 # then multiplied by torch's float32 GEMM. Each GEMM call packs all of its input rows again and, on
