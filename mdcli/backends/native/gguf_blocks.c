@@ -931,9 +931,9 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
  * 16 x 16 tiles, and multiplies every row of x by them in registers: 28 accumulators (GEMM_ROWS
  * rows x two vectors of the panel's columns) gain a broadcast input times two weight vectors per
  * input, the BLIS micro-kernel's shape. The packed inputs of one span (672 KB for 567 rows) stay in
- * the core's L2 while the block's panels pass; the outputs gather in the thread's scratch, rows
+ * the core's L2 while the run's panels pass; the outputs gather in the thread's scratch, rows
  * GEMM_LD floats apart (a prefill's outputs are wide: rows of y 8-64 KB apart share the caches'
- * sets), and are copied into their columns of y once per block. No float32 tile of weights goes
+ * sets), and are copied into their columns of y once per run. No float32 tile of weights goes
  * through memory and each thread rebuilds its own rows. Each output sums its inputs in order, one
  * multiply-add chain per span of GEMM_DEPTH inputs, added to the earlier spans' sum: another
  * summation order than other BLAS kernels, so results agree with them to float32 rounding.
@@ -952,9 +952,9 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
 
 /* Floats of scratch a wide product of m rows needs on each thread: a panel as written out and
  * input-major, then the block's outputs (m rows of GEMM_LD). */
-int64_t gemm_scratch_floats(int64_t m) { return 2 * GEMM_COLS * GEMM_DEPTH + m * GEMM_LD; }
+static int64_t gemm_scratch_floats(int64_t m) { return 2 * GEMM_COLS * GEMM_DEPTH + m * GEMM_LD; }
 
-/* Floats of the caller's buffer for x [m, k] packed (pack_rows). */
+/* Floats of the caller's buffer for x [m, k] packed (pack_group). */
 int64_t gemm_packed_floats(int64_t m, int64_t k) { return (m + GEMM_ROWS - 1) / GEMM_ROWS * GEMM_STRIDE * k; }
 
 /* r[i][j] -> r[j][i] for 16 vectors of 16: pairs, then quads, then 128-bit lanes exchanged. */
@@ -989,22 +989,21 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     }
 }
 
-/* x's rows of groups [g0, g1) (GEMM_ROWS rows a group; x [m, k]) -> packed[g][c][GEMM_STRIDE]: a
- * group's rows side by side for each input c < k, zero past m. */
-static void pack_rows(const float *x, int64_t m, int64_t k, int64_t g0, int64_t g1, float *packed) {
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t c = 0; c < k; c += 16) {
-            __m512 r[16];
+/* x's rows of group g (GEMM_ROWS rows a group; x [m, k]) -> packed[g][c][GEMM_STRIDE]: the group's
+ * rows side by side for each input c < k, zero past m. */
+static void pack_group(const float *x, int64_t m, int64_t k, int64_t g, float *packed) {
+    for (int64_t c = 0; c < k; c += 16) {
+        __m512 r[16];
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {
-                const int64_t row = g * GEMM_ROWS + i;
-                r[i] = i < GEMM_ROWS && row < m ? _mm512_loadu_ps(x + row * k + c) : _mm512_setzero_ps();
-            }
-            transpose16(r);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++)
-                _mm512_storeu_ps(packed + (g * k + c + i) * GEMM_STRIDE, r[i]);
+        for (int i = 0; i < 16; i++) {
+            const int64_t row = g * GEMM_ROWS + i;
+            r[i] = i < GEMM_ROWS && row < m ? _mm512_loadu_ps(x + row * k + c) : _mm512_setzero_ps();
         }
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            _mm512_storeu_ps(packed + (g * k + c + i) * GEMM_STRIDE, r[i]);
+    }
 }
 
 /* panel[c][o] = weight row o (of `cols`; zero past them), input c0 + c, for c < depth, by way of
@@ -1028,13 +1027,12 @@ static inline __attribute__((always_inline)) void panel_of(int kind, const uint8
         }
 }
 
-/* Ask the caches for the blocks of the panel after the one at column j - GEMM_COLS of a block of
- * `cols` columns from j0 (the block's first panel at the next span of inputs after the last): each
- * panel reads a short stretch of 32 rows far apart, which the hardware does not fetch ahead, and
- * waited on memory for each. */
+/* Ask the caches for the blocks of the panel at column j of a run of `cols` weight rows from w
+ * (past the last: the run's first panel at the next span of inputs): each panel reads a short
+ * stretch of 32 rows far apart, which the hardware does not fetch ahead, and waited on memory for
+ * each. */
 static inline __attribute__((always_inline)) void fetch_panel(int kind, const uint8_t *w, int64_t row_bytes,
-                                                              int64_t j0, int64_t cols, int64_t j, int64_t c0,
-                                                              int64_t k) {
+                                                              int64_t cols, int64_t j, int64_t c0, int64_t k) {
     if (j >= cols) {
         j = 0;
         c0 += GEMM_DEPTH;
@@ -1044,7 +1042,7 @@ static inline __attribute__((always_inline)) void fetch_panel(int kind, const ui
     const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH, rows = cols - j < GEMM_COLS ? cols - j : GEMM_COLS;
     const int64_t first = row_bytes_of(kind, c0), bytes = row_bytes_of(kind, c0 + depth) - first;
     for (int64_t o = 0; o < rows; o++)
-        fetch(w + (j0 + j + o) * row_bytes + first, bytes);
+        fetch(w + (j + o) * row_bytes + first, bytes);
 }
 
 /* y[0:R][0:32] (+)= a packed group's R rows times the panel, over `depth` inputs. add: the outputs
@@ -1087,30 +1085,28 @@ static void gemm_tile_of(int R, const float *packed, const float *panel, int64_t
     }
 }
 
-/* y[m][0:n] = x [m, k] (packed by pack_rows) times n weight rows of `kind` (as PRODUCT's), on one thread. */
+/* y[m][0:n] = x [m, k] (packed by pack_group) times n <= GEMM_BLOCK weight rows of `kind` (as
+ * PRODUCT's), on one thread. */
 #define WIDE_PRODUCT(name, kind)                                                                   \
     static void name(const float *packed, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y, \
                      int64_t ldy, float *scratch) {                                                \
         const int64_t row_bytes = row_bytes_of(kind, k), groups = (m + GEMM_ROWS - 1) / GEMM_ROWS; \
         float *rows = scratch, *panel = rows + GEMM_COLS * GEMM_DEPTH, *out = panel + GEMM_COLS * GEMM_DEPTH; \
-        for (int64_t j0 = 0; j0 < n; j0 += GEMM_BLOCK) {                                           \
-            const int64_t cols = n - j0 < GEMM_BLOCK ? n - j0 : GEMM_BLOCK;                       \
-            for (int64_t c0 = 0; c0 < k; c0 += GEMM_DEPTH) {                                       \
-                const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH;                   \
-                for (int64_t j = 0; j < cols; j += GEMM_COLS) {                                    \
-                    const int here = cols - j < GEMM_COLS ? (int)(cols - j) : GEMM_COLS;           \
-                    panel_of(kind, w + (j0 + j) * row_bytes, row_bytes, here, c0, depth, rows, panel); \
-                    fetch_panel(kind, w, row_bytes, j0, cols, j + GEMM_COLS, c0, k);                \
-                    for (int64_t g = 0; g < groups; g++) {                                         \
-                        const int R = m - g * GEMM_ROWS < GEMM_ROWS ? (int)(m - g * GEMM_ROWS) : GEMM_ROWS; \
-                        gemm_tile_of(R, packed + (g * k + c0) * GEMM_STRIDE, panel, depth,         \
-                                     out + g * GEMM_ROWS * GEMM_LD + j, GEMM_LD, c0 > 0);          \
-                    }                                                                              \
+        for (int64_t c0 = 0; c0 < k; c0 += GEMM_DEPTH) {                                           \
+            const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH;                       \
+            for (int64_t j = 0; j < n; j += GEMM_COLS) {                                           \
+                const int here = n - j < GEMM_COLS ? (int)(n - j) : GEMM_COLS;                     \
+                panel_of(kind, w + j * row_bytes, row_bytes, here, c0, depth, rows, panel);        \
+                fetch_panel(kind, w, row_bytes, n, j + GEMM_COLS, c0, k);                          \
+                for (int64_t g = 0; g < groups; g++) {                                             \
+                    const int R = m - g * GEMM_ROWS < GEMM_ROWS ? (int)(m - g * GEMM_ROWS) : GEMM_ROWS; \
+                    gemm_tile_of(R, packed + (g * k + c0) * GEMM_STRIDE, panel, depth,             \
+                                 out + g * GEMM_ROWS * GEMM_LD + j, GEMM_LD, c0 > 0);              \
                 }                                                                                  \
             }                                                                                      \
-            for (int64_t r = 0; r < m; r++)                                                        \
-                memcpy(y + r * ldy + j0, out + r * GEMM_LD, cols * sizeof(float));               \
         }                                                                                          \
+        for (int64_t r = 0; r < m; r++)                                                            \
+            memcpy(y + r * ldy, out + r * GEMM_LD, n * sizeof(float));                             \
     }
 
 /* This thread's scratch of at least `floats` floats, kept for its next wide product (each thread of
@@ -1153,7 +1149,7 @@ int gemm_parallel(void) {
         {                                                                                          \
             _Pragma("omp for schedule(static)")                                                    \
             for (int64_t g = 0; g < groups; g++)                                                   \
-                pack_rows(x, m, k, g, g + 1, packed);                                              \
+                pack_group(x, m, k, g, packed);                                                    \
             float *scratch = thread_scratch(gemm_scratch_floats(m));                               \
             _Pragma("omp for schedule(dynamic, 1)")                                                \
             for (int64_t start = 0; start < n; start += GEMM_BLOCK) {                              \

@@ -295,7 +295,7 @@ def gemm_product(flat: torch.Tensor, weight: BlockWeight, out: torch.Tensor, sta
     (gemm_parallel), else on this thread. AVX-512 builds only (gemm_works)."""
     lib = library()
     rows, inner = flat.shape
-    packed = _packed(lib.gemm_packed_floats(rows, inner)).data_ptr()  # flat's rows as the GEMM reads them
+    packed = _scratch(lib.gemm_packed_floats(rows, inner), "packed").data_ptr()  # flat's rows as the GEMM reads them
     if lib.wides[weight.kind](flat.data_ptr(), rows, inner, weight.data.data_ptr(), weight.data.shape[0],
                               out.data_ptr() + start * 4, out.stride(0), packed) != 0:
         raise MemoryError("no memory for the block kernel's scratch")
@@ -337,19 +337,13 @@ def tile_rows(out_features: int, most: int = TILE_ROWS) -> int:
     return -(-out_features // tiles)
 
 
-def _scratch(size: int) -> torch.Tensor:
-    """This thread's float32 scratch of at least `size` values, kept for the next product."""
-    held = getattr(_SCRATCH, "buffer", None)
+def _scratch(size: int, use: str = "buffer") -> torch.Tensor:
+    """This thread's float32 scratch for `use` ("buffer": the kernel's and the tiles'; "packed": the
+    GEMM's packed rows), of at least `size` values, kept for the next product."""
+    held = getattr(_SCRATCH, use, None)
     if held is None or held.numel() < size:
-        held = _SCRATCH.buffer = torch.empty(size, dtype=torch.float32)
-    return held
-
-
-def _packed(size: int) -> torch.Tensor:
-    """This thread's float32 buffer of at least `size` values for a wide product's packed rows, kept."""
-    held = getattr(_SCRATCH, "packed", None)
-    if held is None or held.numel() < size:
-        held = _SCRATCH.packed = torch.empty(size, dtype=torch.float32)
+        held = torch.empty(size, dtype=torch.float32)
+        setattr(_SCRATCH, use, held)
     return held
 
 
