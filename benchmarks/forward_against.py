@@ -1,11 +1,13 @@
 """A prefill on mdcli's forward as it is against the forward at an earlier commit, in one process.
 
     python benchmarks/forward_against.py -m MODELS/r1b-Q4_K_M.gguf --tokens 567 --threads 2 \\
-        [--before HEAD] [--rounds 6] [--keep last|none]
+        [--before HEAD] [--kernel-too] [--rounds 6] [--keep last|none]
 
 The forward at `--before` is mdcli/backends/llama.py as that commit has it (`git show`), imported
 beside the working tree's and built over the same loaded model and plan, so only that file's changes
-are compared (the kernels and everything else are the working tree's). Each round runs the same
+are compared (the kernels and everything else are the working tree's); with `--kernel-too` the
+block kernel (mdcli/backends/native/gguf_blocks.c and the headers beside it) at that commit too,
+built as mdcli builds its own and bound while the forward before runs. Each round runs the same
 forward (a fresh cache, the first `--tokens` tokens of the README four times over) once each way,
 the order reversed every other round; `--keep last` wants the last row's logits (a prompt's
 prefill), `none` no logits (a shared document's). The process gets the command line's OpenMP and
@@ -16,6 +18,7 @@ each round's ratio and its median, and the largest logit difference.
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import importlib.util
 import statistics
 import subprocess
@@ -35,6 +38,8 @@ import torch  # noqa: E402
 
 from mdcli import api  # noqa: E402
 from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.backends.native import build as native  # noqa: E402
+from mdcli.backends.weights import gguf_blocks  # noqa: E402
 from mdcli.core import cache as kv  # noqa: E402
 
 
@@ -51,6 +56,32 @@ def forward_class_at(revision: str):
     return module.FastForward
 
 
+def kernel_at(revision: str):
+    """The block kernel as `revision` has it, built and bound as mdcli.backends.weights.gguf_blocks binds its own."""
+    folder = Path(tempfile.mkdtemp())
+    for name in ("gguf_blocks.c", "pool.h"):
+        (folder / name).write_bytes(subprocess.run(["git", "show", f"{revision}:mdcli/backends/native/{name}"],
+                                                   cwd=REPO, check=True, capture_output=True).stdout)
+    lib = native.load_any(folder / "gguf_blocks.c", openmp=True)
+    if lib is None:
+        raise SystemExit(f"the block kernel at {revision} does not build here")
+    return gguf_blocks.bound(lib)
+
+
+@contextmanager
+def kernel_bound(lib):
+    """gguf_blocks.library() answers `lib` inside (None: the working tree's, unchanged)."""
+    if lib is None:
+        yield
+        return
+    own = gguf_blocks.library
+    gguf_blocks.library = lambda: lib
+    try:
+        yield
+    finally:
+        gguf_blocks.library = own
+
+
 def timed(model_forward, own, tokens: torch.Tensor, keep: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
     """Seconds of one forward of `tokens` from an empty cache on `own`, and its logits."""
     model_forward.own = own
@@ -65,6 +96,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=567)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--before", default="HEAD")
+    parser.add_argument("--kernel-too", action="store_true", help="the block kernel at --before too")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--keep", choices=("last", "none"), default="last")
     args = parser.parse_args()
@@ -75,17 +107,20 @@ def main() -> None:
     tokens = torch.tensor(lm.tokenizer(text)["input_ids"][: args.tokens])
     keep = torch.tensor([len(tokens) - 1]) if args.keep == "last" else None
     ways = {"before": forward_class_at(args.before)(model_forward.model, model_forward.plan), "now": model_forward.own}
+    kernels = {"before": kernel_at(args.before) if args.kernel_too else None, "now": None}
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     logits = {}
     with torch.inference_mode():
         for name, own in ways.items():  # warm
-            timed(model_forward, own, tokens, keep)
+            with kernel_bound(kernels[name]):
+                timed(model_forward, own, tokens, keep)
         for round_ in range(args.rounds):
             for name in ways if round_ % 2 == 0 else reversed(ways):
-                took, logits[name] = timed(model_forward, ways[name], tokens, keep)
+                with kernel_bound(kernels[name]):
+                    took, logits[name] = timed(model_forward, ways[name], tokens, keep)
                 seconds[name].append(took)
     print(f"{cpu_line()}; {args.model}, {len(tokens)} tokens, keep {args.keep}, {args.threads} thread(s), "
-          f"{args.rounds} rounds (ABBA), before = {args.before}")
+          f"{args.rounds} rounds (ABBA), before = {args.before}{' (its kernel too)' if args.kernel_too else ''}")
     before = statistics.median(seconds["before"])
     for name, times in seconds.items():
         median = statistics.median(times)

@@ -927,11 +927,11 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
  * rows of x are packed input-major, GEMM_ROWS at a time, once per product (on all threads, into the
  * caller's buffer). Each thread takes runs of weight rows, GEMM_BLOCK of them (output columns) at a
  * time, and GEMM_DEPTH inputs at a time: for each panel of GEMM_COLS weight rows it writes those
- * inputs' blocks out as float32 (blocks_out, the weights bit for bit), turns them input-major in
- * 16 x 16 tiles, and multiplies every row of x by them in registers: 28 accumulators (GEMM_ROWS
- * rows x two vectors of the panel's columns) gain a broadcast input times two weight vectors per
- * input, the BLIS micro-kernel's shape. The packed inputs of one span (672 KB for 567 rows) stay in
- * the core's L2 while the run's panels pass; the outputs gather in the thread's scratch, rows
+ * inputs' blocks out as float32 (blocks_out, the weights bit for bit) and turns them input-major in
+ * 16 x 16 tiles; then every group of rows of x is multiplied by the run's panels in registers: 28
+ * accumulators (GEMM_ROWS rows x two vectors of a panel's columns) gain a broadcast input times two
+ * weight vectors per input, the BLIS micro-kernel's shape. The run's panels stay in the core's L2
+ * while the groups pass, each group in L1 for its four tiles; the outputs gather in the thread's scratch, rows
  * GEMM_LD floats apart (a prefill's outputs are wide: rows of y 8-64 KB apart share the caches'
  * sets), and are copied into their columns of y once per run. No float32 tile of weights goes
  * through memory and each thread rebuilds its own rows. Each output sums its inputs in order, one
@@ -950,9 +950,12 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
 #define GEMM_BLOCK 128
 #define GEMM_LD (GEMM_BLOCK + 16) /* floats between the rows of the gathered outputs: 9 cache lines, not 8 */
 
-/* Floats of scratch a wide product of m rows needs on each thread: a panel as written out and
- * input-major, then the block's outputs (m rows of GEMM_LD). */
-static int64_t gemm_scratch_floats(int64_t m) { return 2 * GEMM_COLS * GEMM_DEPTH + m * GEMM_LD; }
+#define GEMM_PANELS (GEMM_BLOCK / GEMM_COLS) /* panels of a run */
+
+/* Floats of scratch a wide product of m rows needs on each thread: a panel as written out, a run's
+ * panels input-major (128 KB, kept in L2 while every group of rows passes), then the run's outputs
+ * (m rows of GEMM_LD). */
+static int64_t gemm_scratch_floats(int64_t m) { return (1 + GEMM_PANELS) * GEMM_COLS * GEMM_DEPTH + m * GEMM_LD; }
 
 /* Floats of the caller's buffer for x [m, k] packed (pack_group). */
 int64_t gemm_packed_floats(int64_t m, int64_t k) { return (m + GEMM_ROWS - 1) / GEMM_ROWS * GEMM_STRIDE * k; }
@@ -1086,23 +1089,31 @@ static void gemm_tile_of(int R, const float *packed, const float *panel, int64_t
 }
 
 /* y[m][0:n] = x [m, k] (packed by pack_group) times n <= GEMM_BLOCK weight rows of `kind` (as
- * PRODUCT's), on one thread. */
+ * PRODUCT's), on one thread. For each span of inputs the run's panels are rebuilt first, then each
+ * group of rows meets all of them: a group's packed inputs (16 KB) stay in L1 for the run's four
+ * tiles and the panels in L2, so L2 holds a fixed 128 KB of panels rather than the span's packed
+ * rows for every row of x. On the 1B file's products at 256 rows (a causal piece) 0.97-0.98x the
+ * time of a panel meeting every group in turn, the down projection's at 567 rows 0.92x
+ * (notebook/gguf-blocks.md, "A run's panels before its rows"). */
 #define WIDE_PRODUCT(name, kind)                                                                   \
     static void name(const float *packed, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y, \
                      int64_t ldy, float *scratch) {                                                \
         const int64_t row_bytes = row_bytes_of(kind, k), groups = (m + GEMM_ROWS - 1) / GEMM_ROWS; \
-        float *rows = scratch, *panel = rows + GEMM_COLS * GEMM_DEPTH, *out = panel + GEMM_COLS * GEMM_DEPTH; \
+        const int64_t panel_floats = GEMM_COLS * GEMM_DEPTH;                                       \
+        float *rows = scratch, *panels = rows + panel_floats, *out = panels + GEMM_PANELS * panel_floats; \
         for (int64_t c0 = 0; c0 < k; c0 += GEMM_DEPTH) {                                           \
             const int64_t depth = k - c0 < GEMM_DEPTH ? k - c0 : GEMM_DEPTH;                       \
             for (int64_t j = 0; j < n; j += GEMM_COLS) {                                           \
                 const int here = n - j < GEMM_COLS ? (int)(n - j) : GEMM_COLS;                     \
-                panel_of(kind, w + j * row_bytes, row_bytes, here, c0, depth, rows, panel);        \
+                panel_of(kind, w + j * row_bytes, row_bytes, here, c0, depth, rows,                \
+                         panels + j / GEMM_COLS * panel_floats);                                   \
                 fetch_panel(kind, w, row_bytes, n, j + GEMM_COLS, c0, k);                          \
-                for (int64_t g = 0; g < groups; g++) {                                             \
-                    const int R = m - g * GEMM_ROWS < GEMM_ROWS ? (int)(m - g * GEMM_ROWS) : GEMM_ROWS; \
-                    gemm_tile_of(R, packed + (g * k + c0) * GEMM_STRIDE, panel, depth,             \
-                                 out + g * GEMM_ROWS * GEMM_LD + j, GEMM_LD, c0 > 0);              \
-                }                                                                                  \
+            }                                                                                      \
+            for (int64_t g = 0; g < groups; g++) {                                                 \
+                const int R = m - g * GEMM_ROWS < GEMM_ROWS ? (int)(m - g * GEMM_ROWS) : GEMM_ROWS; \
+                for (int64_t j = 0; j < n; j += GEMM_COLS)                                         \
+                    gemm_tile_of(R, packed + (g * k + c0) * GEMM_STRIDE, panels + j / GEMM_COLS * panel_floats, \
+                                 depth, out + g * GEMM_ROWS * GEMM_LD + j, GEMM_LD, c0 > 0);       \
             }                                                                                      \
         }                                                                                          \
         for (int64_t r = 0; r < m; r++)                                                            \
