@@ -16,13 +16,20 @@ from torch.profiler import profile
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mdcli.backends import llama
+from mdcli.backends.attention import gemm
 from mdcli.backends.attention.gemm import (
     MAX_GEMM_ATTENTION_QUERIES,
+    KeySpan,
     gemm_attention,
     gemm_attention_applies,
+    key_spans,
     onednn_linear_works,
+    pieced_attention,
     routed_linear,
 )
+from mdcli.backends.forward import causal_mask
+from mdcli.core import cache as kv
 from mdcli.backends.reference import OneDnnRouting
 from mdcli.backends.select import Host, linear_kernels, select
 from mdcli.bench.kernels import random_forest_mask
@@ -266,6 +273,69 @@ def test_grouped_heads_read_natively_give_sdpas_attention(heads, kv_heads, queri
     for got in (direct, routed):
         assert got.shape == want.shape == (1, heads, queries, 32)
         assert float((got - want).abs().max()) < 1e-5
+
+
+def test_a_causal_masks_spans_read_the_cache_and_their_own_rows_and_mask_only_the_last_ones():
+    """A causal piece of 200 queries after 100 cached slots, 64 queries a span: span [s, e) sees
+    slots 0 .. 100 + e - 1, and the mask changes only columns from 100 + s + 1 (its upper triangle)."""
+    spans = key_spans(causal_mask(200, 100, torch.float32), 64)
+    assert spans == tuple(KeySpan(s, min(s + 64, 200), 100 + s + 1, 100 + min(s + 64, 200)) for s in range(0, 200, 64))
+    assert key_spans(causal_mask(1, 7, torch.float32), 64) == (KeySpan(0, 1, 8, 8),)  # one query: no mask to add
+
+
+def test_spans_of_a_forest_mask_reach_the_last_column_any_of_their_rows_sees():
+    mask = forest_mask(40, 300, seed=3)
+    mask[0, 0, :16, 250:] = torch.finfo(torch.float32).min  # the first span sees nothing past 250
+    mask[0, 0, :16, 100] = float("-inf")  # -inf hides a column as the dtype's lowest value does
+    spans = key_spans(mask, 16)
+    assert [(s.start, s.stop) for s in spans] == [(0, 16), (16, 32), (32, 40)]
+    for span in spans:
+        rows = mask[0, 0, span.start:span.stop]
+        seen = (rows > torch.finfo(torch.float32).min).any(0).nonzero()[:, 0]
+        changed = (rows[:, : span.reach] != 0).any(0).nonzero()[:, 0]
+        assert span.reach == int(seen[-1]) + 1 and span.zero == int(changed[0])
+    assert spans[0].reach <= 250
+
+
+def test_a_span_whose_rows_see_nothing_reads_every_column_as_unpieced_attention_does():
+    mask = torch.full((1, 1, 4, 10), torch.finfo(torch.float32).min)
+    assert key_spans(mask, 2) == (KeySpan(0, 2, 0, 10), KeySpan(2, 4, 0, 10))
+
+
+@needs_onednn
+@pytest.mark.parametrize("piece", [1, 7, 64, 128])
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, scaling", ATTENTION_SHAPES)
+def test_attention_piece_by_piece_equals_attention_over_every_key(piece, heads, kv_heads, queries, keys, scaling):
+    """On forest masks and on causal ones: the columns a span's rows cannot see weigh 0."""
+    generator = torch.Generator().manual_seed(heads * keys + piece)
+    q = torch.randn(1, heads, queries, 32, generator=generator)
+    k, v = (torch.randn(1, kv_heads, keys, 32, generator=generator) for _ in range(2))
+    for mask in (forest_mask(queries, keys, seed=keys + piece), causal_mask(queries, keys - queries, torch.float32)):
+        with torch.inference_mode():
+            want = gemm_attention(q, k, v, mask, scaling)
+            got = pieced_attention(q, k, v, mask, scaling, key_spans(mask, piece))
+        assert got.shape == want.shape == (1, heads, queries, 32)
+        assert float((got - want).abs().max()) < 1e-5
+
+
+@needs_onednn
+def test_the_own_forwards_causal_pieces_attend_span_by_span_on_onednn(monkeypatch):
+    """A prefill on the sdpa core with oneDNN's products reads each span's keys only: the forward
+    hands its spans to the attention, computed once a forward, not once a layer."""
+    model = tiny_model("llama", "sdpa")
+    own = llama.FastForward(model, select(model, settings_with(cpu_kernels="onednn")))
+    if not own.onednn:
+        pytest.skip("the plan keeps torch's kernels on this host")
+    spans_made, pieced = [], []
+    monkeypatch.setattr(llama, "key_spans", lambda mask: spans_made.append(mask) or key_spans(mask))
+    monkeypatch.setattr(gemm, "pieced_attention", lambda *a: pieced.append(a[-1]) or pieced_attention(*a))
+    queries = own.bmm_max_queries + 1 if own.bmm_max_queries else MAX_GEMM_ATTENTION_QUERIES
+    tokens = torch.randint(0, model.config.vocab_size, (queries,), generator=torch.Generator().manual_seed(0))
+    mask = causal_mask(queries, 0, torch.float32)
+    with torch.inference_mode():
+        own(tokens, torch.arange(queries), mask, kv.new_cache(), torch.tensor([queries - 1]))
+    assert len(spans_made) == 1 and len(pieced) == model.config.num_hidden_layers
+    assert pieced[0] == key_spans(mask)
 
 
 @needs_onednn

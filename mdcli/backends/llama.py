@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention import fused
-from mdcli.backends.attention.gemm import onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.attention.gemm import MAX_GEMM_ATTENTION_QUERIES, key_spans, onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
 from mdcli.backends.attention.documents import DocumentsPlan, documents_plan
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
@@ -237,10 +237,12 @@ class FastForward:
             attention = "fused"
             self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)
+        spans = self._key_spans(masks, attention, m)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         last = len(layers) - 1
         for index, layer in enumerate(layers):
             layer_mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
+            layer_spans = spans.get(layer.layer_type) if isinstance(spans, dict) else spans
             x = _rms_norm(hidden, layer.norm_in, layer.norm_in_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias).view(1, m, heads + 2 * kv_heads, dim)  # [1, M, H + 2G, D]
             qk = _normed_heads(qkv[:, :, : heads + kv_heads], heads, layer.head_norms)  # [1, M, H + G, D]
@@ -256,8 +258,8 @@ class FastForward:
             if plan is not None:  # [1, M, H * D]
                 attended = plan.attend(attention, self.onednn, layer.layer_type, query, keys, values, self.scaling)
             else:
-                attended = self._attend(layer, query, keys, values, layer_mask, attention,
-                                        weighted_sum)  # [1, M, H * D]
+                attended = self._attend(layer, query, keys, values, layer_mask, attention, weighted_sum,
+                                        layer_spans)  # [1, M, H * D]
             if index == last and keep.shape[0] < m:  # past the last attention, only the kept rows are read
                 attended, hidden, keep = attended[:, keep], hidden[:, keep], slice(None)  # [1, C, ...]
             hidden = hidden + linear(attended, layer.o, layer.o_bias)
@@ -304,14 +306,25 @@ class FastForward:
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
 
-    def _attend(self, layer: Layer, query, keys, values, mask, attention: str, weighted_sum=None):
-        """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D]."""
+    def _key_spans(self, masks, attention: str, m: int):
+        """Per step: the key columns each piece of queries sees (gemm.key_spans) where the sdpa core
+        runs on oneDNN's products, for each mask; None elsewhere."""
+        if attention != "sdpa" or not self.onednn or masks is None or m > MAX_GEMM_ATTENTION_QUERIES:
+            return None
+        if isinstance(masks, dict):
+            return {kind: key_spans(m) for kind, m in masks.items()}
+        return key_spans(masks)
+
+    def _attend(self, layer: Layer, query, keys, values, mask, attention: str, weighted_sum=None, spans=None):
+        """[1, M, H * D] attention output for query [1, H, M, D] over keys/values [1, G, N, D];
+        spans: the mask's (gemm.key_spans) for the sdpa core, or None."""
         m = query.shape[2]
         if attention == "fused":
             return fused.fused_attention(query, keys, values, mask, self.scaling, self.kv_heads)
         if attention == "bmm":
             return _grouped_attention(query, keys, values, mask, self.scaling, self.kv_heads, weighted_sum)
-        return sdpa_attention(query, keys, values, mask, self.scaling, self.onednn).reshape(1, m, -1)  # [1, M, H * D]
+        return sdpa_attention(query, keys, values, mask, self.scaling, self.onednn,
+                              spans).reshape(1, m, -1)  # [1, M, H * D]
 
 
 def _grouped_attention(query, keys, values, rows, scale: float, groups: int, weighted_sum=None):

@@ -14,12 +14,15 @@ Rules (the selector decides where they apply, docs/cpu-backends.md):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 MAX_GEMM_ATTENTION_QUERIES = 256  # above this (a long masked prefill), sdpa's tiled kernel uses less memory
+# Query rows `pieced_attention` takes at a time (notebook/attention.md, "Causal pieces read the keys they see").
+QUERY_PIECE = 128
 
 
 @cache
@@ -106,19 +109,84 @@ def gemm_attention(query, key, value, mask, scaling: float | None) -> torch.Tens
     return out.reshape(1, heads, queries, dim_v)  # [1, H, M, Dv]
 
 
-def sdpa_attention(query, keys, values, mask, scaling: float, onednn: bool) -> torch.Tensor:
+def sdpa_attention(query, keys, values, mask, scaling: float, onednn: bool,
+                   spans: tuple[KeySpan, ...] | None = None) -> torch.Tensor:
     """Attention for mdcli's own forward where it does not stack heads itself: `gemm_attention`
-    where `onednn` and it applies, else torch's sdpa with grouped-query heads read natively.
+    where `onednn` and it applies (piece by piece where the mask's `spans` are given), else torch's
+    sdpa with grouped-query heads read natively.
 
     query: [B, H, M, D]; keys, values: [B, G, N, D]; mask: [B, 1, M, N] additive or None (a lone
     query seeing everything). Returns [B, M, H, D], transformers' attention layout."""
     if onednn and gemm_attention_applies(query, keys, values, mask):
-        out = gemm_attention(query, keys, values, mask, scaling)
+        out = (pieced_attention(query, keys, values, mask, scaling, spans) if spans
+               else gemm_attention(query, keys, values, mask, scaling))
     else:
         grouped = {"enable_gqa": True} if keys.shape[1] != query.shape[1] else {}
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=0.0, scale=scaling,
                                              is_causal=False, **grouped)
     return out.transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """Query rows [start, stop) of a mask and the key columns they read: the mask is 0 on all of
+    them before `zero` and hides every column from `reach` on."""
+
+    start: int
+    stop: int
+    zero: int
+    reach: int
+
+
+def key_spans(mask: torch.Tensor, piece: int | None = None) -> tuple[KeySpan, ...]:
+    """The spans of mask [1, 1, M, N] (additive; a column hidden where the mask holds its dtype's
+    lowest value or -inf), `piece` (default QUERY_PIECE) query rows each: found once per forward, read by every layer."""
+    rows = mask[0, 0]  # [M, N]
+    m, n = rows.shape
+    piece = piece or QUERY_PIECE
+    hidden = rows <= torch.finfo(rows.dtype).min
+    spans = []
+    for start in range(0, m, piece):
+        stop = min(start + piece, m)
+        seen = (~hidden[start:stop]).any(0).nonzero()  # [S, 1] columns any row sees
+        if not len(seen):  # nothing visible: the whole row, as unpieced attention reads it
+            spans.append(KeySpan(start, stop, 0, n))
+            continue
+        reach = int(seen[-1]) + 1
+        added = (rows[start:stop, :reach] != 0).any(0).nonzero()  # [A, 1] columns the mask changes
+        spans.append(KeySpan(start, stop, int(added[0]) if len(added) else reach, reach))
+    return tuple(spans)
+
+
+def pieced_attention(query, key, value, mask, scaling: float | None, spans: tuple[KeySpan, ...]) -> torch.Tensor:
+    """`gemm_attention` a span of query rows at a time, over the keys the span's rows can see:
+    the columns a mask hides from every row of a span weigh exactly 0 after the softmax, so leaving
+    them out changes only the order of the sums. A causal prefill's piece of 256 queries reads
+    about two thirds of its keys' scores (notebook/attention.md, "Causal pieces read the keys they
+    see"). The scale multiplies the queries, not the scores (exactly the same numbers where it is a
+    power of two: a head size of 64 or 256).
+
+    query: [1, H, M, D]; key: [1, G, N, D]; value: [1, G, N, Dv]; mask: [1, 1, M, N] additive.
+    Returns [1, H, M, Dv], sdpa's layout."""
+    _, heads, queries, dim = query.shape
+    groups, dim_v = key.shape[1], value.shape[-1]
+    per_group = heads // groups
+    scale = dim**-0.5 if scaling is None else scaling
+    by_group = query[0].view(groups, per_group, queries, dim)  # [G, H/G, M, D]
+    rows = mask[0, 0]  # [M, N]
+    out = query.new_empty(groups, per_group, queries, dim_v)  # [G, H/G, M, Dv]
+    for g in range(groups):
+        for span in spans:
+            m = span.stop - span.start
+            stacked = torch.mul(by_group[g, :, span.start:span.stop], scale).reshape(per_group * m, dim)  # [H/G * m, D]
+            scores = onednn_matmul_t(stacked, key[0, g, : span.reach])  # [H/G * m, reach]
+            if span.zero < span.reach:
+                scores.view(per_group, m, span.reach)[:, :, span.zero:].add_(rows[span.start:span.stop,
+                                                                                  span.zero:span.reach])
+            probabilities = torch.softmax(scores, dim=-1)
+            out[g, :, span.start:span.stop] = onednn_matmul_t(probabilities, value[0, g, : span.reach].t()).view(
+                per_group, m, dim_v)
+    return out.view(1, heads, queries, dim_v)  # [1, H, M, Dv]
 
 
 def read_ahead(*views: torch.Tensor) -> None:
