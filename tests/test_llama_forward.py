@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from mdcli.backends.attention.gemm import onednn_linear_works
-from mdcli.backends.forward import causal_mask, forward_for
+from mdcli.backends import forward as forward_module
+from mdcli.backends.forward import CAUSAL_PIECE, causal_mask, forward_for, piece_size
 from mdcli.backends.forward_support import unsupported_reason
 from mdcli.backends.llama import FastForward
 from mdcli.backends.select import (
@@ -557,3 +558,36 @@ def test_the_last_layer_multiplies_only_the_rows_whose_logits_are_kept():
         for keep in ("two", "none"):
             held, whole = caches[keep].layers[index], caches["every"].layers[index]
             assert torch.equal(held.keys, whole.keys) and torch.equal(held.values, whole.values)
+
+
+@pytest.mark.parametrize("tokens, size", [(567, 284), (512, 512), (513, 257), (1819, 455), (40, 40), (1, 1)])
+def test_a_causal_continuation_takes_as_few_pieces_as_full_ones_would_but_of_equal_size(tokens, size):
+    """No short last piece: its products would rebuild every weight for a few rows."""
+    assert CAUSAL_PIECE == 512
+    assert piece_size(tokens) == size
+    assert -(-tokens // size) == -(-tokens // CAUSAL_PIECE)
+
+
+def test_a_prompt_on_the_blocks_in_causal_pieces_gives_one_forwards_logits_and_cache(embedded, monkeypatch):
+    """The embedded model holds no float32 projections, so a continuation without a mask runs on the
+    own forward piece by piece (16 tokens a piece here: 40 tokens as 14 + 14 + 12); the kept rows'
+    logits, wherever their piece, and the cache are those of one causal forward of all 40."""
+    monkeypatch.setattr(forward_module, "CAUSAL_PIECE", 16)
+    model_forward = embedded.forward
+    assert model_forward.plan.on_blocks
+    own, pieces = model_forward.own, []
+
+    def recorded(tokens, *rest):
+        pieces.append(len(tokens))
+        return own(tokens, *rest)
+
+    tokens = torch.tensor(embedded.tokenizer("The pieces of a long prompt. " * 8)["input_ids"][:40])
+    keep, caches = torch.tensor([5, 20, 39]), (new_cache(), new_cache())
+    with torch.inference_mode():
+        whole = own(tokens, torch.arange(40), causal_mask(40, 0, torch.float32), caches[0], keep)
+        monkeypatch.setattr(model_forward, "own", recorded)
+        pieced = model_forward(tokens, torch.arange(40), None, caches[1], keep)
+    assert pieces == [14, 14, 12]
+    assert float((pieced - whole).abs().max()) < 1e-4 and torch.equal(pieced.argmax(-1), whole.argmax(-1))
+    for layer in range(len(caches[0].layers)):
+        assert float((caches[0].layers[layer].keys - caches[1].layers[layer].keys).abs().max()) < 1e-4, layer

@@ -61,8 +61,9 @@ class ModelForward:
         (measured: notebook/memory.md). keep: [C] row indices of the whole continuation."""
         vocab = self.model.lm_head.out_features  # a model on its blocks is a Llama-family one: it has a head
         rows = None if keep is None else torch.empty(len(keep), vocab, dtype=self.dtype)
-        for start in range(0, len(tokens), CAUSAL_PIECE):
-            stop = min(start + CAUSAL_PIECE, len(tokens))
+        size = piece_size(len(tokens))
+        for start in range(0, len(tokens), size):
+            stop = min(start + size, len(tokens))
             wanted = None if keep is None else ((keep >= start) & (keep < stop)).nonzero()[:, 0]  # [c] into keep
             mask = causal_mask(stop - start, cache.get_seq_length(), self.dtype)
             with torch.inference_mode():
@@ -98,10 +99,21 @@ def forward_for(model, settings=None, *, sliding_window: int | None = None, own:
     return ModelForward(model, select(model, settings), sliding_window=sliding_window, own=own)
 
 
-# A causal continuation on a model without float32 weights runs on the own forward this many tokens
-# at a time (mdcli.backends.forward.ModelForward._causal_pieces): 256 holds the products' speed
-# and a quarter of a 1,024-token forward's activations (measured: notebook/memory.md).
-CAUSAL_PIECE = 256
+# A causal continuation on a model without float32 weights runs on the own forward in pieces of at
+# most this many tokens (mdcli.backends.forward.ModelForward._causal_pieces, piece_size): its
+# attention reads each span of queries' keys only (mdcli.backends.attention.gemm.pieced_attention),
+# so a piece's activations are its products' rows, half a 1,024-token forward's; 512 took
+# 0.96-0.97x the time of 256 on the 1B and embedded files' prefills (notebook/memory.md,
+# "Causal pieces of 512").
+CAUSAL_PIECE = 512
+
+
+def piece_size(tokens: int) -> int:
+    """Tokens a piece of a causal continuation of `tokens` takes: the fewest pieces of at most
+    CAUSAL_PIECE, of equal size, rather than full pieces and a short last one, whose products
+    rebuild every weight for few rows."""
+    pieces = -(-tokens // CAUSAL_PIECE)
+    return -(-tokens // max(pieces, 1))
 
 
 def _shares(weight, storages: set[int]) -> bool:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from transformers.activations import SiLUActivation
 
 from mdcli.backends.attention import fused
-from mdcli.backends.attention.gemm import MAX_GEMM_ATTENTION_QUERIES, key_spans, onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
+from mdcli.backends.attention.gemm import key_spans, onednn_matmul_t, read_ahead, routed_linear, sdpa_attention
 from mdcli.backends.attention.documents import DocumentsPlan, documents_plan
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
@@ -237,7 +237,7 @@ class FastForward:
             attention = "fused"
             self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)
-        spans = self._key_spans(masks, attention, m)
+        spans = self._key_spans(masks, attention)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         last = len(layers) - 1
         for index, layer in enumerate(layers):
@@ -306,10 +306,10 @@ class FastForward:
             return {kind: m[0, 0].repeat(per_group, 1) for kind, m in mask.items()}
         return mask[0, 0].repeat(per_group, 1)
 
-    def _key_spans(self, masks, attention: str, m: int):
+    def _key_spans(self, masks, attention: str):
         """Per step: the key columns each piece of queries sees (gemm.key_spans) where the sdpa core
         runs on oneDNN's products, for each mask; None elsewhere."""
-        if attention != "sdpa" or not self.onednn or masks is None or m > MAX_GEMM_ATTENTION_QUERIES:
+        if attention != "sdpa" or not self.onednn or masks is None:
             return None
         if isinstance(masks, dict):
             return {kind: key_spans(m) for kind, m in masks.items()}

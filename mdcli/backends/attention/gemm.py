@@ -70,16 +70,17 @@ def plain_float32_cpu(tensor) -> bool:
     )
 
 
-def gemm_attention_applies(query, key, value, mask) -> bool:
+def gemm_attention_applies(query, key, value, mask, max_queries: int | None = MAX_GEMM_ATTENTION_QUERIES) -> bool:
     """Masked multi-query float32 CPU attention of one sequence, grouped heads paired as transformers
-    pairs them, without autograd: what `gemm_attention` computes."""
+    pairs them, without autograd, of up to `max_queries` queries (None: any number): what
+    `gemm_attention` computes."""
     if mask is None or not all(plain_float32_cpu(t) for t in (query, key, value, mask)) or torch.is_grad_enabled():
         return False
     batch, heads, queries, _ = query.shape
     return (
         batch == 1
         and key.shape[0] == value.shape[0] == 1
-        and 2 <= queries <= MAX_GEMM_ATTENTION_QUERIES
+        and 2 <= queries <= (max_queries or queries)
         and heads % key.shape[1] == 0
         and key.shape[1] == value.shape[1]
         and mask.shape == (1, 1, queries, key.shape[2])
@@ -112,12 +113,13 @@ def gemm_attention(query, key, value, mask, scaling: float | None) -> torch.Tens
 def sdpa_attention(query, keys, values, mask, scaling: float, onednn: bool,
                    spans: tuple[KeySpan, ...] | None = None) -> torch.Tensor:
     """Attention for mdcli's own forward where it does not stack heads itself: `gemm_attention`
-    where `onednn` and it applies (piece by piece where the mask's `spans` are given), else torch's
-    sdpa with grouped-query heads read natively.
+    where `onednn` and it applies, span by span (`pieced_attention`, any number of queries: a span's
+    scores are all it holds) where the mask's `spans` are given, else torch's sdpa with grouped-query
+    heads read natively.
 
     query: [B, H, M, D]; keys, values: [B, G, N, D]; mask: [B, 1, M, N] additive or None (a lone
     query seeing everything). Returns [B, M, H, D], transformers' attention layout."""
-    if onednn and gemm_attention_applies(query, keys, values, mask):
+    if onednn and gemm_attention_applies(query, keys, values, mask, None if spans else MAX_GEMM_ATTENTION_QUERIES):
         out = (pieced_attention(query, keys, values, mask, scaling, spans) if spans
                else gemm_attention(query, keys, values, mask, scaling))
     else:
