@@ -2,10 +2,12 @@
 """The files users run, mdcli against llama.cpp side by side: decode steps, jobs and peak memory.
 
     python benchmarks/files_side_by_side.py --llama-bin DIR --file smol-Q4_K_M.gguf --file r1b-Q4_K_M.gguf:512:32 \\
-        [--threads 1,2] [--out benchmarks/results/files-side-by-side-zen5]
+        [--threads 1,2] [--rounds 1] [--out benchmarks/results/files-side-by-side-zen5]
 
 For each file (FILE or FILE:CONTEXT:NEW_TOKENS; default 1,819 and 64 tokens, the embedded model's
-report) and each thread count, in one run, alternating which goes first:
+report) and each thread count, in one run, `--rounds` times, alternating which goes first (with
+more than one round each cell is the median of the rounds, and its ratio the median of each
+round's ratio: a neighbour's load that slows one round moves both sides of it):
 
   mdcli       mdcli bench -m FILE --branches 1,8 --context C --new-tokens N --approaches forest --threads T --json
               (model loaded: the forest's median decode step at 1 and 8 branches, and its whole job:
@@ -32,6 +34,7 @@ import argparse
 import datetime as _dt
 import json
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -104,22 +107,30 @@ def parse_file(spec: str) -> tuple[str, str, int, int]:
     return ours, theirs or ours, context, new
 
 
-def measure(files: list[str], threads: list[int], llama: Path, workdir: Path, memory_runs: bool) -> dict:
+KEYS = ("step_ms_1", "step_ms_8", "job_s_1", "job_s_8")
+
+
+def measure(files: list[str], threads: list[int], llama: Path, workdir: Path, memory_runs: bool,
+            rounds: int = 1) -> dict:
     rows = []
     flip = False
     for spec in files:
         ours, theirs, context, new = parse_file(spec)
         prompt_tokens = mdcli_prompt_tokens(ours, context, workdir)
         for count in threads:
-            order = ["llama.cpp", "mdcli"] if flip else ["mdcli", "llama.cpp"]
-            flip = not flip
-            measured = {}
-            for name in order:
-                measured[name] = (mdcli_bench(ours, context, new, count, workdir) if name == "mdcli"
-                                  else llama_bench(llama / "llama-batched-bench", theirs, prompt_tokens, new, count, workdir))
+            each = []
+            for _ in range(rounds):
+                order = ["llama.cpp", "mdcli"] if flip else ["mdcli", "llama.cpp"]
+                flip = not flip
+                measured = {"order": order}
+                for name in order:
+                    measured[name] = (mdcli_bench(ours, context, new, count, workdir) if name == "mdcli"
+                                      else llama_bench(llama / "llama-batched-bench", theirs, prompt_tokens, new, count,
+                                                       workdir))
+                each.append(measured)
+                print(json.dumps(measured), flush=True)
             rows.append({"file": ours, "llama_file": theirs, "context": context, "prompt_tokens": prompt_tokens,
-                         "new_tokens": new, "threads": count, "order": order, **measured})
-            print(json.dumps(rows[-1]), flush=True)
+                         "new_tokens": new, "threads": count, "rounds": each, **medians(each)})
     peaks = []
     if memory_runs:
         floor = floor_peak(workdir)
@@ -129,21 +140,31 @@ def measure(files: list[str], threads: list[int], llama: Path, workdir: Path, me
             peaks.append({"file": ours, "llama_file": theirs, "mdcli": runs["mdcli"][0]["peak_rss_bytes"],
                           "llama.cpp": runs["llama.cpp"][0]["peak_rss_bytes"], "floor": floor, "commands": commands})
             print(json.dumps(peaks[-1]), flush=True)
-    return {"cpu": cpu_line(), "date": _dt.date.today().isoformat(), "steps": rows, "peaks": peaks}
+    return {"cpu": cpu_line(), "date": _dt.date.today().isoformat(), "rounds": rounds, "steps": rows, "peaks": peaks}
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Each side's median of each key over the rounds, and the median of each round's ratio (mdcli / llama.cpp)."""
+    sides = {name: {key: statistics.median(r[name][key] for r in rounds) for key in KEYS
+                    if all(r[name].get(key) for r in rounds)} for name in ("mdcli", "llama.cpp")}
+    ratios = {key: statistics.median(r["mdcli"][key] / r["llama.cpp"][key] for r in rounds)
+              for key in KEYS if key in sides["mdcli"] and key in sides["llama.cpp"]}
+    return {**sides, "ratio": ratios}
 
 
 def markdown(result: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "", f"{result['date']}, {result['cpu']}; model loaded, greedy; "
              "step = median decode step (llama.cpp: T_TG / N), job = prefill of the shared prompt + N tokens "
              "on each branch, both prefilling mdcli's longest prompt's token count (prompt column: at 1 / 8 "
-             "branches). Ratios are mdcli / llama.cpp.", "",
+             f"branches). Ratios are mdcli / llama.cpp; {result.get('rounds', 1)} round(s), alternating (cells: "
+             "medians; ratios: the median of each round's).", "",
              "| file | threads | prompt | step, 1 branch ms (llama.cpp / mdcli, ratio) | step, 8 branches ms | "
              "job, 1 question s | job, 8 questions s |", "|---|---:|---:|---|---|---|---|"]
     for row in result["steps"]:
         cells = []
-        for key in ("step_ms_1", "step_ms_8", "job_s_1", "job_s_8"):
-            theirs, ours = row["llama.cpp"].get(key), row["mdcli"].get(key)
-            cells.append(f"{theirs} / {ours} ({ours / theirs:.2f}x)" if theirs and ours else "-")
+        for key in KEYS:
+            theirs, ours, ratio = row["llama.cpp"].get(key), row["mdcli"].get(key), row["ratio"].get(key)
+            cells.append(f"{theirs:.4g} / {ours:.4g} ({ratio:.2f}x)" if ratio else "-")
         name = Path(row["file"]).name + (f" ({row['context']} + {row['new_tokens']} tokens)" if row["context"] != CONTEXT else "")
         prompt = " / ".join(str(row["prompt_tokens"][b]) for b in BRANCHES)
         lines.append(f"| {name} | {row['threads']} | {prompt} | " + " | ".join(cells) + " |")
@@ -165,12 +186,13 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's build/bin folder")
     parser.add_argument("--file", action="append", required=True, help="FILE[=GGUF][:CONTEXT:NEW_TOKENS]")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=1, help="pairs of runs per file and thread count")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         result = measure(args.file, [int(t) for t in args.threads.split(",")], args.llama_bin, Path(folder),
-                         not args.no_memory)
+                         not args.no_memory, args.rounds)
     text = markdown(result, "python benchmarks/files_side_by_side.py " + " ".join(sys.argv[1:]))
     print(text, end="")
     if args.out:
