@@ -1,13 +1,15 @@
 """A prefill on mdcli's forward as it is against the forward at an earlier commit, in one process.
 
     python benchmarks/forward_against.py -m MODELS/r1b-Q4_K_M.gguf --tokens 567 --threads 2 \\
-        [--before HEAD] [--kernel-too] [--rounds 6] [--keep last|none]
+        [--before HEAD] [--kernel-too] [--pieces-before N] [--rounds 6] [--keep last|none]
 
 The forward at `--before` is mdcli/backends/llama.py as that commit has it (`git show`), imported
 beside the working tree's and built over the same loaded model and plan, so only that file's changes
 are compared (the kernels and everything else are the working tree's); with `--kernel-too` the
 block kernel (mdcli/backends/native/gguf_blocks.c and the headers beside it) at that commit too,
-built as mdcli builds its own and bound while the forward before runs. Each round runs the same
+built as mdcli builds its own and bound while the forward before runs; with `--pieces-before N`
+the forward before takes a causal prefill in pieces of N tokens (the last one shorter), as
+mdcli.backends.forward did before its pieces were of equal size. Each round runs the same
 forward (a fresh cache, the first `--tokens` tokens of the README four times over) once each way,
 the order reversed every other round; `--keep last` wants the last row's logits (a prompt's
 prefill), `none` no logits (a shared document's). The process gets the command line's OpenMP and
@@ -37,6 +39,7 @@ settings.process_defaults()  # before torch: OpenMP reads its variables once
 import torch  # noqa: E402
 
 from mdcli import api  # noqa: E402
+from mdcli.backends import forward as forward_module  # noqa: E402
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.backends.native import build as native  # noqa: E402
 from mdcli.backends.weights import gguf_blocks  # noqa: E402
@@ -69,17 +72,18 @@ def kernel_at(revision: str):
 
 
 @contextmanager
-def kernel_bound(lib):
-    """gguf_blocks.library() answers `lib` inside (None: the working tree's, unchanged)."""
-    if lib is None:
-        yield
-        return
-    own = gguf_blocks.library
-    gguf_blocks.library = lambda: lib
+def way_bound(lib, pieces: int | None):
+    """gguf_blocks.library() answers `lib` and a causal prefill takes pieces of `pieces` tokens
+    inside (None: the working tree's, unchanged)."""
+    own_library, own_pieces = gguf_blocks.library, forward_module.piece_size
+    if lib is not None:
+        gguf_blocks.library = lambda: lib
+    if pieces is not None:
+        forward_module.piece_size = lambda tokens: pieces
     try:
         yield
     finally:
-        gguf_blocks.library = own
+        gguf_blocks.library, forward_module.piece_size = own_library, own_pieces
 
 
 def timed(model_forward, own, tokens: torch.Tensor, keep: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--before", default="HEAD")
     parser.add_argument("--kernel-too", action="store_true", help="the block kernel at --before too")
+    parser.add_argument("--pieces-before", type=int, default=None, help="the forward before's causal pieces, tokens")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--keep", choices=("last", "none"), default="last")
     args = parser.parse_args()
@@ -108,19 +113,21 @@ def main() -> None:
     keep = torch.tensor([len(tokens) - 1]) if args.keep == "last" else None
     ways = {"before": forward_class_at(args.before)(model_forward.model, model_forward.plan), "now": model_forward.own}
     kernels = {"before": kernel_at(args.before) if args.kernel_too else None, "now": None}
+    pieces = {"before": args.pieces_before, "now": None}
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     logits = {}
     with torch.inference_mode():
         for name, own in ways.items():  # warm
-            with kernel_bound(kernels[name]):
+            with way_bound(kernels[name], pieces[name]):
                 timed(model_forward, own, tokens, keep)
         for round_ in range(args.rounds):
             for name in ways if round_ % 2 == 0 else reversed(ways):
-                with kernel_bound(kernels[name]):
+                with way_bound(kernels[name], pieces[name]):
                     took, logits[name] = timed(model_forward, ways[name], tokens, keep)
                 seconds[name].append(took)
     print(f"{cpu_line()}; {args.model}, {len(tokens)} tokens, keep {args.keep}, {args.threads} thread(s), "
-          f"{args.rounds} rounds (ABBA), before = {args.before}{' (its kernel too)' if args.kernel_too else ''}")
+          f"{args.rounds} rounds (ABBA), before = {args.before}{' (its kernel too)' if args.kernel_too else ''}"
+          f"{f', in pieces of {args.pieces_before}' if args.pieces_before else ''}")
     before = statistics.median(seconds["before"])
     for name, times in seconds.items():
         median = statistics.median(times)

@@ -6,6 +6,8 @@ Rules (the selector decides where they apply, docs/cpu-backends.md):
   routed there: x86-64 with AVX-512;
 * masked attention of a few queries (2 to MAX_GEMM_ATTENTION_QUERIES) runs as two products per
   key/value head, the query heads of a group stacked into one matrix (`gemm_attention`);
+* in mdcli's own forward, masked attention of any number of queries runs so a span of QUERY_PIECE
+  queries at a time, over the keys the span's rows can see (`key_spans`, `pieced_attention`);
 * every other call keeps torch's own kernels (`sdpa_attention`: sdpa with grouped-query heads read
   natively, never copied per query head).
 
@@ -20,7 +22,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-MAX_GEMM_ATTENTION_QUERIES = 256  # above this (a long masked prefill), sdpa's tiled kernel uses less memory
+# Above this many queries `gemm_attention`, which holds a group's every score, leaves a masked forward to sdpa's
+# tiled kernel (less memory); `pieced_attention` holds one span's and takes any number.
+MAX_GEMM_ATTENTION_QUERIES = 256
 # Query rows `pieced_attention` takes at a time (notebook/attention.md, "Causal pieces read the keys they see").
 QUERY_PIECE = 128
 
