@@ -55,10 +55,11 @@ class ModelForward:
         return 0 if self.static is None else self.static.captures
 
     def _causal_pieces(self, tokens, positions, cache, keep) -> torch.Tensor | None:
-        """A causal continuation on the own forward, CAUSAL_PIECE tokens at a time, each with its
-        causal mask: the same products as one forward (each token sees the cache and the tokens
-        before it either way), with a quarter of a 1,024-token forward's activations resident
-        (measured: notebook/memory.md). keep: [C] row indices of the whole continuation."""
+        """A causal continuation on the own forward in pieces of piece_size tokens (at most
+        CAUSAL_PIECE), each with its causal mask: the same products as one forward (each token sees
+        the cache and the tokens before it either way), with at most half a 1,024-token forward's
+        activations resident (measured: notebook/memory.md). keep: [C] row indices of the whole
+        continuation."""
         vocab = self.model.lm_head.out_features  # a model on its blocks is a Llama-family one: it has a head
         rows = None if keep is None else torch.empty(len(keep), vocab, dtype=self.dtype)
         size = piece_size(len(tokens))
@@ -102,9 +103,9 @@ def forward_for(model, settings=None, *, sliding_window: int | None = None, own:
 # A causal continuation on a model without float32 weights runs on the own forward in pieces of at
 # most this many tokens (mdcli.backends.forward.ModelForward._causal_pieces, piece_size): its
 # attention reads each span of queries' keys only (mdcli.backends.attention.gemm.pieced_attention),
-# so a piece's activations are its products' rows, half a 1,024-token forward's; 512 took
-# 0.96-0.97x the time of 256 on the 1B and embedded files' prefills (notebook/memory.md,
-# "Causal pieces of 512").
+# so a piece's activations are its products' rows, half a 1,024-token forward's; equal pieces of
+# up to 512 took 0.96-1.00x the time of pieces of 256 on the 1B and embedded files' prefills
+# (notebook/memory.md, "Causal pieces of 512").
 CAUSAL_PIECE = 512
 
 

@@ -307,7 +307,7 @@ class FastForward:
         return mask[0, 0].repeat(per_group, 1)
 
     def _key_spans(self, masks, attention: str):
-        """Per step: the key columns each piece of queries sees (gemm.key_spans) where the sdpa core
+        """Per step: the key columns each span of queries sees (gemm.key_spans) where the sdpa core
         runs on oneDNN's products, for each mask; None elsewhere."""
         if attention != "sdpa" or not self.onednn or masks is None:
             return None

@@ -6,7 +6,7 @@ Rules (the selector decides where they apply, docs/cpu-backends.md):
   routed there: x86-64 with AVX-512;
 * masked attention of a few queries (2 to MAX_GEMM_ATTENTION_QUERIES) runs as two products per
   key/value head, the query heads of a group stacked into one matrix (`gemm_attention`);
-* in mdcli's own forward, masked attention of any number of queries runs so a span of QUERY_PIECE
+* in mdcli's own forward, masked attention of any number of queries runs a span of QUERY_PIECE
   queries at a time, over the keys the span's rows can see (`key_spans`, `pieced_attention`);
 * every other call keeps torch's own kernels (`sdpa_attention`: sdpa with grouped-query heads read
   natively, never copied per query head).
@@ -167,9 +167,9 @@ def key_spans(mask: torch.Tensor, piece: int | None = None) -> tuple[KeySpan, ..
 def pieced_attention(query, key, value, mask, scaling: float | None, spans: tuple[KeySpan, ...]) -> torch.Tensor:
     """`gemm_attention` a span of query rows at a time, over the keys the span's rows can see:
     the columns a mask hides from every row of a span weigh exactly 0 after the softmax, so leaving
-    them out changes only the order of the sums. A causal prefill's piece of 256 queries reads
-    about two thirds of its keys' scores (notebook/attention.md, "Causal pieces read the keys they
-    see"). The scale multiplies the queries, not the scores (exactly the same numbers where it is a
+    them out changes only the order of the sums. A causal prefill's first piece of 284 queries
+    scores 71% of its keys' columns, in spans of 128 (notebook/attention.md, "Causal pieces read the
+    keys they see"). The scale multiplies the queries, not the scores (exactly the same numbers where it is a
     power of two: a head size of 64 or 256).
 
     query: [1, H, M, D]; key: [1, G, N, D]; value: [1, G, N, Dv]; mask: [1, 1, M, N] additive.
