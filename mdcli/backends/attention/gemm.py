@@ -150,11 +150,11 @@ def key_spans(mask: torch.Tensor, piece: int | None = None) -> tuple[KeySpan, ..
     rows = mask[0, 0]  # [M, N]
     m, n = rows.shape
     piece = piece or QUERY_PIECE
-    hidden = rows <= torch.finfo(rows.dtype).min
+    lowest = torch.finfo(rows.dtype).min
     spans = []
     for start in range(0, m, piece):
         stop = min(start + piece, m)
-        seen = (~hidden[start:stop]).any(0).nonzero()  # [S, 1] columns any row sees
+        seen = (rows[start:stop].amax(0) > lowest).nonzero()  # [S, 1] columns any row sees
         if not len(seen):  # nothing visible: the whole row, as unpieced attention reads it
             spans.append(KeySpan(start, stop, 0, n))
             continue
