@@ -20,13 +20,13 @@ each round's ratio and its median, and the largest logit difference.
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 import importlib.util
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,10 +61,12 @@ def forward_class_at(revision: str):
 
 def kernel_at(revision: str):
     """The block kernel as `revision` has it, built and bound as mdcli.backends.weights.gguf_blocks binds its own."""
-    folder = Path(tempfile.mkdtemp())
-    for name in ("gguf_blocks.c", "pool.h"):
-        (folder / name).write_bytes(subprocess.run(["git", "show", f"{revision}:mdcli/backends/native/{name}"],
-                                                   cwd=REPO, check=True, capture_output=True).stdout)
+    folder, native_dir = Path(tempfile.mkdtemp()), "mdcli/backends/native/"
+    listed = subprocess.run(["git", "ls-tree", "--name-only", revision, native_dir], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    for path in [native_dir + "gguf_blocks.c", *(p for p in listed if p.endswith(".h"))]:
+        (folder / Path(path).name).write_bytes(subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO,
+                                                              check=True, capture_output=True).stdout)
     lib = native.load_any(folder / "gguf_blocks.c", openmp=True)
     if lib is None:
         raise SystemExit(f"the block kernel at {revision} does not build here")

@@ -29,10 +29,10 @@ from mdcli.backends.attention.gemm import (
     routed_linear,
 )
 from mdcli.backends.forward import causal_mask
-from mdcli.core import cache as kv
 from mdcli.backends.reference import OneDnnRouting
 from mdcli.backends.select import Host, linear_kernels, select
 from mdcli.bench.kernels import random_forest_mask
+from mdcli.core import cache as kv
 from mdcli.errors import UsageError
 from tests.test_engine_exactness import (
     engine_for,
