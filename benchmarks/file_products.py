@@ -3,6 +3,7 @@
 
     python benchmarks/file_products.py -m FILE [--rows 1,8] [--threads 1,2] [--rounds 6]
     python benchmarks/file_products.py -m FILE --baseline OLD_gguf_blocks.c     # A/B two builds, one thread
+    python benchmarks/file_products.py -m FILE --rows 1 --by-kind --build avx2=avx2 --build plain-codes=-DLOOKUP_ROWS=0
 
 Loads FILE (a .gguf, or a bf16/f16 folder) as mdcli does, on its blocks, and times the step's products
 (each layer's fused q/k/v, o, fused gate/up, down, and the head: gguf_reading.model_blocks) for
@@ -10,7 +11,10 @@ forwards of each `--rows`, on each `--threads` count, in alternating rounds: the
 step (wall time: several threads' CPU time adds up) and the bytes read per second. With `--baseline`, that source and today's are built with the
 kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, one thread, alternating,
 their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
-files users run").
+files users run"). With `--build NAME=FLAGS` (repeatable) today's source is also built with FLAGS
+added to the kernels' flags (`avx2`: the AVX2 build's flags instead, on an AVX-512 host), each
+build's ratio to today's printed; `--by-kind` times each weight kind's matrices apart (ms, G
+weights/s), as notebook/gguf-blocks.md's "The same files on a Zen 4 core" was measured.
 """
 
 from __future__ import annotations
@@ -57,10 +61,13 @@ def step_with(weights: list, rows: int, threads: int):
     return step
 
 
-def built(source: Path, folder: Path) -> ctypes.CDLL:
-    """`source` built with the kernels' flags for this CPU, its products typed (strided or not)."""
-    target = folder / f"{source.stem}-{abs(hash(str(source)))}.so"
-    subprocess.run(["cc", *X86_FLAGS[x86_capability()], "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
+def built(source: Path, folder: Path, flags: str = "") -> ctypes.CDLL:
+    """`source` built with the kernels' flags for this CPU (flags "avx2": the AVX2 build's; other
+    flags are added to them), its products typed (strided or not)."""
+    target = folder / f"{source.stem}-{abs(hash((str(source), flags)))}.so"
+    base = X86_FLAGS["AVX2"] if flags == "avx2" else (*X86_FLAGS[x86_capability()], *flags.split())
+    subprocess.run(["cc", *base, "-I", str(gguf_blocks.SOURCE.parent), "-shared", "-fPIC", "-o", str(target), str(source)],
+                   check=True)
     lib = ctypes.CDLL(str(target))
     lib.strided = hasattr(lib, "set_threads") or hasattr(lib, "use_pool")  # from the K-quants on: the output's row stride, then the scratch
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -70,6 +77,18 @@ def built(source: Path, folder: Path) -> ctypes.CDLL:
             product.argtypes = [pointer, size, size, pointer, size, pointer, *([size] if lib.strided else []), pointer]
             product.restype = None
     return lib
+
+
+def by_kind(weights: list) -> dict[str, list]:
+    """The matrices of each weight kind, in the step's order."""
+    kinds: dict[str, list] = {}
+    for weight in weights:
+        kinds.setdefault(weight.kind, []).append(weight)
+    return kinds
+
+
+def weight_count(weights: list) -> int:
+    return sum(w.shape[0] * w.shape[1] for w in weights)
 
 
 def direct_step(lib: ctypes.CDLL, weights: list, rows: int):
@@ -101,21 +120,34 @@ def main() -> None:
     parser.add_argument("--threads", default="1")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--baseline", type=Path, default=None, help="an older gguf_blocks.c to A/B against today's")
+    parser.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also today's source built with FLAGS added (avx2: the AVX2 build), A/B, one thread")
+    parser.add_argument("--by-kind", action="store_true", help="with --baseline or --build: each weight kind apart")
     args = parser.parse_args()
     weights = matrices(args.model)
     megabytes = sum(w.nbytes for w in weights) / 1e6
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{cpu_line()}; {args.model}: {len(weights)} matrices, {megabytes:,.0f} MB of blocks")
-    if args.baseline:
+    if args.baseline or args.build:
         with tempfile.TemporaryDirectory() as folder:
-            libs = {"baseline": built(args.baseline, Path(folder)), "today": built(gguf_blocks.SOURCE, Path(folder))}
+            libs = {"today": built(gguf_blocks.SOURCE, Path(folder))}
+            if args.baseline:
+                libs["baseline"] = built(args.baseline, Path(folder))
+            for spec in args.build:
+                name, _, flags = spec.partition("=")
+                libs[name] = built(gguf_blocks.SOURCE, Path(folder), flags)
             torch.set_num_threads(1)
+            groups = by_kind(weights) if args.by_kind else {"all": weights}
             for count in rows:
-                medians = {name: median for name, (median, _) in abba(
-                    {name: direct_step(lib, weights, count) for name, lib in libs.items()}, args.rounds,
-                    clock=time.perf_counter).items()}
-                print(f"{count} rows: baseline {medians['baseline']:.1f} ms, today {medians['today']:.1f} ms, "
-                      f"today / baseline {medians['today'] / medians['baseline']:.2f}")
+                for kind, group in groups.items():
+                    medians = {name: median for name, (median, _) in abba(
+                        {name: direct_step(lib, group, count) for name, lib in libs.items()}, args.rounds,
+                        clock=time.perf_counter).items()}
+                    today = medians["today"]
+                    rate = weight_count(group) / today / 1e6  # G weights/s (ms)
+                    others = ", ".join(f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items() if name != "today")
+                    print(f"{count} rows, {kind} ({sum(w.nbytes for w in group) / 1e6:,.0f} MB): today {today:.2f} ms "
+                          f"({rate:.1f} G weights/s); {others}")
         return
     cases = {(count, threads): step_with(weights, count, threads)
              for count in rows for threads in (int(t) for t in args.threads.split(","))}

@@ -541,8 +541,11 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
  * table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
  * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
- * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md). */
+ * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md;
+ * -DLOOKUP_ROWS=0 builds without them, for `benchmarks/file_products.py --build` to compare). */
+#ifndef LOOKUP_ROWS
 #define LOOKUP_ROWS 2
+#endif
 #define EACH_BLOCK(kind, W, base, stride, ahead, first, count, lookup, body)                      \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
