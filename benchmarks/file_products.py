@@ -145,7 +145,10 @@ def main() -> None:
                         clock=time.perf_counter).items()}
                     today = medians["today"]
                     rate = weight_count(group) / today / 1e6  # G weights/s (ms)
-                    others = ", ".join(f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items() if name != "today")
+                    # a build's time as a multiple of today's; the baseline's as before: today / baseline
+                    others = ", ".join(f"baseline {ms:.2f} ms, today / baseline {today / ms:.2f}" if name == "baseline"
+                                       else f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items()
+                                       if name != "today")
                     print(f"{count} rows, {kind} ({sum(w.nbytes for w in group) / 1e6:,.0f} MB): today {today:.2f} ms "
                           f"({rate:.1f} G weights/s); {others}")
         return
