@@ -13,8 +13,8 @@ kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, one t
 their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
 files users run"). With `--build NAME=FLAGS` (repeatable) today's source is also built with FLAGS
 added to the kernels' flags (`avx2`: the AVX2 build's flags instead, on an AVX-512 host), each
-build's ratio to today's printed; `--by-kind` times each weight kind's matrices apart (ms, G
-weights/s), as notebook/gguf-blocks.md's "The same files on a Zen 4 core" was measured.
+build's ratio to today's printed; `--by-kind` times each weight kind's matrices apart, called the
+same way (ms, G weights/s), as notebook/gguf-blocks.md's "The same files on a Zen 4 core" was measured.
 """
 
 from __future__ import annotations
@@ -122,13 +122,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="an older gguf_blocks.c to A/B against today's")
     parser.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
                         help="also today's source built with FLAGS added (avx2: the AVX2 build), A/B, one thread")
-    parser.add_argument("--by-kind", action="store_true", help="with --baseline or --build: each weight kind apart")
+    parser.add_argument("--by-kind", action="store_true", help="each weight kind apart, called straight into the kernel, one thread")
     args = parser.parse_args()
     weights = matrices(args.model)
     megabytes = sum(w.nbytes for w in weights) / 1e6
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{cpu_line()}; {args.model}: {len(weights)} matrices, {megabytes:,.0f} MB of blocks")
-    if args.baseline or args.build:
+    if args.baseline or args.build or args.by_kind:
         with tempfile.TemporaryDirectory() as folder:
             libs = {"today": built(gguf_blocks.SOURCE, Path(folder))}
             if args.baseline:
@@ -144,13 +144,13 @@ def main() -> None:
                         {name: direct_step(lib, group, count) for name, lib in libs.items()}, args.rounds,
                         clock=time.perf_counter).items()}
                     today = medians["today"]
-                    rate = weight_count(group) / today / 1e6  # G weights/s (ms)
+                    rate = weight_count(group) / today / 1e6  # weights a millisecond / 1e6: G weights/s
                     # a build's time as a multiple of today's; the baseline's as before: today / baseline
                     others = ", ".join(f"baseline {ms:.2f} ms, today / baseline {today / ms:.2f}" if name == "baseline"
                                        else f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items()
                                        if name != "today")
                     print(f"{count} rows, {kind} ({sum(w.nbytes for w in group) / 1e6:,.0f} MB): today {today:.2f} ms "
-                          f"({rate:.1f} G weights/s); {others}")
+                          f"({rate:.1f} G weights/s){'; ' + others if others else ''}")
         return
     cases = {(count, threads): step_with(weights, count, threads)
              for count in rows for threads in (int(t) for t in args.threads.split(","))}
