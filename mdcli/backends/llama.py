@@ -60,9 +60,9 @@ from mdcli.backends.attention.gemm import key_spans, onednn_matmul_t, read_ahead
 from mdcli.backends.attention.documents import DocumentsPlan, documents_plan
 from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
-from mdcli.backends import lone_step
+from mdcli.backends import native_step
 from mdcli.backends.layers import Layer, fuse_layer, weight_of, with_weights
-from mdcli.backends.lone_step import LoneStep
+from mdcli.backends.native_step import NativeStep
 from mdcli.backends.select import Plan
 from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import packed as packing
@@ -158,8 +158,8 @@ class FastForward:
             for layer, weights in zip(self.layers, packed):
                 layer.qkv, layer.o, layer.gate_up, layer.down = weights
         self.formats = self._weight_formats()
-        self.lone_step, self.lone_step_reason = self._lone_step(plan)
-        self.lone_forwards = 0  # lone tokens' forwards whose layers ran in one native call (mdcli.backends.lone_step)
+        self.native_step, self.native_step_reason = self._native_step(plan)
+        self.native_forwards = 0  # forwards whose layers ran in one native call (mdcli.backends.native_step)
 
     def _weight_formats(self) -> tuple[WeightFormat, ...]:
         """The formats this forward's weights come in, narrowest first: a forward of M tokens takes
@@ -189,18 +189,18 @@ class FastForward:
         formats.append(WeightFormat("packed" if self.packed else "plain", None, widest, self.layers, self.head))
         return tuple(formats)
 
-    def _lone_step(self, plan: Plan) -> tuple[LoneStep | None, str]:
-        """The one-call step for a lone token where the plan takes it and every layer is one it serves
-        (mdcli.backends.lone_step), else None and why not."""
-        if not plan.lone_step:
-            return None, "the plan runs a lone token's layers in Python"
+    def _native_step(self, plan: Plan) -> tuple[NativeStep | None, str]:
+        """The one-call step where the plan takes it and every layer is one it serves
+        (mdcli.backends.native_step), else None and why not."""
+        if not plan.native_step:
+            return None, "the plan runs a step's layers in Python"
         if not self.blocks:
-            return None, f"a lone token's products are not on the .gguf's blocks ({self.blocks_reason})"
+            return None, f"a step's products are not on the .gguf's blocks ({self.blocks_reason})"
         layers = self.formats[0].layers
-        reason = lone_step.unserved(layers)
+        reason = native_step.unserved(layers)
         if reason is not None:
             return None, reason
-        return LoneStep(layers, heads=self.heads, kv_heads=self.kv_heads, dim=self.head_dim, scale=self.scaling), ""
+        return NativeStep(layers, heads=self.heads, kv_heads=self.kv_heads, dim=self.head_dim, scale=self.scaling), ""
 
     def _block_copies(self, model):
         """The .gguf's blocks for every projection and the head (mdcli.backends.weights.gguf_blocks), where the
@@ -223,9 +223,6 @@ class FastForward:
         m = tokens.shape[0]
         weights = next(f for f in self.formats if f.serves(m))
         linear, layers, head = weights.linear, weights.layers, weights.head
-        if m == 1 and mask is None and core is None and keep is not None and self.lone_step \
-                and layers is self.lone_step.layers and self.lone_step.serves(cache):
-            return self._lone_forward(tokens, positions, cache, keep, linear, head)
         if m <= self.blas_queries:
             with one_blas_thread():  # OpenBLAS's own threads would fight torch's for the cores
                 return self._forward(tokens, positions, mask, cache, keep, linear, layers, head,
@@ -257,6 +254,9 @@ class FastForward:
             attention = "fused"
             self.fused_forwards += 1
         masks = None if plan is not None else self._step_masks(mask, attention)
+        if attention == "fused" and self._native_serves(m, keep, layers, masks, cache):
+            return self._native_forward(hidden[0], cos.reshape(m, -1), sin.reshape(m, -1), masks, cache, keep,
+                                        linear, head)
         spans = self._key_spans(masks, attention)
         reach = self._read_reach(plan, mask, m, attention)  # leading cache slots read ahead in each layer
         last = len(layers) - 1
@@ -291,16 +291,22 @@ class FastForward:
         rows = _rms_norm(hidden[0, keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
 
-    def _lone_forward(self, tokens, positions, cache, keep, linear, head) -> torch.Tensor:
-        """A lone token that sees the whole cache, its layers in one native call (mdcli.backends.lone_step):
-        the same products and attention as `_forward`'s. Returns [1, V]."""
-        hidden = self._embedded(tokens)  # [1, hidden], a fresh tensor
-        cos, sin = self.inner.rotary_emb(hidden[None], positions[None])  # [1, 1, D] each
-        self.lone_step(hidden, cos.contiguous(), sin.contiguous(), cache)
+    def _native_serves(self, m: int, keep, layers, masks, cache) -> bool:
+        """Whether this forward, on the attention kernel, runs its layers in one native call: logits
+        wanted, its products on the blocks' narrow kernel, one mask kind, a cache it can write."""
+        step = self.native_step
+        return step is not None and keep is not None and layers is step.layers and m <= self.block_kernel_rows \
+            and not isinstance(masks, dict) and step.serves(cache)
+
+    def _native_forward(self, hidden, cos, sin, mask, cache, keep, linear, head) -> torch.Tensor:
+        """The step's layers in one native call (mdcli.backends.native_step): the same products and
+        attention as `_forward`'s. hidden: [M, hidden], fresh, updated in place; cos, sin: [M, D];
+        mask: the kernel's (fused.step_mask) or None. Returns [C, V]."""
+        self.native_step(hidden, cos, sin, mask, cache)
         self.fused_forwards += 1
-        self.lone_forwards += 1
-        rows = _rms_norm(hidden[keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [1, hidden]
-        return linear(rows, head, self.model.lm_head.bias)  # [1, V]
+        self.native_forwards += 1
+        rows = _rms_norm(hidden[keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
+        return linear(rows, head, self.model.lm_head.bias)  # [C, V]
 
     def _embedded(self, tokens) -> torch.Tensor:
         """[M, hidden] float32 embeddings of tokens [M]: rows of the float32 embedding, or of its

@@ -50,7 +50,7 @@ from mdcli.backends.attention import fused
 from mdcli.backends.attention.gemm import onednn_linear_works
 from mdcli.backends.attention.sparse import GATHER_COST, GATHER_COST_AVX512
 from mdcli.backends.forward_support import unsupported_reason
-from mdcli.backends.lone_step import builds as lone_step_builds
+from mdcli.backends.native_step import builds as native_step_builds
 from mdcli.backends.host import available_memory_bytes, cpu_capability, cpu_vendor
 from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import tiled as tiled_gemm
@@ -83,7 +83,7 @@ class Host:
     block_kernel: Callable[[], bool] = gguf_blocks.blocks_work
     attention_kernel: Callable[[int], bool] = fused.fused_serves  # head size -> the fused kernel serves it
     free_memory: Callable[[torch.device], int | None] = available_memory_bytes
-    lone_kernel: Callable[[], bool] = lone_step_builds
+    step_kernel: Callable[[], bool] = native_step_builds
 
     @classmethod
     def read(cls) -> Host:
@@ -143,7 +143,7 @@ class Plan:
     gather_cost: float  # a gathered cache slot in query rows (sparse attention's rule)
     sparse_attention: str  # "auto" | "off" | "always" | "prefix"
     cudnn_attention: bool  # CUDA forwards may use cuDNN's attention
-    lone_step: bool = False  # a lone token's layers run in one native call (mdcli.backends.lone_step)
+    native_step: bool = False  # a step of up to block_kernel_rows tokens runs its layers in one native call (mdcli.backends.native_step)
     static_step: bool = False  # forwards of up to 64 tokens run on static buffers, padded to a bucket (mdcli.backends.graphs)
     cuda_graphs: bool = False  # ... each bucket's captured once as a CUDA graph and replayed
     graphs_reason: str = ""  # why not, where they are not
@@ -194,11 +194,11 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     fused_attention = own_reason is None and amd_x86 and host.attention_kernel(_head_dim(model))
     if fused_attention:
         notes.append(f"{fused.FUSED_MIN_QUERIES}-{fused.FUSED_MAX_QUERIES} queries' attention on mdcli's kernel")
-    # a lone token's products on the blocks and its attention on the kernel: its layers in one call
-    # (notebook/gguf-blocks.md, "A lone token's layers in one call"; measured on a Zen 4 core)
-    lone = fused_attention and bool(blocks) and host.lone_kernel()
-    if lone:
-        notes.append("a lone token's layers in one native call")
+    # a step's products on the blocks and its attention on the kernel: its layers in one call
+    # (notebook/gguf-blocks.md, "A step's layers in one call"; measured on a Zen 4 core)
+    native = fused_attention and bool(blocks) and host.step_kernel()
+    if native:
+        notes.append(f"1-{block_kernel_rows} tokens' layers in one native call")
     if transposed and lone_blas_host:
         notes.append("one thread: a lone token on OpenBLAS")
     if tiled:
@@ -235,7 +235,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
         gather_cost=GATHER_COST_AVX512 if onednn else GATHER_COST,
         sparse_attention=settings.sparse_attention,
         cudnn_attention=settings.cudnn_attention,
-        lone_step=lone,
+        native_step=native,
         static_step=static_step,
         cuda_graphs=cuda_graphs,
         graphs_reason=graphs_reason,

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="time the parts of each engine step")
     parser.add_argument("--forwards", default="transformers,mdcli",
                         help="engine forwards to compare: transformers, mdcli, mdcli+fused (attention on the kernel), "
-                             "mdcli-lone (a lone token's layers in Python, not in one native call), "
+                             "mdcli-python (a step's layers in Python, not in one native call), "
                              "mdcli:bmm|transformers:plain|packed|transposed|openblas|padded|ahead|tiled|blocks|packed+openblas ...")
     parser.add_argument("--linears", action="store_true", help="only the linear-kernel table (no model)")
     parser.add_argument("--cpu-weights", choices=("float32", "int8"), default="float32",

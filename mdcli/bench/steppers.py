@@ -57,8 +57,8 @@ class EngineStepper:
     for forwards of up to gguf_blocks.max_rows() tokens on the .gguf's own blocks (mdcli.backends.weights.gguf_blocks,
     where the plan found them; without it, not). Each variant is the plan with those fields replaced. "mdcli+fused": the plan's own forward with every dense forward of up to
     fused.FUSED_MAX_QUERIES queries attending on mdcli's kernel, where the plan would not.
-    "mdcli-lone": the plan's own forward with a lone token's layers in Python, not in one native call
-    (mdcli.backends.lone_step).
+    "mdcli-python": the plan's own forward with every step's layers in Python, not in one native call
+    (mdcli.backends.native_step).
 
     guesses: each branch's step also verifies this many guessed tokens, a chain after its token
     (the tree a speculative step feeds, mdcli.speculative.planner); the step then continues from the last."""
@@ -79,8 +79,8 @@ class EngineStepper:
                 blocks=plan.blocks if "blocks" in copies else None))
         if forward == "mdcli+fused":  # the plan's choices, the kernel's attention
             model_forward.own = FastForward(lm.model, replace(lm.forward.plan, fused_attention=True))
-        if forward == "mdcli-lone":  # the plan's choices, a lone token's layers in Python
-            model_forward.own = FastForward(lm.model, replace(lm.forward.plan, lone_step=False))
+        if forward == "mdcli-python":  # the plan's choices, a step's layers in Python
+            model_forward.own = FastForward(lm.model, replace(lm.forward.plan, native_step=False))
         self.engine = Engine(model_forward, sliding_window=lm.sliding_window, mixed_layer_types=lm.mixed_layer_types)
         self.guesses = guesses
         outs = prefill_prompts(self.engine, prompts)

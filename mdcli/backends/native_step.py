@@ -1,17 +1,17 @@
-"""A lone token's decode step through every decoder layer in one native call.
+"""A decode step's layers in one native call.
 
-Rule: where a lone token's products run on the .gguf's blocks (mdcli.backends.weights.gguf_blocks)
-and its attention on mdcli's kernel (mdcli.backends.attention.fused), a forward of one token that
-sees the whole cache runs its layers in `lone_step` (mdcli/backends/native/lone_step.c): the norms,
-the rotary embedding, the cache writes, SiLU and the residual adds in C, around the same product
-and attention kernels, which it is handed as function pointers. The Python forward runs some twenty
-small operations a layer between its kernels, each a few microseconds for one row: about 3.5 of
-the embedded model's 19.3 ms one-branch step on a Zen 4 core (notebook/gguf-blocks.md, "A lone
-token's layers in one call").
+Rule: where a step's products run on the .gguf's blocks (mdcli.backends.weights.gguf_blocks, the
+block kernel's rows) and its attention, dense, on mdcli's kernel (mdcli.backends.attention.fused),
+the forward runs every layer in `step` (mdcli/backends/native/step.c): the norms, the rotary
+embedding, the cache writes, SiLU and the residual adds in C, around the same product and attention
+kernels, which it is handed as function pointers. The Python forward runs some twenty small
+operations a layer between its kernels, each a few microseconds whatever its rows: about 5 of the
+embedded model's 20 ms one-branch step on a Zen 4 core (notebook/gguf-blocks.md, "A step's layers
+in one call").
 
 The same products and attention on the same numbers; the norms' sums of squares in another order
 and SiLU's exp by a polynomial, so a step agrees with the Python forward to float32 rounding
-(tests/test_lone_step.py). Layers it does not serve (Qwen3's per-head norms, an activation other
+(tests/test_native_step.py). Layers it does not serve (Qwen3's per-head norms, an activation other
 than SiLU, a sliding window, a weight not in blocks) keep the Python forward: `unserved`.
 """
 
@@ -31,9 +31,9 @@ from mdcli.backends.native import build as native
 from mdcli.backends.weights import gguf_blocks
 from mdcli.backends.weights.gguf_blocks import BlockWeight, JoinedBlocks
 
-SOURCE = Path(__file__).parent / "native" / "lone_step.c"
-MAX_PARTS = 4  # lone_step.c's MAX_PARTS: the parts of one fused projection
-# The kernels' vector width; each multiply and add rounded as torch's separate operations round (lone_step.c's header).
+SOURCE = Path(__file__).parent / "native" / "step.c"
+MAX_PARTS = 4  # step.c's MAX_PARTS: the parts of one fused projection
+# The kernels' vector width; each multiply and add rounded as torch's separate operations round (step.c's header).
 FLAGS = (*native.X86_FLAGS.get(native.build_kind(native.x86_capability()), native.PLAIN_FLAGS),
          "-fno-math-errno", "-ffp-contract=off")
 
@@ -76,19 +76,21 @@ def unserved(layers: list[Layer]) -> str | None:
     return None
 
 
-class LoneStep:
-    """Callable as (hidden, cos, sin, cache) -> None: one token through every layer, `hidden`
-    ([hidden] float32, contiguous) updated in place, its keys and values written into the cache."""
+class NativeStep:
+    """Callable as (hidden, cos, sin, mask, cache) -> None: M tokens through every layer, `hidden`
+    ([M, hidden] float32, contiguous) updated in place, their keys and values written into the
+    cache's next M slots."""
 
     def __init__(self, layers: list[Layer], *, heads: int, kv_heads: int, dim: int, scale: float) -> None:
-        hidden, inter = layers[0].norm_in.shape[0], layers[0].down.shape[1]
+        self.hidden, self.inter = layers[0].norm_in.shape[0], layers[0].down.shape[1]
         self.layers = layers  # the tensors the structures point into, kept alive
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
         self.lib = library()
-        self.shape = _Shape(hidden, heads, kv_heads, dim, inter, scale, ctypes.cast(fused.library().attention, _pointer))
+        self.shape = _Shape(self.hidden, heads, kv_heads, dim, self.inter, scale,
+                            ctypes.cast(fused.library().attention, _pointer))
         self.structures = (_Layer * len(layers))(*(_layer(layer) for layer in layers))
-        self.work = torch.empty(self.lib.lone_work_floats(hidden, heads, kv_heads, dim, inter), dtype=torch.float32)
-        self.scratch = torch.empty(gguf_blocks.library().scratch_floats(max(hidden, heads * dim, inter)),
+        self.work = torch.empty(0, dtype=torch.float32)  # grown to the widest step yet
+        self.scratch = torch.empty(gguf_blocks.library().scratch_floats(max(self.hidden, heads * dim, self.inter)),
                                    dtype=torch.float32)
         self.lock = threading.Lock()  # one work buffer: one step at a time
 
@@ -103,24 +105,35 @@ class LoneStep:
         return keys.dtype == torch.float32 and keys.shape[0] == 1 and keys.stride(-1) == 1 \
             and keys.stride(-2) == self.dim and values.stride() == keys.stride()
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> None:
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: fused.StepMask | None,
+                 cache) -> None:
+        """hidden: [M, hidden]; cos, sin: [M, D] contiguous; mask: the step's (fused.step_mask) over
+        the cache's slots and these M, or None for a lone token seeing every slot."""
+        m = hidden.shape[0]
         slot, layers = cache.get_seq_length(), cache.layers
         for layer in layers:
-            layer.reserve(slot + 1)
+            layer.reserve(slot + m)
         buffers = [layer.buffers for layer in layers]  # [1, G, capacity, D] each
         count = len(buffers)
         keys = (_pointer * count)(*(k.data_ptr() for k, _ in buffers))
         values = (_pointer * count)(*(v.data_ptr() for _, v in buffers))
         strides = (_size * count)(*(k.stride(1) for k, _ in buffers))
         attention_scratch = fused._scratch(
-            fused.library().attention_scratch_floats(slot + 1, self.heads // self.kv_heads, 1, self.dim))
+            fused.library().attention_scratch_floats(slot + m, self.heads // self.kv_heads, m, self.dim))
         native.use_threads(torch.get_num_threads())
         with self.lock:
-            self.lib.lone_step(ctypes.byref(self.shape), self.structures, count, hidden.data_ptr(), cos.data_ptr(),
-                               sin.data_ptr(), keys, values, strides, slot, self.work.data_ptr(),
-                               self.scratch.data_ptr(), attention_scratch.data_ptr())
+            work = self._work(m)
+            self.lib.step(ctypes.byref(self.shape), self.structures, count, m, hidden.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), keys, values, strides, slot, None if mask is None else mask.transposed.data_ptr(),
+                          work.data_ptr(), self.scratch.data_ptr(), attention_scratch.data_ptr())
         for layer in layers:
-            layer.set_length(slot + 1)
+            layer.set_length(slot + m)
+
+    def _work(self, m: int) -> torch.Tensor:
+        floats = self.lib.step_work_floats(m, self.hidden, self.heads, self.kv_heads, self.dim, self.inter)
+        if self.work.numel() < floats:
+            self.work = torch.empty(floats, dtype=torch.float32)
+        return self.work
 
 
 def _parts(weight) -> tuple[BlockWeight, ...] | None:
@@ -156,12 +169,12 @@ def builds() -> bool:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """lone_step.c built for this machine (plain C, built on first use); None where it cannot be."""
+    """step.c built for this machine (the kernels' vector width, built on first use); None where it cannot be."""
     lib = native.load(SOURCE, FLAGS)
     if lib is None:
         return None
-    lib.lone_work_floats.argtypes, lib.lone_work_floats.restype = [_size] * 5, _size
-    lib.lone_step.argtypes = [_pointer, _pointer, _size, _pointer, _pointer, _pointer, _pointer, _pointer, _pointer,
-                              _size, _pointer, _pointer, _pointer]
-    lib.lone_step.restype = None
+    lib.step_work_floats.argtypes, lib.step_work_floats.restype = [_size] * 6, _size
+    lib.step.argtypes = [_pointer, _pointer, _size, _size, _pointer, _pointer, _pointer, _pointer, _pointer, _pointer,
+                         _size, _pointer, _pointer, _pointer, _pointer]
+    lib.step.restype = None
     return lib
