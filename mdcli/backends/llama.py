@@ -303,8 +303,7 @@ class FastForward:
         attention as `_forward`'s. hidden: [M, hidden], fresh, updated in place; cos, sin: [M, D];
         mask: the kernel's (fused.step_mask) or None. Returns [C, V]."""
         self.native_step(hidden, cos, sin, mask, cache)
-        self.fused_forwards += 1
-        self.native_forwards += 1
+        self.native_forwards += 1  # fused_forwards counted it when its attention was chosen
         rows = _rms_norm(hidden[keep], self.inner.norm.weight, self.inner.norm.variance_epsilon)  # [C, hidden]
         return linear(rows, head, self.model.lm_head.bias)  # [C, V]
 

@@ -30,6 +30,9 @@ measured on):
   with torch on one AVX2 thread, else 16) (notebook/gguf-blocks.md, "The kernel past 16 rows on one
   thread"), and wider forwards on its own GEMM on AMD's AVX-512 cores (`block_gemm`;
   notebook/gguf-blocks.md, "A prefill on the kernel's own GEMM"), else tile by tile on torch's GEMM;
+* where a step's products run on the blocks' narrow kernel and its attention on mdcli's kernel, its
+  layers run in one native call (`native_step`; notebook/gguf-blocks.md, "A step's layers in one
+  call");
 * two-token products are padded to four rows on AMD cores with AVX-512 (notebook/cpu-kernels.md,
   "Two-token forwards");
 * the cached keys and values are read ahead of a wide forward's products on AMD cores
