@@ -14,6 +14,7 @@ import torch
 from mdcli.backends import native_step
 from mdcli.backends.attention import fused
 from mdcli.backends.weights import gguf_blocks
+from mdcli.models.on_blocks import load_on_blocks
 from tests.reference import generate_alone, plain
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts
 from tests.test_kquant_files import WHOLE, transformers_load, written
@@ -113,8 +114,6 @@ def test_tiny_ggufs_lone_branches_decode_generates_tokens_in_one_call(arch, tmp_
 def test_a_q4_k_m_files_joined_parts_of_two_kinds_decode_generates_tokens_in_one_call(tmp_path):
     path = written("Q4_K_M", WHOLE, tmp_path)
     reference = transformers_load(path)
-    from mdcli.models.on_blocks import load_on_blocks
-
     model, why = load_on_blocks(path, reference.config, "sdpa")
     assert why is None, why
     prompt = random_prompts(25, [3], seed=7)[0]

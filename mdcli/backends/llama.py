@@ -62,7 +62,6 @@ from mdcli.backends.attention.prefix import JOINED_MIN_QUERIES, PrefixPlan
 from mdcli.backends.attention.sparse import plan_for
 from mdcli.backends import native_step
 from mdcli.backends.layers import Layer, fuse_layer, weight_of, with_weights
-from mdcli.backends.native_step import NativeStep
 from mdcli.backends.select import Plan
 from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights import packed as packing
@@ -189,7 +188,7 @@ class FastForward:
         formats.append(WeightFormat("packed" if self.packed else "plain", None, widest, self.layers, self.head))
         return tuple(formats)
 
-    def _native_step(self, plan: Plan) -> tuple[NativeStep | None, str]:
+    def _native_step(self, plan: Plan) -> tuple[native_step.NativeStep | None, str]:
         """The one-call step where the plan takes it and every layer is one it serves
         (mdcli.backends.native_step), else None and why not."""
         if not plan.native_step:
@@ -200,7 +199,9 @@ class FastForward:
         reason = native_step.unserved(layers)
         if reason is not None:
             return None, reason
-        return NativeStep(layers, heads=self.heads, kv_heads=self.kv_heads, dim=self.head_dim, scale=self.scaling), ""
+        step = native_step.NativeStep(layers, heads=self.heads, kv_heads=self.kv_heads, dim=self.head_dim,
+                                      scale=self.scaling)
+        return step, ""
 
     def _block_copies(self, model):
         """The .gguf's blocks for every projection and the head (mdcli.backends.weights.gguf_blocks), where the

@@ -118,8 +118,7 @@ class NativeStep:
         keys = (_pointer * count)(*(k.data_ptr() for k, _ in buffers))
         values = (_pointer * count)(*(v.data_ptr() for _, v in buffers))
         strides = (_size * count)(*(k.stride(1) for k, _ in buffers))
-        attention_scratch = fused._scratch(
-            fused.library().attention_scratch_floats(slot + m, self.heads // self.kv_heads, m, self.dim))
+        attention_scratch = fused.scores_scratch(slot + m, self.heads // self.kv_heads, m, self.dim)
         native.use_threads(torch.get_num_threads())
         with self.lock:
             work = self._work(m)

@@ -89,7 +89,7 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
     if keys.stride(3) != 1 or keys.stride(2) != dim or values.stride() != keys.stride():
         keys, values = keys.contiguous(), values.contiguous()
     out = torch.empty(m, heads * dim, dtype=torch.float32)  # [M, H * D], as the output projection reads it
-    scratch = _scratch(lib.attention_scratch_floats(n, heads // groups, m, dim))
+    scratch = scores_scratch(n, heads // groups, m, dim, lib)
     native.use_threads(torch.get_num_threads())
     lib.attention(
         queries.data_ptr(), queries.stride(0), queries.stride(1), heads, m, groups, dim, keys.data_ptr(), values.data_ptr(),
@@ -99,6 +99,12 @@ def fused_attention(query, keys, values, mask: StepMask | None, scale: float, gr
 
 
 _SCRATCH = threading.local()  # each thread's scores, kept for the next layer: forwards on two threads never share one
+
+
+def scores_scratch(n: int, per_group: int, m: int, dim: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """This thread's float32 scratch for an attention call over n slots, m queries and heads of dim,
+    per_group query heads a key/value group (lib: the build called; None: this CPU's)."""
+    return _scratch((library() if lib is None else lib).attention_scratch_floats(n, per_group, m, dim))
 
 
 def _scratch(size: int) -> torch.Tensor:
