@@ -2,15 +2,15 @@
 """A decode step's products on a file's own blocks: every matrix of a loaded model, as the step multiplies them.
 
     python benchmarks/file_products.py -m FILE [--rows 1,8] [--threads 1,2] [--rounds 6]
-    python benchmarks/file_products.py -m FILE --baseline OLD_gguf_blocks.c     # A/B two builds, one thread
+    python benchmarks/file_products.py -m FILE --baseline OLD_gguf_blocks.c [--threads 2]  # A/B two builds
     python benchmarks/file_products.py -m FILE --rows 1 --by-kind --build avx2=avx2 --build plain-codes=-DLOOKUP_ROWS=0
 
 Loads FILE (a .gguf, or a bf16/f16 folder) as mdcli does, on its blocks, and times the step's products
 (each layer's fused q/k/v, o, fused gate/up, down, and the head: gguf_reading.model_blocks) for
 forwards of each `--rows`, on each `--threads` count, in alternating rounds: the median ms per
 step (wall time: several threads' CPU time adds up) and the bytes read per second. With `--baseline`, that source and today's are built with the
-kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, one thread, alternating,
-their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
+kernels' AVX-512 (else AVX2) flags and called directly on the same blocks, alternating, on each
+`--threads` count (both builds handed mdcli's pool of threads), their ratio printed: how the notebook's kernel changes were measured (notebook/gguf-blocks.md, "The
 files users run"). With `--build NAME=FLAGS` (repeatable) today's source is also built with FLAGS
 added to the kernels' flags (`avx2`: the AVX2 build's flags instead, on an AVX-512 host), each
 build's ratio to today's printed; `--by-kind` times each weight kind's matrices apart, called the
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.bench.attention import abba  # noqa: E402  (the benchmarks' alternating timer)
-from mdcli.backends.native.build import X86_FLAGS, x86_capability  # noqa: E402
+from mdcli.backends.native.build import X86_FLAGS, pool, use_threads, x86_capability  # noqa: E402
 from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
 from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS  # noqa: E402
@@ -69,6 +69,11 @@ def built(source: Path, folder: Path, flags: str = "") -> ctypes.CDLL:
     subprocess.run(["cc", *base, "-I", str(gguf_blocks.SOURCE.parent), "-shared", "-fPIC", "-o", str(target), str(source)],
                    check=True)
     lib = ctypes.CDLL(str(target))
+    shared = pool()
+    if shared is not None and hasattr(lib, "use_pool"):  # its jobs on the threads every kernel shares
+        address = ctypes.c_void_p
+        lib.use_pool.argtypes, lib.use_pool.restype = [address, address], None
+        lib.use_pool(ctypes.cast(shared.mdcli_pool_parallel, address), ctypes.cast(shared.mdcli_pool_threads, address))
     lib.strided = hasattr(lib, "set_threads") or hasattr(lib, "use_pool")  # from the K-quants on: the output's row stride, then the scratch
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for kind in KERNEL_KINDS:
@@ -91,8 +96,8 @@ def weight_count(weights: list) -> int:
     return sum(w.shape[0] * w.shape[1] for w in weights)
 
 
-def direct_step(lib: ctypes.CDLL, weights: list, rows: int):
-    """The step's products through `lib`'s entry points, one thread."""
+def direct_step(lib: ctypes.CDLL, weights: list, rows: int, threads: int = 1):
+    """The step's products through `lib`'s entry points, on `threads` threads of the pool."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     outputs = [torch.empty(rows, w.shape[0]) for w in weights]
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [ctypes.c_int64], ctypes.c_int64
@@ -106,6 +111,7 @@ def direct_step(lib: ctypes.CDLL, weights: list, rows: int):
                                 out.data_ptr(), *stride, scratch.data_ptr())))
 
     def step():
+        use_threads(threads)
         held = (inputs, outputs, scratch)  # the memory the calls' pointers point into, alive while they run
         for product, arguments in calls:
             product(*arguments)
@@ -121,8 +127,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--baseline", type=Path, default=None, help="an older gguf_blocks.c to A/B against today's")
     parser.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
-                        help="also today's source built with FLAGS added (avx2: the AVX2 build), A/B, one thread")
-    parser.add_argument("--by-kind", action="store_true", help="each weight kind apart, called straight into the kernel, one thread")
+                        help="also today's source built with FLAGS added (avx2: the AVX2 build), A/B on each --threads count")
+    parser.add_argument("--by-kind", action="store_true", help="each weight kind apart, called straight into the kernel")
     args = parser.parse_args()
     weights = matrices(args.model)
     megabytes = sum(w.nbytes for w in weights) / 1e6
@@ -136,21 +142,20 @@ def main() -> None:
             for spec in args.build:
                 name, _, flags = spec.partition("=")
                 libs[name] = built(gguf_blocks.SOURCE, Path(folder), flags)
-            torch.set_num_threads(1)
             groups = by_kind(weights) if args.by_kind else {"all": weights}
-            for count in rows:
-                for kind, group in groups.items():
-                    medians = {name: median for name, (median, _) in abba(
-                        {name: direct_step(lib, group, count) for name, lib in libs.items()}, args.rounds,
-                        clock=time.perf_counter).items()}
-                    today = medians["today"]
-                    rate = weight_count(group) / today / 1e6  # weights a millisecond / 1e6: G weights/s
-                    # a build's time as a multiple of today's; the baseline's as before: today / baseline
-                    others = ", ".join(f"baseline {ms:.2f} ms, today / baseline {today / ms:.2f}" if name == "baseline"
-                                       else f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items()
-                                       if name != "today")
-                    print(f"{count} rows, {kind} ({sum(w.nbytes for w in group) / 1e6:,.0f} MB): today {today:.2f} ms "
-                          f"({rate:.1f} G weights/s){'; ' + others if others else ''}")
+            counts = [int(t) for t in args.threads.split(",")]
+            for count, threads, (kind, group) in ((c, t, g) for c in rows for t in counts for g in groups.items()):
+                medians = {name: median for name, (median, _) in abba(
+                    {name: direct_step(lib, group, count, threads) for name, lib in libs.items()}, args.rounds,
+                    clock=time.perf_counter).items()}
+                today = medians["today"]
+                rate = weight_count(group) / today / 1e6  # weights a millisecond / 1e6: G weights/s
+                # a build's time as a multiple of today's; the baseline's as before: today / baseline
+                others = ", ".join(f"baseline {ms:.2f} ms, today / baseline {today / ms:.2f}" if name == "baseline"
+                                   else f"{name} {ms:.2f} ms ({ms / today:.2f}x)" for name, ms in medians.items()
+                                   if name != "today")
+                print(f"{count} rows, {threads} thread(s), {kind} ({sum(w.nbytes for w in group) / 1e6:,.0f} MB): "
+                      f"today {today:.2f} ms ({rate:.1f} G weights/s){'; ' + others if others else ''}")
         return
     cases = {(count, threads): step_with(weights, count, threads)
              for count in rows for threads in (int(t) for t in args.threads.split(","))}

@@ -5,8 +5,10 @@
  *     cc -O2 -march=native benchmarks/vector_pipes.c -o /tmp/vector_pipes && /tmp/vector_pipes
  *
  * F: vfmadd231ps zmm; P: vpermps zmm; S: vpsrlvd zmm; T: vpternlogd zmm; A: vaddps zmm; D: vdpbf16ps
- * zmm (needs AVX512_BF16); f: vfmadd231ps ymm. "3F+2P+2S" is the Q4_K one-row rebuild's mix for 32
- * weights (mdcli/backends/native/gguf_blocks.c, k_weights with tables). AVX-512 hosts only. */
+ * zmm (needs AVX512_BF16); f: vfmadd231ps ymm; C: vcvtdq2ps zmm; W: vpmovzxbd zmm. "3F+2P+2S" is the
+ * Q4_K one-row rebuild's mix for 32 weights (mdcli/backends/native/gguf_blocks.c, k_weights with
+ * tables); "9F+C+W+T" an eight-row pass's for 16 weights (8 products, the bytes widened, masked,
+ * converted and scaled), "9F+S+T+C" the same in lane order, "8F+P+S" by table. AVX-512 hosts only. */
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>
@@ -35,6 +37,8 @@ int main(void) {
 #define T(j) s##j = _mm512_ternarylogic_epi32(s##j, idx, idx, 0xE4);
 #define A(j) p##j = _mm512_add_ps(p##j, b);
 #define D(j) p##j = _mm512_dpbf16_ps(p##j, (__m512bh)idx, (__m512bh)idx);
+#define C(j) p##j = _mm512_cvtepi32_ps(_mm512_castps_si512(p##j));
+#define W(j) s##j = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(s##j));
 #define f(j) y##j = _mm256_fmadd_ps(y##j, yb, yc);
 #define SUM(j) sink += _mm512_cvtss_f32(a##j) + _mm512_cvtss_f32(p##j) + _mm512_cvtss_f32(_mm512_castsi512_ps(s##j)) + _mm256_cvtss_f32(y##j);
     float sink = 0;
@@ -58,6 +62,16 @@ int main(void) {
     RUN("F+A", R8(F) R8(A))
     RUN("P+S", R8(P) R8(S))
     RUN("3F+2P+2S", R8(F) R8(P) R8(S) R8(F) R8(P) R8(S) R8(F))
+    RUN("C", R8(C))
+    RUN("W", R8(W))
+    RUN("F+C", R8(F) R8(C))
+    RUN("F+W", R8(F) R8(W))
+    RUN("F+T", R8(F) R8(T))
+#define EIGHT R8(F) R8(F) R8(F) R8(F) R8(F) R8(F) R8(F) R8(F)
+    RUN("8F", EIGHT)
+    RUN("9F+C+W+T", R8(F) R8(F) R8(F) R8(F) R8(C) R8(F) R8(F) R8(F) R8(F) R8(W) R8(F) R8(T))
+    RUN("9F+S+T+C", R8(F) R8(F) R8(F) R8(F) R8(C) R8(F) R8(F) R8(F) R8(F) R8(S) R8(F) R8(T))
+    RUN("8F+P+S", R8(F) R8(F) R8(F) R8(F) R8(P) R8(F) R8(F) R8(F) R8(F) R8(S))
     printf("(%g)\n", sink);
     return 0;
 }

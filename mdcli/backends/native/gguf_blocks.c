@@ -119,7 +119,7 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
-#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LOOKUP_ROWS */
+#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LANE_ROWS */
 #elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -259,6 +259,30 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
     static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
                                      1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
+#if defined(__AVX512F__)
+    /* by permutes of two registers' 32 inputs: the copy is redone for each thread's run of weight
+     * rows, and element by element it took as long as a run's products at 4-8 rows on two threads */
+    const ivec first = _mm512_loadu_si512((const void *)order), second = _mm512_loadu_si512((const void *)(order + 16));
+    for (int64_t r = 0; r < m; r++) {
+        const float *in = x + r * ldx;
+        float *o = out + r * k;
+        if (kind == 11)
+            for (int64_t c = 0; c < k; c += 2 * BLOCK) { /* vector j, lane l: input 4l + j of 64 */
+                const vec a0 = vload(in + c), a1 = vload(in + c + 16), a2 = vload(in + c + 32), a3 = vload(in + c + 48);
+                for (int j = 0; j < 4; j++) {
+                    const ivec index = iand(iadd(_mm512_slli_epi32(lane_index(), 2), iset1(j)), iset1(31));
+                    vstore(o + c + 16 * j, _mm512_mask_blend_ps(0xff00, _mm512_permutex2var_ps(a0, index, a1),
+                                                                _mm512_permutex2var_ps(a2, index, a3)));
+                }
+            }
+        else
+            for (int64_t c = 0; c < k; c += BLOCK) {
+                const vec a0 = vload(in + c), a1 = vload(in + c + 16);
+                vstore(o + c, _mm512_permutex2var_ps(a0, first, a1));
+                vstore(o + c + 16, _mm512_permutex2var_ps(a0, second, a1));
+            }
+    }
+#else
     for (int64_t r = 0; r < m; r++)
         if (kind == 11)
             for (int64_t c = 0; c < k; c += 2 * BLOCK)
@@ -268,6 +292,7 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
             for (int64_t c = 0; c < k; c += BLOCK)
                 for (int i = 0; i < BLOCK; i++)
                     out[r * k + c + i] = x[r * ldx + c + order[i]];
+#endif
 }
 
 #define PER (BLOCK / LANES) /* vectors per block */
@@ -546,6 +571,12 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
 #ifndef LOOKUP_ROWS
 #define LOOKUP_ROWS 2
 #endif
+/* The passes that read `kind`'s codes as `lookup` says, up to this many rows. Q6_K's has no table
+ * (q6_codes makes 64 codes in four instructions, then each 16 are cut out and converted), so it
+ * pays at every narrow pass: on a Zen 4 core a 1B model's Q6_K matrices took 0.78x, 0.86x, 0.90x,
+ * 0.98x, 0.94x and 0.96x the time at 3-8 rows in lane order (notebook/gguf-blocks.md, "Q6_K's codes
+ * in lane order at every narrow pass"). */
+#define LANE_ROWS(kind) ((kind) == 11 && LOOKUP_ROWS > 0 ? ROWS : LOOKUP_ROWS)
 #define EACH_BLOCK(kind, W, base, stride, ahead, first, count, lookup, body)                      \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
@@ -669,7 +700,7 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
             ACC(0, o, 0) = spare[o][0], ACC(0, o, 1) = spare[o][1];                        \
             spare[o][0] = t0, spare[o][1] = t1;                                            \
         }
-    EACH_BLOCK(kind, W, row, stride, ahead, b0, b1 - b0, R <= LOOKUP_ROWS, ACCUMULATE);
+    EACH_BLOCK(kind, W, row, stride, ahead, b0, b1 - b0, R <= LANE_ROWS(kind), ACCUMULATE);
 #undef ACCUMULATE
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -831,12 +862,17 @@ static inline __attribute__((always_inline)) void panel_rows_of(int O, const flo
     }
 }
 
-/* Floats of scratch a product of inner size k needs (the caller's, one per thread). */
-int64_t scratch_floats(int64_t k) { return PANEL * k; }
+/* Floats of scratch a thread's run of a product of inner size k needs: a panel of weight rows. */
+static int64_t run_scratch_floats(int64_t k) { return PANEL * k; }
 
-/* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32, y: m rows of stride ldy (>= n:
- * a product may fill some columns of a wider output), W: n rows of k / 32 blocks (k / 256
- * super-blocks for the K-quants); scratch: scratch_floats(k) floats. Up to ROWS rows: each weight
+/* Floats of scratch a product of inner size k needs (the caller's, one per thread): up to ROWS
+ * rows of x in lane order, then the calling thread's run's. */
+int64_t scratch_floats(int64_t k) { return ROWS * k + run_scratch_floats(k); }
+
+/* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32 (in lane order where the
+ * passes read the codes so: THREADED), y: m rows of stride ldy (>= n: a product may fill some
+ * columns of a wider output), W: n rows of k / 32 blocks (k / 256 super-blocks for the K-quants);
+ * scratch: run_scratch_floats(k) floats. Up to ROWS rows: each weight
  * row is read from memory once and turned into weights in registers per pass (passes after the
  * first over more rows of x find it in the core's caches). Up to ONE_REBUILD_ROWS rows (AVX2): one
  * rebuild in registers for every row. More rows: PANEL weight rows at a time written out once into
@@ -863,11 +899,7 @@ int64_t scratch_floats(int64_t k) { return PANEL * k; }
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
-        const float *x_in = x;                                                                     \
-        if (LANE_ORDERED(kind) && m <= LOOKUP_ROWS) {                                              \
-            lane_ordered(kind, x, m, k, k, scratch);                                               \
-            x_in = scratch;                                                                        \
-        }                                                                                          \
+        const float *x_in = x; /* in lane order where the pass reads codes so (THREADED) */         \
         const int64_t ahead = rows_ahead(row_bytes) * row_bytes;                                   \
         for (int64_t j = 0; j < n;) {                                                              \
             const int W_ = PAIRED(kind) && j + 1 < n ? 2 : 1;                                    \
@@ -922,7 +954,7 @@ static void split_product(rows_fn fn, const float *x, int64_t m, int64_t k, cons
     const int threads = pool_threads();
     const int64_t most = threads <= 1 || n < MIN_SPLIT_ROWS ? 1 : threads * RUNS_PER_THREAD;
     const struct product p = {fn, x, m, k, n, ldy, row_bytes, w, y, (int)(panels < most ? panels : most)};
-    parallel(p.runs, product_run, &p, scratch_floats(k), scratch);
+    parallel(p.runs, product_run, &p, run_scratch_floats(k), scratch);
 }
 
 /* ---- A prefill's products: a GEMM on panels rebuilt from the blocks (AVX-512 builds) ----------
@@ -1209,11 +1241,16 @@ int gemm_parallel(void) {
         return 1;                                                                                  \
     }
 
-/* The product on the pool's threads, each on its run of weight rows (a lone run below MIN_SPLIT_ROWS). */
+/* The product on the pool's threads, each on its run of weight rows (a lone run below MIN_SPLIT_ROWS),
+ * x put in lane order first, once, where the passes read the codes so: done in each run, the copy
+ * cost 2-6% of a 1B model's products at 4-8 rows on two threads (notebook/gguf-blocks.md). */
 #define THREADED(name, rows, kind)                                                                 \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
               int64_t ldy, float *scratch) {                                                       \
-        split_product(rows, x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch);                \
+        const int ordered = LANE_ORDERED(kind) && m <= LANE_ROWS(kind);                            \
+        if (ordered)                                                                               \
+            lane_ordered(kind, x, m, k, k, scratch);                                               \
+        split_product(rows, ordered ? scratch : x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch + ROWS * k); \
     }
 
 /* Each kind's entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches, and on AVX-512 <kind>_wide. */
