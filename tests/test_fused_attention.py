@@ -61,9 +61,9 @@ def test_the_kernel_gives_torchs_attention_for_every_step_shape(heads, groups, q
 @needs_kernel
 @pytest.mark.parametrize("heads, groups, queries", [(9, 3, 1), (32, 8, 1), (9, 3, 8), (6, 1, 2)])
 def test_attention_is_the_same_numbers_on_any_thread_count(heads, groups, queries):
-    """With torch on several threads the kernel splits the key/value groups among them, each by the
-    same code into its own columns: bit for bit the one-thread attention, lone queries (the few-rows
-    path) and stacked ones alike."""
+    """With torch on several threads the kernel splits its runs (the key/value groups) among them,
+    each by the same code into its own columns: bit for bit the one-thread attention, lone queries
+    (the few-rows path) and stacked ones alike."""
     generator = torch.Generator().manual_seed(heads + queries)
     query = torch.randn(1, heads, queries, 64, generator=generator)
     keys, values = cache_views(groups, 700, 64, generator)
@@ -79,6 +79,47 @@ def test_attention_is_the_same_numbers_on_any_thread_count(heads, groups, querie
             assert torch.equal(fused.fused_attention(query, keys, values, mask, 0.125, groups), alone), threads
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, groups, queries", [(9, 3, 1), (9, 3, 8), (6, 1, 2), (5, 5, 1)])
+@pytest.mark.parametrize("slots", [1600, 4000])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_groups_keys_in_parts_give_torchs_attention_the_same_on_any_thread_count(heads, groups, queries, slots,
+                                                                                   gathered):
+    """Where the groups are not a power of two a long cache's keys are cut into parts (2 and 5
+    here), each its own run, merged after: torch's attention within float32 rounding, rows that see
+    none of a part's keys (their weight there 0) and a row that sees one slot of the last part (that
+    slot's value, exactly); the parts come from the call's shape, so 1, 2 and 3 threads give the
+    same numbers. gathered: the keys read through chosen slots (a document's own, in place)."""
+    generator = torch.Generator().manual_seed(slots + queries)
+    query = torch.randn(1, heads, queries, 64, generator=generator)
+    keys, values = cache_views(groups, slots + 50, 64, generator)
+    chosen = torch.arange(slots) + 50 if gathered else None  # the cache's slots 50 .. slots + 49
+    seen_keys, seen_values = (keys[:, :, 50:], values[:, :, 50:]) if gathered else (keys[:, :, :slots], values[:, :, :slots])
+    if not gathered:
+        keys, values = seen_keys, seen_values
+    allowed = torch.rand(queries, slots, generator=generator) < 0.6
+    allowed[:, : slots // 2] = False  # the first parts unseen by every row
+    allowed[:, -1] = True
+    allowed[0] = False
+    allowed[0, slots - 3] = True  # query 0 sees one slot, in the last part
+    mask = torch.zeros(queries, slots).masked_fill_(~allowed, LOWEST)[None, None]
+    step_mask = fused.step_mask(mask, heads // groups)
+    expected = torch_attention(query, seen_keys, seen_values, mask, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = fused.fused_attention(query, keys, values, step_mask, 0.125, groups, slots=chosen)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(fused.fused_attention(query, keys, values, step_mask, 0.125, groups, slots=chosen),
+                               alone), threads
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(alone, expected, rtol=1e-4, atol=2e-6)
+    for head in range(heads):  # query 0's rows: its one slot's value, exactly
+        assert torch.equal(alone[0, 0, head * 64 : (head + 1) * 64], seen_values[0, head // (heads // groups), slots - 3])
 
 
 @needs_kernel

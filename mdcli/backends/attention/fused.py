@@ -17,6 +17,8 @@ no longer fills 3 of 16 lanes (Zen 5, the embedded model's one-branch step at 1,
 
 The key/value groups are split over torch's threads (mdcli/backends/native/pool.c, the one
 pool every kernel runs on), each group by the same code: the same numbers on any thread count.
+Where the groups are not a power of two, a long cache's keys are cut into parts too (each a run,
+merged after by the parts' softmax maxima and sums), the parts chosen by the call's shape alone.
 
 Exact to float32 rounding: the same scores, softmax and weighted sum in another order of float sums,
 exp by a polynomial within 2 ulp; tested against torch's attention (tests/test_fused_attention.py).

@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -347,11 +348,14 @@ static inline __attribute__((always_inline)) void weighted_values(int R, int64_t
 
 /* One group's rows (R <= FEW_ROWS) of queries q[r] (D floats each, D a multiple of LANES) over keys
  * and values [n][D]; mask_t [n][mask_stride] additive (row r at column r) or NULL -> out[r] (D floats),
- * normalized. work: FEW_ROWS * (n rounded up to LANES) floats. */
+ * normalized, or where peaks is not NULL the weighted sums not yet divided by their softmax's sums,
+ * which go to totals[r], each row's largest score to peaks[r] (a part of the keys: merged).
+ * work: FEW_ROWS * (n rounded up to LANES) floats. */
 static inline __attribute__((always_inline)) void few_rows_of(int R, const float *const *q, int64_t D, const float *k,
                                                               const float *v, int64_t n, const int64_t *slots,
                                                               const float *mask_t, int64_t mask_stride, float scale,
-                                                              float *const *out, float *work) {
+                                                              float *const *out, float *peaks, float *totals,
+                                                              float *work) {
     const int64_t padded = (n + LANES - 1) / LANES * LANES, C = D / LANES;
     float *s = work; /* s[r * padded + p] */
     vec dots[FEW_ROWS][LANES];
@@ -391,14 +395,19 @@ static inline __attribute__((always_inline)) void few_rows_of(int R, const float
         vec top = vset1(-__builtin_inff());
         for (int64_t p = 0; p < padded; p += LANES)
             top = vmax(top, vload(row + p));
-        const vec peak = vset1(_mm512_reduce_max_ps(top));
+        const float largest = _mm512_reduce_max_ps(top);
+        const vec peak = vset1(largest);
         vec total = vzero();
         for (int64_t p = 0; p < padded; p += LANES) {
             const vec e = vexp(vsub(vload(row + p), peak));
             vstore(row + p, e);
             total = vadd(total, e);
         }
-        inverse[r] = 1.0f / _mm512_reduce_add_ps(total);
+        if (peaks) {
+            peaks[r] = largest, totals[r] = _mm512_reduce_add_ps(total);
+            inverse[r] = 1.0f;
+        } else
+            inverse[r] = 1.0f / _mm512_reduce_add_ps(total);
     }
     weighted_values(R, C, D, v, n, slots, s, padded, inverse, out);
 }
@@ -406,12 +415,12 @@ static inline __attribute__((always_inline)) void few_rows_of(int R, const float
 /* few_rows_of with the rows a constant (1-4), so that their accumulators stay in registers. */
 static void few_rows(int R, const float *const *q, int64_t D, const float *k, const float *v, int64_t n,
                      const int64_t *slots, const float *mask_t, int64_t mask_stride, float scale,
-                     float *const *out, float *work) {
+                     float *const *out, float *peaks, float *totals, float *work) {
     switch (R) {
-    case 1: few_rows_of(1, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
-    case 2: few_rows_of(2, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
-    case 3: few_rows_of(3, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
-    default: few_rows_of(4, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, work); break;
+    case 1: few_rows_of(1, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, peaks, totals, work); break;
+    case 2: few_rows_of(2, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, peaks, totals, work); break;
+    case 3: few_rows_of(3, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, peaks, totals, work); break;
+    default: few_rows_of(4, q, D, k, v, n, slots, mask_t, mask_stride, scale, out, peaks, totals, work); break;
     }
 }
 #endif
@@ -433,7 +442,26 @@ int64_t attention_dim_multiple(void) { return VALUE_DIMS; }
 
 #include "pool.h"
 
-/* One attention call's arguments, split by key/value group over the threads (pool.h). */
+/* Where the key/value groups are not a power of two, a group's keys are cut into parts of at least
+ * PART_KEYS (at most MAX_PARTS), each part a run of its own, and the parts merged after: each
+ * part's weighted sums rescaled by exp(its largest score - the row's largest), as flash-decoding
+ * merges its splits. Attention runs on the pool's threads by runs, and SmolLM2's 3 groups on 2
+ * threads left one thread idle a third of the time; 6 halves share out evenly. On a Zen 4 core a
+ * step's attention over 1,825 cold slots took 0.77x the time at one query and 0.94x at eight on two
+ * threads, 1.02-1.09x on one (the parts' keys and values streamed apart). The parts depend on the
+ * call's shape alone, so its numbers are the same at any thread count (notebook/attention.md, "A
+ * group's keys in parts"). */
+#ifndef PART_KEYS
+#define PART_KEYS 768
+#endif
+#define MAX_PARTS 8
+
+static int64_t parts_of(int64_t n, int64_t G) {
+    const int64_t parts = (G & (G - 1)) == 0 ? 1 : n / PART_KEYS; /* 1, 2, 4, 8 groups share out evenly */
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
+/* One attention call's arguments, split by key/value group (and part of the keys) over the threads (pool.h). */
 struct call {
     const float *q;
     int64_t q_head, q_query, H, M, G, D;
@@ -443,35 +471,66 @@ struct call {
     const float *mask_t;
     float scale;
     float *out;
+    int64_t parts;
+    float *partials; /* parts > 1: each (group, part)'s partial_floats */
+    float *qts;      /* parts > 1, the rows' layout: each group's queries transposed (D x R), once for its parts */
 };
 
-/* Group g's attention, with this thread's scratch (attention_scratch_floats). */
-static void group_run(const void *job, int g, float *scratch) {
-    const struct call *c = job;
-    const int64_t H = c->H, M = c->M, D = c->D, per_group = H / c->G, R = attention_rows(per_group, M);
-    const float *k = c->k + g * c->group_stride, *v = c->v + g * c->group_stride;
 #if defined(__AVX512F__)
-    if (per_group * M <= FEW_ROWS && D % LANES == 0) {
-        const float *rows_q[FEW_ROWS];
-        float *rows_out[FEW_ROWS];
-        for (int64_t h = 0; h < per_group; h++)
-            for (int64_t m = 0; m < M; m++) { /* row r = h * M + m, as the mask's columns */
-                rows_q[h * M + m] = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
-                rows_out[h * M + m] = c->out + m * H * D + (g * per_group + h) * D;
-            }
-        few_rows((int)(per_group * M), rows_q, D, k, v, c->n, c->slots, c->mask_t, R, c->scale, rows_out, scratch);
-        return;
-    }
+#define FEW(per_group, M, D) ((per_group) * (M) <= FEW_ROWS && (D) % LANES == 0)
+#else
+#define FEW(per_group, M, D) 0
 #endif
-    float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
-    memset(qt, 0, (size_t)(D * R) * sizeof(float)); /* the padding rows: zero queries */
-    for (int64_t h = 0; h < per_group; h++) /* row r = h * M + m: query m of the group's head h */
+
+/* Floats of a (group, part)'s unmerged results: its weighted sums (D x R: [D][R] from the rows'
+ * layout, [R][D] from the few rows'), then its softmax's sums and its largest scores (R each). */
+static int64_t partial_floats(int64_t D, int64_t R) { return D * R + 2 * R; }
+
+/* Group g's R query rows into qt [D][R] (row r = h * M + m: query m of the group's head h; the
+ * padding rows zero). */
+static void transposed_queries(const struct call *c, int64_t g, float *qt) {
+    const int64_t M = c->M, D = c->D, per_group = c->H / c->G, R = attention_rows(per_group, M);
+    memset(qt, 0, (size_t)(D * R) * sizeof(float));
+    for (int64_t h = 0; h < per_group; h++)
         for (int64_t m = 0; m < M; m++) {
             const float *row = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
             for (int64_t d = 0; d < D; d++)
                 qt[d * R + h * M + m] = row[d];
         }
-    group_attention(qt, R, D, k, v, c->n, c->slots, c->mask_t, c->scale, ot, sum, work);
+}
+
+/* Group g's attention over keys [p0, p1), with this thread's scratch (attention_scratch_floats):
+ * normalized into the call's output where partial is NULL, else unmerged into partial. */
+static void group_keys(const struct call *c, int64_t g, int64_t p0, int64_t p1, float *partial, float *scratch) {
+    const int64_t H = c->H, M = c->M, D = c->D, per_group = H / c->G, R = attention_rows(per_group, M), n = p1 - p0;
+    const int64_t *slots = c->slots ? c->slots + p0 : NULL;
+    const int64_t first = c->slots ? 0 : p0; /* the keys' first row, where no slots are given */
+    const float *k = c->k + g * c->group_stride + first * D, *v = c->v + g * c->group_stride + first * D;
+    const float *mask_t = c->mask_t ? c->mask_t + p0 * R : NULL;
+#if defined(__AVX512F__)
+    if (FEW(per_group, M, D)) {
+        const float *rows_q[FEW_ROWS];
+        float *rows_out[FEW_ROWS];
+        for (int64_t h = 0; h < per_group; h++)
+            for (int64_t m = 0; m < M; m++) { /* row r = h * M + m, as the mask's columns */
+                rows_q[h * M + m] = c->q + (g * per_group + h) * c->q_head + m * c->q_query;
+                rows_out[h * M + m] = partial ? partial + (h * M + m) * D : c->out + m * H * D + (g * per_group + h) * D;
+            }
+        few_rows((int)(per_group * M), rows_q, D, k, v, n, slots, mask_t, R, c->scale, rows_out,
+                 partial ? partial + D * R + R : NULL, partial ? partial + D * R : NULL, scratch);
+        return;
+    }
+#endif
+    float *qt = c->qts ? c->qts + g * D * R : scratch;
+    float *ot = scratch + D * R, *sum = ot + D * R, *work = sum + R;
+    if (!c->qts)
+        transposed_queries(c, g, qt);
+    group_attention(qt, R, D, k, v, n, slots, mask_t, c->scale, ot, sum, work);
+    if (partial) { /* the sums, the softmax's sums, the rows' largest scores (left after the scores) */
+        memcpy(partial, ot, (size_t)(D * R + R) * sizeof(float));
+        memcpy(partial + D * R + R, work + n * R, (size_t)R * sizeof(float));
+        return;
+    }
     for (int64_t h = 0; h < per_group; h++)
         for (int64_t m = 0; m < M; m++) {
             const int64_t r = h * M + m;
@@ -480,6 +539,66 @@ static void group_run(const void *job, int g, float *scratch) {
             for (int64_t d = 0; d < D; d++)
                 o[d] = ot[d * R + r] * inverse;
         }
+}
+
+/* Run `index` of a call: group index / parts, its part index % parts of the keys. */
+static void part_run(const void *job, int index, float *scratch) {
+    const struct call *c = job;
+    const int64_t g = index / c->parts, part = index % c->parts;
+    const int64_t p0 = c->n * part / c->parts, p1 = c->n * (part + 1) / c->parts;
+    float *partial = c->parts > 1 ? c->partials + index * partial_floats(c->D, attention_rows(c->H / c->G, c->M)) : NULL;
+    group_keys(c, g, p0, p1, partial, scratch);
+}
+
+static inline float exp_one(float x) { /* vexp's, of one number (x <= 0) */
+#if defined(__AVX512F__)
+    return _mm512_cvtss_f32(vexp(vset1(x)));
+#else
+    return _mm256_cvtss_f32(vexp(vset1(x)));
+#endif
+}
+
+/* The parts of every group merged into the call's output: row r's sums rescaled by exp(the part's
+ * largest score - the row's), added, divided by the softmax's sums rescaled alike. */
+static void merged(const struct call *c) {
+    const int64_t H = c->H, M = c->M, D = c->D, per_group = H / c->G, R = attention_rows(per_group, M);
+    const int64_t size = partial_floats(D, R), P = c->parts;
+    const int few = FEW(per_group, M, D);
+    for (int64_t g = 0; g < c->G; g++)
+        for (int64_t r = 0; r < per_group * M; r++) {
+            const float *part = c->partials + g * P * size;
+            float top = -__builtin_inff(), weight[MAX_PARTS], total = 0.0f;
+            for (int64_t i = 0; i < P; i++)
+                top = part[i * size + D * R + R + r] > top ? part[i * size + D * R + R + r] : top;
+            for (int64_t i = 0; i < P; i++) {
+                const float peak = part[i * size + D * R + R + r];
+                weight[i] = peak == -__builtin_inff() ? 0.0f : exp_one(peak - top); /* a part the row sees none of: 0 */
+                total += weight[i] * part[i * size + D * R + r];
+            }
+            const float inverse = 1.0f / total;
+            float *o = c->out + (r % M) * H * D + (g * per_group + r / M) * D;
+            for (int64_t d = 0; d < D; d++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < P; i++)
+                    if (weight[i] != 0.0f)
+                        sum += weight[i] * part[i * size + (few ? r * D + d : d * R + r)];
+                o[d] = sum * inverse;
+            }
+        }
+}
+
+/* This thread's buffer of a call's unmerged parts, kept for the next call (the calling thread's:
+ * every layer's call reuses it). */
+static float *partials_of(int64_t floats) {
+    static __thread float *held;
+    static __thread int64_t capacity;
+    if (capacity < floats) {
+        float *grown = realloc(held, (size_t)floats * sizeof(float));
+        if (!grown)
+            return NULL;
+        held = grown, capacity = floats;
+    }
+    return held;
 }
 
 /* Every group's attention, the groups on the pool's threads. q: query head h, query m at q + h *
@@ -491,6 +610,16 @@ static void group_run(const void *job, int g, float *scratch) {
 void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
                const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
                float *out, float *scratch, const int64_t *slots) {
-    const struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, slots, mask_t, scale, out};
-    parallel((int)G, group_run, &c, attention_scratch_floats(n, H / G, M, D), scratch);
+    const int64_t R = attention_rows(H / G, M), few = FEW(H / G, M, D);
+    struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, slots, mask_t, scale, out, parts_of(n, G), NULL, NULL};
+    if (c.parts > 1 && !(c.partials = partials_of(G * c.parts * partial_floats(D, R) + (few ? 0 : G * D * R))))
+        c.parts = 1; /* no memory for the parts: whole groups */
+    if (c.parts > 1 && !few) {
+        c.qts = c.partials + G * c.parts * partial_floats(D, R);
+        for (int64_t g = 0; g < G; g++)
+            transposed_queries(&c, g, c.qts + g * D * R);
+    }
+    parallel((int)(G * c.parts), part_run, &c, attention_scratch_floats(n, H / G, M, D), scratch);
+    if (c.parts > 1)
+        merged(&c);
 }
