@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mdcli.backends.attention import fused
+from mdcli.backends.native import build
 from mdcli.backends.select import Host, select
 from tests.reference import generate_alone
 from tests.test_engine_exactness import engine_for, greedy_forest, random_prompts, tiny_model
@@ -120,6 +121,26 @@ def test_a_groups_keys_in_parts_give_torchs_attention_the_same_on_any_thread_cou
     torch.testing.assert_close(alone, expected, rtol=1e-4, atol=2e-6)
     for head in range(heads):  # query 0's rows: its one slot's value, exactly
         assert torch.equal(alone[0, 0, head * 64 : (head + 1) * 64], seen_values[0, head // (heads // groups), slots - 3])
+
+
+@pytest.mark.skipif(build.x86_capability() != "AVX512", reason="the AVX2 build beside this host's own: an AVX-512 host")
+@pytest.mark.parametrize("queries", [1, 8])
+def test_the_avx2_build_merges_a_groups_key_parts_as_the_avx512_build_does(queries):
+    """The AVX2 build (8 lanes, no few-rows path) of the same source, on an AVX-512 host where the
+    suite otherwise runs the AVX-512 build: 3 groups over 1,600 slots in 2 parts, the first unseen,
+    torch's attention within float32 rounding (on an AVX2 host the tests above run this build)."""
+    lib = fused.bound(build.load(fused.SOURCE, build.X86_FLAGS["AVX2"]))
+    generator = torch.Generator().manual_seed(queries)
+    query = torch.randn(1, 9, queries, 64, generator=generator)
+    keys, values = cache_views(3, 1600, 64, generator)
+    allowed = torch.rand(queries, 1600, generator=generator) < 0.6
+    allowed[:, :800] = False
+    allowed[:, -1] = True
+    mask = torch.zeros(queries, 1600).masked_fill_(~allowed, LOWEST)[None, None]
+    padded = torch.zeros(1600, lib.attention_rows(3, queries))  # the mask's rows padded to this build's lanes
+    padded[:, : 3 * queries] = mask[0, 0].repeat(3, 1).t()
+    ours = fused.fused_attention(query, keys, values, fused.StepMask(padded), 0.125, 3, lib)
+    torch.testing.assert_close(ours, torch_attention(query, keys, values, mask, 0.125), rtol=1e-4, atol=2e-6)
 
 
 @needs_kernel
