@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.bench.attention import abba  # noqa: E402  (the benchmarks' alternating timer)
-from mdcli.backends.native.build import X86_FLAGS, pool, use_threads, x86_capability  # noqa: E402
+from mdcli.backends.native.build import X86_FLAGS, handed_pool, use_threads, x86_capability  # noqa: E402
 from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
 from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS  # noqa: E402
@@ -68,12 +68,7 @@ def built(source: Path, folder: Path, flags: str = "") -> ctypes.CDLL:
     base = X86_FLAGS["AVX2"] if flags == "avx2" else (*X86_FLAGS[x86_capability()], *flags.split())
     subprocess.run(["cc", *base, "-I", str(gguf_blocks.SOURCE.parent), "-shared", "-fPIC", "-o", str(target), str(source)],
                    check=True)
-    lib = ctypes.CDLL(str(target))
-    shared = pool()
-    if shared is not None and hasattr(lib, "use_pool"):  # its jobs on the threads every kernel shares
-        address = ctypes.c_void_p
-        lib.use_pool.argtypes, lib.use_pool.restype = [address, address], None
-        lib.use_pool(ctypes.cast(shared.mdcli_pool_parallel, address), ctypes.cast(shared.mdcli_pool_threads, address))
+    lib = handed_pool(ctypes.CDLL(str(target)))  # its jobs on the threads every kernel shares
     lib.strided = hasattr(lib, "set_threads") or hasattr(lib, "use_pool")  # from the K-quants on: the output's row stride, then the scratch
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for kind in KERNEL_KINDS:

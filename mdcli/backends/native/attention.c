@@ -473,7 +473,6 @@ struct call {
     float *out;
     int64_t parts;
     float *partials; /* parts > 1: each (group, part)'s partial_floats */
-    float *qts;      /* parts > 1, the rows' layout: each group's queries transposed (D x R), once for its parts */
 };
 
 #if defined(__AVX512F__)
@@ -521,10 +520,8 @@ static void group_keys(const struct call *c, int64_t g, int64_t p0, int64_t p1, 
         return;
     }
 #endif
-    float *qt = c->qts ? c->qts + g * D * R : scratch;
-    float *ot = scratch + D * R, *sum = ot + D * R, *work = sum + R;
-    if (!c->qts)
-        transposed_queries(c, g, qt);
+    float *qt = scratch, *ot = qt + D * R, *sum = ot + D * R, *work = sum + R;
+    transposed_queries(c, g, qt);
     group_attention(qt, R, D, k, v, n, slots, mask_t, c->scale, ot, sum, work);
     if (partial) { /* the sums, the softmax's sums, the rows' largest scores (left after the scores) */
         memcpy(partial, ot, (size_t)(D * R + R) * sizeof(float));
@@ -610,15 +607,9 @@ static float *partials_of(int64_t floats) {
 void attention(const float *q, int64_t q_head, int64_t q_query, int64_t H, int64_t M, int64_t G, int64_t D,
                const float *k, const float *v, int64_t n, int64_t group_stride, const float *mask_t, float scale,
                float *out, float *scratch, const int64_t *slots) {
-    const int64_t R = attention_rows(H / G, M), few = FEW(H / G, M, D);
-    struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, slots, mask_t, scale, out, parts_of(n, G), NULL, NULL};
-    if (c.parts > 1 && !(c.partials = partials_of(G * c.parts * partial_floats(D, R) + (few ? 0 : G * D * R))))
+    struct call c = {q, q_head, q_query, H, M, G, D, k, v, n, group_stride, slots, mask_t, scale, out, parts_of(n, G), NULL};
+    if (c.parts > 1 && !(c.partials = partials_of(G * c.parts * partial_floats(D, attention_rows(H / G, M)))))
         c.parts = 1; /* no memory for the parts: whole groups */
-    if (c.parts > 1 && !few) {
-        c.qts = c.partials + G * c.parts * partial_floats(D, R);
-        for (int64_t g = 0; g < G; g++)
-            transposed_queries(&c, g, c.qts + g * D * R);
-    }
     parallel((int)(G * c.parts), part_run, &c, attention_scratch_floats(n, H / G, M, D), scratch);
     if (c.parts > 1)
         merged(&c);

@@ -95,8 +95,14 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library built from `source` with `flags` (built on first use), handed the pool of threads
     where it takes one (pool.h's use_pool); None if it cannot be built."""
     lib = _load_built(source, flags)
+    return None if lib is None else handed_pool(lib)
+
+
+def handed_pool(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, its jobs from now on on the one pool of threads, where it takes one (pool.h's use_pool)
+    and the pool builds here."""
     shared = pool()
-    if lib is not None and shared is not None and hasattr(lib, "use_pool"):
+    if shared is not None and hasattr(lib, "use_pool"):
         address = ctypes.c_void_p
         lib.use_pool.argtypes, lib.use_pool.restype = [address, address], None
         lib.use_pool(ctypes.cast(shared.mdcli_pool_parallel, address), ctypes.cast(shared.mdcli_pool_threads, address))

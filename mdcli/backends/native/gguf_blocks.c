@@ -260,8 +260,8 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
     static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
                                      1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
 #if defined(__AVX512F__)
-    /* by permutes of two registers' 32 inputs: the copy is redone for each thread's run of weight
-     * rows, and element by element it took as long as a run's products at 4-8 rows on two threads */
+    /* by permutes of two registers' 32 inputs, not element by element (THREADED makes the copy once
+     * per product, on the calling thread, before the runs are handed out) */
     const ivec first = _mm512_loadu_si512((const void *)order), second = _mm512_loadu_si512((const void *)(order + 16));
     for (int64_t r = 0; r < m; r++) {
         const float *in = x + r * ldx;
@@ -899,12 +899,11 @@ int64_t scratch_floats(int64_t k) { return ROWS * k + run_scratch_floats(k); }
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
-        const float *x_in = x; /* in lane order where the pass reads codes so (THREADED) */         \
         const int64_t ahead = rows_ahead(row_bytes) * row_bytes;                                   \
         for (int64_t j = 0; j < n;) {                                                              \
             const int W_ = PAIRED(kind) && j + 1 < n ? 2 : 1;                                    \
             const uint8_t *row = w + j * row_bytes;                                                \
-            const float *xr = x_in;                                                                \
+            const float *xr = x; /* in lane order where the pass reads codes so (THREADED) */      \
             float *yr = y + j;                                                                     \
             switch (m) { PASSES(kind) }                                                            \
             j += W_;                                                                               \
