@@ -7,7 +7,8 @@
  * Q8_0 w = d * q (q an int8 code), in float32. d * q is exact in float32 (an 11-bit significand
  * times at most 8 bits), so gguf-py's multiply-then-add and one fused multiply-add round the sum
  * once, the same way: the kernel multiplies by the model's own float32 weights bit for bit while
- * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. `*_dequantize` writes those weights out with the same code:
+ * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. (Q4_K's one- and two-row passes add
+ * each sub-block's minimum apart, once a super-block: MINIMUMS_APART.) `*_dequantize` writes those weights out with the same code:
  * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
  * Each output of a row of x sums its inputs in float32 on multiply-add chains (two per output
@@ -255,7 +256,9 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 
 /* x's m rows (stride ldx) in lane order into out (stride k), as `kind`'s weights hold them: Q4_K's
  * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}; Q6_K's
- * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. */
+ * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. For Q4_K on AVX-512 also
+ * each row's sums of its blocks of 32 inputs, after ROWS rows (block_sums): ORDERED_FLOATS(k) in all. */
+#define ORDERED_FLOATS(k) (ROWS * (k) + ROWS * ((k) / BLOCK))
 static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
     static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
                                      1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
@@ -280,6 +283,7 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
                 const vec a0 = vload(in + c), a1 = vload(in + c + 16);
                 vstore(o + c, _mm512_permutex2var_ps(a0, first, a1));
                 vstore(o + c + 16, _mm512_permutex2var_ps(a0, second, a1));
+                out[ROWS * k + r * (k / BLOCK) + c / BLOCK] = vsum(vadd(a0, a1)); /* block_sums */
             }
     }
 #else
@@ -497,8 +501,9 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         const vec ds = vset1(k->scale[s]), dm = vset1(k->scale[8 + s]);
         const uint8_t *codes = sb + (kind == 9 ? 16 : 48) + 32 * (s / 2);
 #if defined(__AVX512F__)
-        if (lookup && kind == 9) { /* Q4_K: a table of the 16 weights a code stands for (code_values), in lane order */
-            const vec table = vfma(ds, code_values(), dm);
+        if (lookup && kind == 9) { /* Q4_K: a table of d * scale * code (code_values), in lane order; the
+                                    * minimum's term is the pass's, once a super-block (MINIMUMS_APART) */
+            const vec table = vmul(code_values(), ds);
             const ivec bytes = both_halves(codes), nibble = iset1(4 * (s % 2));
             w[0] = _mm512_permutexvar_ps(isrlv(bytes, iadd(shift_a(), nibble)), table); /* vpermps reads the low 4 bits */
             w[1] = _mm512_permutexvar_ps(isrlv(bytes, iadd(shift_b(), nibble)), table);
@@ -557,8 +562,9 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
 }
 
 /* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block) of W
- * weight rows (1 or 2, `stride` bytes apart) passed to body(b, w) one block of 32 at a time, w[o]
- * weight row o's PER vectors; a K-quant's scales decoded once per super-block (b and count whole
+ * weight rows (1 or 2, `stride` bytes apart) passed to body(b, w, ks) one block of 32 at a time, w[o]
+ * weight row o's PER vectors, and ks: a K-quant super-block's scales per weight row (NULL for the
+ * other kinds); a K-quant's scales decoded once per super-block (b and count whole
  * super-blocks for those), a super-block ahead: decoded just before their use, their broadcast
  * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
@@ -599,7 +605,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                     vec w_[2][PER];                                                               \
                     _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                                              \
                         k_weights(kind, (base) + o_ * (stride) + B_ * bytes_of(kind), s_, &ks_[now_][o_], w_[o_], lookup); \
-                    body(B_ * SUPER + s_, w_);                                                    \
+                    body(B_ * SUPER + s_, w_, ks_[now_]);                                         \
                 }                                                                                 \
             }                                                                                     \
         } else {                                                                                  \
@@ -615,7 +621,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                     else                                                                          \
                         weights_of(kind, block_, w_[o_], lookup);                                 \
                 }                                                                                 \
-                body(b_, w_);                                                                     \
+                body(b_, w_, (const struct k_scales *)NULL);                                      \
             }                                                                                     \
         }                                                                                         \
     } while (0)
@@ -627,7 +633,7 @@ static inline int64_t row_bytes_of(int kind, int64_t k) {
 
 /* Weights [first, first + count) in 32s from `base` written out as float32 at out[32 (b - first)],
  * by the code the products use. */
-#define STORE_BLOCK(b, w)                                   \
+#define STORE_BLOCK(b, w, ks)                               \
     for (int j_ = 0; j_ < PER; j_++)                        \
         vstore(out + ((b) - first) * BLOCK + j_ * LANES, (w)[0][j_]);
 
@@ -666,6 +672,30 @@ static inline __attribute__((always_inline)) void fetch(const uint8_t *p, int64_
         __builtin_prefetch(p + f, 0, 0);
 }
 
+/* Q4_K's passes that look codes up (AVX-512, up to LOOKUP_ROWS rows) keep each sub-block's minimum
+ * apart: the table holds d * scale * code (exact in float32), and once a super-block its 8 minimums'
+ * terms, -(dmin * min), are multiplied by x's sums over those sub-blocks in one 8-lane multiply-add
+ * (x's sums made once per product, beside x in lane order: lane_ordered). Folded into each
+ * sub-block's table, the minimum cost a broadcast and a multiply-add per 32 weights: a 1B model's
+ * Q4_K matrices took 1.14x the time at one row on a Zen 4 core, 1.09x at two
+ * (notebook/gguf-blocks.md, "Q4_K's minimums apart"). The sums are then of d * scale * code * x and
+ * of the minimums' terms: the product of the same float32 weights (d * scale * code - dmin * min,
+ * rounded once) within float32 rounding, in another order. */
+#if defined(__AVX512F__)
+#define MINIMUMS_APART(kind, R) ((kind) == 9 && (R) <= LANE_ROWS(kind))
+static inline float sum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#else
+#define MINIMUMS_APART(kind, R) 0
+#endif
+
+/* Where lane_ordered leaves row r's sums of each block of 32 inputs (for MINIMUMS_APART): after
+ * ROWS rows of k inputs in lane order. */
+static inline const float *block_sums(const float *ordered, int64_t k, int r) { return ordered + ROWS * k + r * (k / BLOCK); }
+
 /* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
  * apart) -> y[r * ldy + o], added to it if `add`: each block turned into weights in registers once for
  * the R rows, `chains` multiply-add chains per (row, weight row) (2 in the passes of up to ROWS rows,
@@ -685,7 +715,22 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
      * sub-blocks). Its sums are then in another order than the wider passes' (within rounding). */
     const int pairs = R == 1 && chains == 2 && IS_SUPER(kind);
     vec spare[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}};
-#define ACCUMULATE(b, w)                                                                   \
+#if defined(__AVX512F__)
+    __m256 minimums[8][2]; /* MINIMUMS_APART: per (row, weight row), the minimums' terms in 8 lanes */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        minimums[r][0] = minimums[r][1] = _mm256_setzero_ps();
+#define MINIMUMS(b, ks)                                                                    \
+    if (MINIMUMS_APART(kind, R) && (b) % SUPER == 0)                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                \
+            _Pragma("GCC unroll 2") for (int o = 0; o < W; o++)                            \
+                minimums[r][o] = _mm256_fmadd_ps(_mm256_loadu_ps((ks)[o].scale + 8),       \
+                                                 _mm256_loadu_ps(block_sums(x, ldx, r) + (b)), minimums[r][o]);
+#else
+#define MINIMUMS(b, ks)
+#endif
+#define ACCUMULATE(b, w, ks)                                                               \
+    MINIMUMS(b, ks)                                                                        \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
         const float *in = x + r * ldx + (b) * BLOCK;                                       \
         _Pragma("GCC unroll 4") for (int j = 0; j < PER; j++) {                            \
@@ -702,13 +747,18 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
         }
     EACH_BLOCK(kind, W, row, stride, ahead, b0, b1 - b0, R <= LANE_ROWS(kind), ACCUMULATE);
 #undef ACCUMULATE
+#undef MINIMUMS
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
         for (int o = 0; o < W; o++) {
             if (pairs)
                 ACC(0, o, 0) = vadd(ACC(0, o, 0), spare[o][0]), ACC(0, o, 1) = vadd(ACC(0, o, 1), spare[o][1]);
-            const float total = vsum(chains == 2 ? vadd(ACC(r, o, 0), ACC(r, o, 1)) : ACC(r, o, 0));
+            float total = vsum(chains == 2 ? vadd(ACC(r, o, 0), ACC(r, o, 1)) : ACC(r, o, 0));
+#if defined(__AVX512F__)
+            if (MINIMUMS_APART(kind, R))
+                total += sum8(minimums[r][o]);
+#endif
             y[r * ldy + o] = add ? y[r * ldy + o] + total : total;
         }
 }
@@ -866,8 +916,8 @@ static inline __attribute__((always_inline)) void panel_rows_of(int O, const flo
 static int64_t run_scratch_floats(int64_t k) { return PANEL * k; }
 
 /* Floats of scratch a product of inner size k needs (the caller's, one per thread): up to ROWS
- * rows of x in lane order, then the calling thread's run's. */
-int64_t scratch_floats(int64_t k) { return ROWS * k + run_scratch_floats(k); }
+ * rows of x in lane order and their blocks' sums (ORDERED_FLOATS), then the calling thread's run's. */
+int64_t scratch_floats(int64_t k) { return ORDERED_FLOATS(k) + run_scratch_floats(k); }
 
 /* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32 (in lane order where the
  * passes read the codes so: THREADED), y: m rows of stride ldy (>= n: a product may fill some
@@ -1249,7 +1299,7 @@ int gemm_parallel(void) {
         const int ordered = LANE_ORDERED(kind) && m <= LANE_ROWS(kind);                            \
         if (ordered)                                                                               \
             lane_ordered(kind, x, m, k, k, scratch);                                               \
-        split_product(rows, ordered ? scratch : x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch + ROWS * k); \
+        split_product(rows, ordered ? scratch : x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch + ORDERED_FLOATS(k)); \
     }
 
 /* Each kind's entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches, and on AVX-512 <kind>_wide. */
