@@ -920,7 +920,7 @@ static int64_t run_scratch_floats(int64_t k) { return PANEL * k; }
 int64_t scratch_floats(int64_t k) { return ORDERED_FLOATS(k) + run_scratch_floats(k); }
 
 /* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32 (in lane order where the
- * passes read the codes so: THREADED), y: m rows of stride ldy (>= n: a product may fill some
+ * passes read the codes so, its blocks' sums beside it: THREADED, lane_ordered), y: m rows of stride ldy (>= n: a product may fill some
  * columns of a wider output), W: n rows of k / 32 blocks (k / 256 super-blocks for the K-quants);
  * scratch: run_scratch_floats(k) floats. Up to ROWS rows: each weight
  * row is read from memory once and turned into weights in registers per pass (passes after the
