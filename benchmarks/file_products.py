@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
 from mdcli.backends.host import cpu_line  # noqa: E402
 from mdcli.bench.attention import abba  # noqa: E402  (the benchmarks' alternating timer)
-from mdcli.backends.native.build import X86_FLAGS, handed_pool, use_threads, x86_capability  # noqa: E402
+from mdcli.backends.host import cpuinfo_fields  # noqa: E402
+from mdcli.backends.native.build import X86_FLAGS, handed_pool, host_defines, use_threads, x86_capability  # noqa: E402
 from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
 from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS  # noqa: E402
@@ -62,10 +63,12 @@ def step_with(weights: list, rows: int, threads: int):
 
 
 def built(source: Path, folder: Path, flags: str = "") -> ctypes.CDLL:
-    """`source` built with the kernels' flags for this CPU (flags "avx2": the AVX2 build's; other
-    flags are added to them), its products typed (strided or not)."""
+    """`source` built with the kernels' flags for this CPU and its host kind's defines, as mdcli builds
+    it (flags "avx2": the AVX2 build's; other flags are added to them: -UNEAR_HINTS, say, builds
+    without a Zen 4 core's hints), its products typed (strided or not)."""
     target = folder / f"{source.stem}-{abs(hash((str(source), flags)))}.so"
-    base = X86_FLAGS["AVX2"] if flags == "avx2" else (*X86_FLAGS[x86_capability()], *flags.split())
+    capability = "AVX2" if flags == "avx2" else x86_capability()
+    base = (*X86_FLAGS[capability], *host_defines(cpuinfo_fields(), capability), *([] if flags == "avx2" else flags.split()))
     subprocess.run(["cc", *base, "-I", str(gguf_blocks.SOURCE.parent), "-shared", "-fPIC", "-o", str(target), str(source)],
                    check=True)
     lib = handed_pool(ctypes.CDLL(str(target)))  # its jobs on the threads every kernel shares

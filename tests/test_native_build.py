@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from mdcli.backends.attention import fused
 from mdcli.backends.native import build
 from mdcli.backends.native.build import library_path
 from mdcli.backends.weights import gguf_blocks
+from mdcli.backends.weights.gguf_kinds import random_blocks
 
 
 def test_a_kernel_build_is_keyed_by_the_headers_beside_its_source_too(tmp_path):
@@ -34,3 +36,38 @@ def test_every_kernel_library_runs_its_jobs_on_the_one_pool_of_threads():
     finally:
         build.use_threads(torch.get_num_threads())
     assert build.pool().mdcli_pool_threads() == torch.get_num_threads()
+
+
+ZEN4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "model": "17"}
+
+
+def test_only_a_zen_4_core_builds_the_block_kernel_with_its_nearer_hints():
+    """Measured on Zen 4 alone (notebook/gguf-blocks.md, "Nearer hints on Zen 4"), so given to it alone:
+    Zen 3 (the same family, no AVX-512), Zen 5 (family 26) and Intel cores keep the non-temporal hints."""
+    assert build.host_defines(ZEN4, "AVX512") == ("-DNEAR_HINTS=1",)
+    assert build.host_defines({**ZEN4, "model": "33"}, "AVX2") == ()  # Zen 3
+    assert build.host_defines({**ZEN4, "cpu family": "26"}, "AVX512") == ()  # Zen 5
+    assert build.host_defines({"vendor_id": "GenuineIntel", "cpu family": "6", "model": "143"}, "AVX512") == ()
+    assert build.host_defines({}, None) == ()
+
+
+@pytest.mark.parametrize("kind", ["BF16", "Q4_K", "Q6_K", "Q8_0"])
+def test_the_nearer_hints_change_no_number(kind):
+    """A hint only moves bytes between the caches: the block kernel built with and without
+    NEAR_HINTS gives the same products bit for bit, at the one- and two-row passes that take them."""
+    if build.x86_capability() not in build.X86_FLAGS:
+        pytest.skip("the hints are an x86-64 build's")
+    near, far = (build.load_any(gguf_blocks.SOURCE, openmp=True, defines=(f"-DNEAR_HINTS={on}",)) for on in (1, 0))
+    if near is None or far is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(3)
+    blocks = torch.from_numpy(random_blocks(kind, 29, 768, rng))
+    for rows in (1, 2, 3):
+        x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+        outs = []
+        for lib in (gguf_blocks.bound(near), gguf_blocks.bound(far)):
+            out = torch.empty(rows, 29)
+            scratch = torch.empty(lib.scratch_floats(768))
+            lib.products[kind](x.data_ptr(), rows, 768, blocks.data_ptr(), 29, out.data_ptr(), 29, scratch.data_ptr())
+            outs.append(out)
+        assert torch.equal(*outs), rows

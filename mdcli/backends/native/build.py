@@ -51,11 +51,22 @@ def build_kind(capability: str | None) -> str:
     return capability if capability in X86_FLAGS else "PLAIN"
 
 
-def load_any(source: Path, *, openmp: bool = False) -> ctypes.CDLL | None:
-    """`source` built for this CPU, x86-64 vector widths or plain C (build_kind); None where it cannot
-    be. openmp: with OPENMP_FLAG first, without it where the compiler refuses it."""
-    flags = X86_FLAGS.get(build_kind(x86_capability()), PLAIN_FLAGS)
+def load_any(source: Path, *, openmp: bool = False, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source` built for this CPU, x86-64 vector widths or plain C (build_kind), with `defines`
+    added; None where it cannot be. openmp: with OPENMP_FLAG first, without it where the compiler
+    refuses it."""
+    flags = (*X86_FLAGS.get(build_kind(x86_capability()), PLAIN_FLAGS), *defines)
     return (openmp and load(source, (*flags, OPENMP_FLAG))) or load(source, flags)
+
+
+def host_defines(fields: dict[str, str], capability: str | None) -> tuple[str, ...]:
+    """The block kernel's settings for a host kind, from its /proc/cpuinfo `fields` and vector
+    `capability`, each measured on the kind it is given to: on a Zen 4 core (AMD, family 25 with
+    AVX-512; Zen 3, the family's other cores, has none) -DNEAR_HINTS=1, the one- and two-row
+    passes' hints into the second and third caches (gguf_blocks.c's hint: a 1B model's Q6_K
+    products 0.85-0.87x at one row; notebook/gguf-blocks.md, "Nearer hints on Zen 4"). Nothing elsewhere: Zen 5 and Intel cores were not measured so."""
+    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and capability == "AVX512"
+    return ("-DNEAR_HINTS=1",) if zen4 else ()
 
 
 POOL_SOURCE = Path(__file__).parent / "pool.c"

@@ -561,6 +561,26 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
     }
 }
 
+/* A hint that the line at p is read soon: non-temporal (prefetchnta: weights are read once a step),
+ * or, `near`, into the second and third caches (prefetcht2). On a Zen 4 core, in two runs, the
+ * one-row products of a 1B model's Q6_K matrices took 0.85-0.87x the time with the nearer hint
+ * (one thread and two), two rows 0.92-0.93x, and a bf16 folder's one row 0.79-0.96x (one thread),
+ * 0.92-1.01x (two); Q4_K 0.93-1.01x; Q4_1 and Q8_0 took 1.00-1.06x, and eight rows of Q6_K
+ * 1.03-1.07x (notebook/gguf-blocks.md, "Nearer hints on Zen 4"). So NEAR_AHEAD: those kinds' passes of one and two rows (and F16's, read as BF16's are,
+ * unmeasured), where the build asks for them (-DNEAR_HINTS=1: mdcli.backends.native.build's
+ * host_defines, on a Zen 4 host alone). */
+#ifndef NEAR_HINTS
+#define NEAR_HINTS 0
+#endif
+#define NEAR_AHEAD(kind, R) \
+    (NEAR_HINTS && (R) <= 2 && ((kind) == 3 || (kind) == 4 || (kind) == 9 || (kind) == 11)) /* F16 BF16 Q4_K Q6_K */
+static inline __attribute__((always_inline)) void hint(const uint8_t *p, int near) {
+    if (near)
+        __builtin_prefetch(p, 0, 1);
+    else
+        __builtin_prefetch(p, 0, 0);
+}
+
 /* Weights [b, b + count) (counted in 32s from `base`, a row's or a whole matrix's first block) of W
  * weight rows (1 or 2, `stride` bytes apart) passed to body(b, w, ks) one block of 32 at a time, w[o]
  * weight row o's PER vectors, and ks: a K-quant super-block's scales per weight row (NULL for the
@@ -568,7 +588,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
  * super-blocks for those), a super-block ahead: decoded just before their use, their broadcast
  * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
- * is read, a steady stream of hints (see AHEAD_BYTES). lookup: 4- and 5-bit codes looked up in a
+ * is read, a steady stream of hints (see AHEAD_BYTES; `near`: hint's). lookup: 4- and 5-bit codes looked up in a
  * table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
  * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
@@ -583,7 +603,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
  * 0.98x, 0.94x and 0.96x the time at 3-8 rows in lane order (notebook/gguf-blocks.md, "Q6_K's codes
  * in lane order at every narrow pass"). */
 #define LANE_ROWS(kind) ((kind) == 11 && LOOKUP_ROWS > 0 ? ROWS : LOOKUP_ROWS)
-#define EACH_BLOCK(kind, W, base, stride, ahead, first, count, lookup, body)                      \
+#define EACH_BLOCK(kind, W, base, stride, ahead, near, first, count, lookup, body)                \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
             const int64_t B0_ = (first) / SUPER, B1_ = ((first) + (count)) / SUPER;               \
@@ -596,7 +616,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                 if (ahead)                                                                        \
                     _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                      \
                         _Pragma("GCC unroll 4") for (int f_ = 0; f_ < bytes_of(kind); f_ += LINE_BYTES) \
-                            __builtin_prefetch((base) + o_ * (stride) + B_ * bytes_of(kind) + (ahead) + f_, 0, 0); \
+                            hint((base) + o_ * (stride) + B_ * bytes_of(kind) + (ahead) + f_, near);           \
                 if (B_ + 1 < B1_)                                                                 \
                     _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                                              \
                         k_scales_of(kind, (base) + o_ * (stride) + (B_ + 1) * bytes_of(kind), &ks_[now_ ^ 1][o_]); \
@@ -613,7 +633,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                 vec w_[2][PER];                                                                   \
                 if (ahead)                                                                      \
                     _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++)                      \
-                        __builtin_prefetch((base) + o_ * (stride) + b_ * bytes_of(kind) + (ahead), 0, 0); \
+                        hint((base) + o_ * (stride) + b_ * bytes_of(kind) + (ahead), near);                \
                 _Pragma("GCC unroll 2") for (int o_ = 0; o_ < (W); o_++) {                                                \
                     const uint8_t *block_ = (base) + o_ * (stride) + b_ * bytes_of(kind);         \
                     if (kind == 5 || kind == 6)                                                   \
@@ -639,7 +659,7 @@ static inline int64_t row_bytes_of(int kind, int64_t k) {
 
 static inline __attribute__((always_inline)) void blocks_out(int kind, const uint8_t *base, int64_t first,
                                                              int64_t count, float *out) {
-    EACH_BLOCK(kind, 1, base, 0, 0, first, count, 0, STORE_BLOCK);
+    EACH_BLOCK(kind, 1, base, 0, 0, 0, first, count, 0, STORE_BLOCK);
 }
 
 /* While one weight row is multiplied, the row AHEAD_ROWS on (the next panel, in the panels) is asked
@@ -745,7 +765,7 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
             ACC(0, o, 0) = spare[o][0], ACC(0, o, 1) = spare[o][1];                        \
             spare[o][0] = t0, spare[o][1] = t1;                                            \
         }
-    EACH_BLOCK(kind, W, row, stride, ahead, b0, b1 - b0, R <= LANE_ROWS(kind), ACCUMULATE);
+    EACH_BLOCK(kind, W, row, stride, ahead, NEAR_AHEAD(kind, R), b0, b1 - b0, R <= LANE_ROWS(kind), ACCUMULATE);
 #undef ACCUMULATE
 #undef MINIMUMS
 #pragma GCC unroll 8

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from mdcli.backends.host import cpuinfo_fields
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, random_blocks
 
@@ -368,7 +369,8 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, with OpenMP where the compiler has it:
     mdcli.backends.native.build); None where it cannot be."""
-    return None if (lib := native.load_any(SOURCE, openmp=True)) is None else bound(lib)
+    defines = native.host_defines(cpuinfo_fields(), native.x86_capability())
+    return None if (lib := native.load_any(SOURCE, openmp=True, defines=defines)) is None else bound(lib)
 
 
 def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
