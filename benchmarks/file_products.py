@@ -32,9 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's mdcli, not an installed one
 
-from mdcli.backends.host import cpu_line  # noqa: E402
+from mdcli.backends.host import cpu_line, cpuinfo_fields  # noqa: E402
 from mdcli.bench.attention import abba  # noqa: E402  (the benchmarks' alternating timer)
-from mdcli.backends.host import cpuinfo_fields  # noqa: E402
 from mdcli.backends.native.build import X86_FLAGS, handed_pool, host_defines, use_threads, x86_capability  # noqa: E402
 from mdcli.backends.weights import gguf_blocks, gguf_reading  # noqa: E402
 from mdcli.backends.weights.gguf_blocks import JoinedBlocks  # noqa: E402

@@ -63,8 +63,9 @@ def host_defines(fields: dict[str, str], capability: str | None) -> tuple[str, .
     """The block kernel's settings for a host kind, from its /proc/cpuinfo `fields` and vector
     `capability`, each measured on the kind it is given to: on a Zen 4 core (AMD, family 25 with
     AVX-512; Zen 3, the family's other cores, has none) -DNEAR_HINTS=1, the one- and two-row
-    passes' hints into the second and third caches (gguf_blocks.c's hint: a 1B model's Q6_K
-    products 0.85-0.87x at one row; notebook/gguf-blocks.md, "Nearer hints on Zen 4"). Nothing elsewhere: Zen 5 and Intel cores were not measured so."""
+    passes' hints temporal (prefetcht2), not non-temporal (gguf_blocks.c's hint: a 1B model's Q6_K
+    products 0.85-0.87x at one row; notebook/gguf-blocks.md, "Nearer hints on Zen 4"). Nothing
+    elsewhere: Zen 5 and Intel cores were not measured so."""
     zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and capability == "AVX512"
     return ("-DNEAR_HINTS=1",) if zen4 else ()
 

@@ -562,7 +562,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
 }
 
 /* A hint that the line at p is read soon: non-temporal (prefetchnta: weights are read once a step),
- * or, `near`, into the second and third caches (prefetcht2). On a Zen 4 core, in two runs, the
+ * or, `near`, temporal, into the outer caches (prefetcht2). On a Zen 4 core, in two runs, the
  * one-row products of a 1B model's Q6_K matrices took 0.85-0.87x the time with the nearer hint
  * (one thread and two), two rows 0.92-0.93x, and a bf16 folder's one row 0.79-0.96x (one thread),
  * 0.92-1.01x (two); Q4_K 0.93-1.01x; Q4_1 and Q8_0 took 1.00-1.06x, and eight rows of Q6_K
