@@ -8,7 +8,8 @@
  * times at most 8 bits), so gguf-py's multiply-then-add and one fused multiply-add round the sum
  * once, the same way: the kernel multiplies by the model's own float32 weights bit for bit while
  * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. (Q4_K's one- and two-row passes add
- * each sub-block's minimum apart, once a super-block: MINIMUMS_APART.) `*_dequantize` writes those weights out with the same code:
+ * each sub-block's minimum apart, once a super-block: MINIMUMS_APART.) `*_dequantize` writes those
+ * weights out with the same code:
  * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
  * Each output of a row of x sums its inputs in float32 on multiply-add chains (two per output
@@ -566,9 +567,9 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
  * one-row products of a 1B model's Q6_K matrices took 0.85-0.87x the time with the nearer hint
  * (one thread and two), two rows 0.92-0.93x, and a bf16 folder's one row 0.79-0.96x (one thread),
  * 0.92-1.01x (two); Q4_K 0.93-1.01x; Q4_1 and Q8_0 took 1.00-1.06x, and eight rows of Q6_K
- * 1.03-1.07x (notebook/gguf-blocks.md, "Nearer hints on Zen 4"). So NEAR_AHEAD: those kinds' passes of one and two rows (and F16's, read as BF16's are,
- * unmeasured), where the build asks for them (-DNEAR_HINTS=1: mdcli.backends.native.build's
- * host_defines, on a Zen 4 host alone). */
+ * 1.03-1.07x (notebook/gguf-blocks.md, "Nearer hints on Zen 4"). So NEAR_AHEAD: those kinds'
+ * passes of one and two rows (and F16's, read as BF16's are, unmeasured), where the build asks for
+ * them (-DNEAR_HINTS=1: mdcli.backends.native.build's host_defines, on a Zen 4 host alone). */
 #ifndef NEAR_HINTS
 #define NEAR_HINTS 0
 #endif
@@ -588,7 +589,8 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * super-blocks for those), a super-block ahead: decoded just before their use, their broadcast
  * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
- * is read, a steady stream of hints (see AHEAD_BYTES; `near`: hint's). lookup: 4- and 5-bit codes looked up in a
+ * is read, a steady stream of hints (see AHEAD_BYTES), temporal ones where `near` (hint). lookup:
+ * 4- and 5-bit codes looked up in a
  * table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
  * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
@@ -940,7 +942,8 @@ static int64_t run_scratch_floats(int64_t k) { return PANEL * k; }
 int64_t scratch_floats(int64_t k) { return ORDERED_FLOATS(k) + run_scratch_floats(k); }
 
 /* y[m][0:n] = sum_c x[m][c] * W[n][c]; x: [m, k] contiguous float32 (in lane order where the
- * passes read the codes so, its blocks' sums beside it: THREADED, lane_ordered), y: m rows of stride ldy (>= n: a product may fill some
+ * passes read the codes so, its blocks' sums beside it: THREADED, lane_ordered), y: m rows of
+ * stride ldy (>= n: a product may fill some
  * columns of a wider output), W: n rows of k / 32 blocks (k / 256 super-blocks for the K-quants);
  * scratch: run_scratch_floats(k) floats. Up to ROWS rows: each weight
  * row is read from memory once and turned into weights in registers per pass (passes after the
