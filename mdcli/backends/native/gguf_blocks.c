@@ -258,8 +258,10 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 /* x's m rows (stride ldx) in lane order into out (stride k), as `kind`'s weights hold them: Q4_K's
  * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}; Q6_K's
  * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. For Q4_K on AVX-512 also
- * each row's sums of its blocks of 32 inputs, after ROWS rows (block_sums): ORDERED_FLOATS(k) in all. */
+ * each row's sums of its blocks of 32 inputs, after ROWS rows (block_sums_at): ORDERED_FLOATS(k) in all. */
 #define ORDERED_FLOATS(k) (ROWS * (k) + ROWS * ((k) / BLOCK))
+/* Where row r's sums of its blocks of 32 inputs start, in floats from x's first row in lane order. */
+static inline int64_t block_sums_at(int64_t k, int r) { return ROWS * k + r * (k / BLOCK); }
 static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t ldx, float *out) {
     static const int order[BLOCK] = {0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30,
                                      1, 5, 9, 13, 17, 21, 25, 29, 3, 7, 11, 15, 19, 23, 27, 31};
@@ -284,7 +286,7 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
                 const vec a0 = vload(in + c), a1 = vload(in + c + 16);
                 vstore(o + c, _mm512_permutex2var_ps(a0, first, a1));
                 vstore(o + c + 16, _mm512_permutex2var_ps(a0, second, a1));
-                out[ROWS * k + r * (k / BLOCK) + c / BLOCK] = vsum(vadd(a0, a1)); /* block_sums */
+                out[block_sums_at(k, (int)r) + c / BLOCK] = vsum(vadd(a0, a1));
             }
     }
 #else
@@ -714,10 +716,6 @@ static inline float sum8(__m256 v) {
 #define MINIMUMS_APART(kind, R) 0
 #endif
 
-/* Where lane_ordered leaves row r's sums of each block of 32 inputs (for MINIMUMS_APART): after
- * ROWS rows of k inputs in lane order. */
-static inline const float *block_sums(const float *ordered, int64_t k, int r) { return ordered + ROWS * k + r * (k / BLOCK); }
-
 /* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
  * apart) -> y[r * ldy + o], added to it if `add`: each block turned into weights in registers once for
  * the R rows, `chains` multiply-add chains per (row, weight row) (2 in the passes of up to ROWS rows,
@@ -747,7 +745,7 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                \
             _Pragma("GCC unroll 2") for (int o = 0; o < W; o++)                            \
                 minimums[r][o] = _mm256_fmadd_ps(_mm256_loadu_ps((ks)[o].scale + 8),       \
-                                                 _mm256_loadu_ps(block_sums(x, ldx, r) + (b)), minimums[r][o]);
+                                                 _mm256_loadu_ps(x + block_sums_at(ldx, r) + (b)), minimums[r][o]);
 #else
 #define MINIMUMS(b, ks)
 #endif
