@@ -7,8 +7,8 @@
  * Q8_0 w = d * q (q an int8 code), in float32. d * q is exact in float32 (an 11-bit significand
  * times at most 8 bits), so gguf-py's multiply-then-add and one fused multiply-add round the sum
  * once, the same way: the kernel multiplies by the model's own float32 weights bit for bit while
- * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. (Q4_K's one- and two-row passes add
- * each sub-block's minimum apart, once a super-block: MINIMUMS_APART.) `*_dequantize` writes those
+ * reading 5 bits a weight (Q4_1) or 8.5 (Q8_0) instead of 32. (Q4_K's and Q5_K's passes that look
+ * codes up add each sub-block's minimum apart, once a super-block: MINIMUMS_APART.) `*_dequantize` writes those
  * weights out with the same code:
  * mdcli.backends.weights.gguf_blocks compares them with the model's before it uses a block copy.
  *
@@ -121,7 +121,7 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
-#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 11) /* Q4_K, Q6_K in the passes of up to LANE_ROWS */
+#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 10 || (kind) == 11) /* Q4_K, Q5_K, Q6_K in the passes of up to LANE_ROWS */
 #elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -512,6 +512,21 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
             w[1] = _mm512_permutexvar_ps(isrlv(bytes, iadd(shift_b(), nibble)), table);
             return;
         }
+        if (lookup) { /* Q5_K: as Q4_K's, with a table of the 32 weights in two registers. Each of the
+                       * sub-block's 32 code bytes is made its weight's 5-bit code in one vpternlogd
+                       * (0xca: the first operand's bits pick the second's, else the third's): bits
+                       * 0-3 its nibble, bit 4 its fifth bit (bit s of the high-bit byte at the same
+                       * place, shifted to bit 4; a whole-register shift, as no bit leaves its byte).
+                       * vpermt2ps reads a lane's low 5 bits: one shuffle per 16 weights */
+            const vec low = vmul(code_values(), ds), high = vmul(vadd(code_values(), vset1(16.0f)), ds);
+            const ivec bytes = both_halves(codes), fifth = both_halves(sb + 16);
+            const ivec moved = s < 4 ? _mm512_slli_epi32(fifth, 4 - s) : _mm512_srli_epi32(fifth, s - 4);
+            const ivec code = s % 2 ? _mm512_ternarylogic_epi32(iset1(0x0f0f0f0f), _mm512_srli_epi32(bytes, 4), moved, 0xca)
+                                    : _mm512_ternarylogic_epi32(iset1(0x10101010), moved, bytes, 0xca);
+            w[0] = _mm512_permutex2var_ps(low, isrlv(code, shift_a()), high);
+            w[1] = _mm512_permutex2var_ps(low, isrlv(code, shift_b()), high);
+            return;
+        }
 #endif
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES;
@@ -593,7 +608,7 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
  * is read, a steady stream of hints (see AHEAD_BYTES), temporal ones where `near` (hint). lookup:
  * 4- and 5-bit codes looked up in a
- * table of their weights, and Q4_K's and Q6_K's codes read in lane order (AVX-512; the same
+ * table of their weights, and the K-quants' codes read in lane order (Q4_K, Q5_K, Q6_K) (AVX-512; the same
  * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
  * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md;
@@ -605,8 +620,11 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * (q6_codes makes 64 codes in four instructions, then each 16 are cut out and converted), so it
  * pays at every narrow pass: on a Zen 4 core a 1B model's Q6_K matrices took 0.78x, 0.86x, 0.90x,
  * 0.98x, 0.94x and 0.96x the time at 3-8 rows in lane order (notebook/gguf-blocks.md, "Q6_K's codes
- * in lane order at every narrow pass"). */
-#define LANE_ROWS(kind) ((kind) == 11 && LOOKUP_ROWS > 0 ? ROWS : LOOKUP_ROWS)
+ * in lane order at every narrow pass"). Q5_K's table (32 weights, two registers) pays up to 4 rows:
+ * its Q5_K matrices (of a Q5_K_M file) took 0.75x the time at one row, 0.82-0.83x at two,
+ * 0.86-0.89x at three and 0.90-0.96x at four (one thread and two), 0.97-1.01x at five and six,
+ * 1.07x at seven, 1.15x at eight (notebook/gguf-blocks.md, "Q5_K looked up"). */
+#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 11 ? ROWS : (kind) == 10 ? 4 : LOOKUP_ROWS)
 #define EACH_BLOCK(kind, W, base, stride, ahead, near, first, count, lookup, body)                \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
@@ -696,7 +714,7 @@ static inline __attribute__((always_inline)) void fetch(const uint8_t *p, int64_
         __builtin_prefetch(p + f, 0, 0);
 }
 
-/* Q4_K's passes that look codes up (AVX-512, up to LOOKUP_ROWS rows) keep each sub-block's minimum
+/* Q4_K's and Q5_K's passes that look codes up (AVX-512, up to LANE_ROWS rows) keep each sub-block's minimum
  * apart: the table holds d * scale * code (exact in float32), and once a super-block its 8 minimums'
  * terms, -(dmin * min), are multiplied by x's sums over those sub-blocks in one 8-lane multiply-add
  * (x's sums made once per product, beside x in lane order: lane_ordered). Folded into each
@@ -706,7 +724,7 @@ static inline __attribute__((always_inline)) void fetch(const uint8_t *p, int64_
  * of the minimums' terms: the product of the same float32 weights (d * scale * code - dmin * min,
  * rounded once) within float32 rounding, in another order. */
 #if defined(__AVX512F__)
-#define MINIMUMS_APART(kind, R) ((kind) == 9 && (R) <= LANE_ROWS(kind))
+#define MINIMUMS_APART(kind, R) (((kind) == 9 || (kind) == 10) && (R) <= LANE_ROWS(kind))
 static inline float sum8(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
