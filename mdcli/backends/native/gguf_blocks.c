@@ -121,7 +121,7 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
-#define LANE_ORDERED(kind) ((kind) == 9 || (kind) == 10 || (kind) == 11) /* Q4_K, Q5_K, Q6_K in the passes of up to LANE_ROWS */
+#define LANE_ORDERED(kind) ((kind) >= 8) /* Q3_K, Q4_K, Q5_K, Q6_K in the passes of up to LANE_ROWS */
 #elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -446,6 +446,22 @@ static inline void k_unpacked(const uint8_t *q, uint8_t bytes[16]) { /* the same
 }
 #endif
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+/* A Q3_K super-block's 16 six-bit scales (unsigned, before the - 32) from their 12 packed bytes at
+ * q, as 32-bit words u0 u1 u2: scales 0-3 = (u0 & 0x0f..) | (u2 & 0x03..) << 4, 4-7 = (u1 & 0x0f..) |
+ * ((u2 >> 2) & 0x03..) << 4, 8-11 = ((u0 >> 4) & 0x0f..) | ((u2 >> 4) & 0x03..) << 4, 12-15 = ((u1 >> 4)
+ * & 0x0f..) | ((u2 >> 6) & 0x03..) << 4. Reads the 16 bytes from q - 4 (the block's high bits end there;
+ * its last 2 bytes, d, after): decoded one by one, the scales took a seventh of a lone row's Q3_K product. */
+static inline __m128i q3_unpacked(const uint8_t *q) {
+    const __m128i u = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(q - 4)), 4); /* u0 u1 u2 0 */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
+                                      _mm_set1_epi32(0x0f0f0f0f));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6)),
+                                       _mm_set1_epi32(0x03030303));
+    return _mm_or_si128(low, _mm_slli_epi32(high, 4));
+}
+#endif
+
 static inline __attribute__((always_inline)) void k_scales_of(int kind, const uint8_t *sb, struct k_scales *k) {
     if (kind == 9 || kind == 10) { /* Q4_K, Q5_K: d * scale and -(dmin * min) = (-dmin) * min per sub-block */
         const float d = half_at(sb), minus_dmin = -half_at(sb + 2);
@@ -484,9 +500,22 @@ static inline __attribute__((always_inline)) void k_scales_of(int kind, const ui
             k->scale[g] = d * (float)(sb[g] & 15);
             k->offset[g] = -(dmin * (float)(sb[g] >> 4));
         }
-    } else { /* Q3_K: d * (a 6-bit scale - 32) per 16, its low 4 bits and high 2 bits packed apart */
+    } else { /* Q3_K: d * (a 6-bit scale - 32) per 16, its low 4 bits and high 2 bits packed apart (no offset) */
         const uint8_t *scales = sb + 96;
         const float d = half_at(sb + 108);
+#if defined(__AVX2__) || defined(__AVX512F__)
+        const __m128i codes = q3_unpacked(scales);
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(k->scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                                     _mm512_cvtepu8_epi32(codes), _mm512_set1_epi32(32)))));
+#else
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(k->scale + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                                                  _mm256_cvtepu8_epi32(h ? _mm_srli_si128(codes, 8) : codes),
+                                                                  _mm256_set1_epi32(32)))));
+#endif
+        return;
+#endif
         for (int g = 0; g < 16; g++) {
             const int low = g < 8 ? scales[g] & 15 : scales[g - 8] >> 4;
             const int high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
@@ -569,6 +598,29 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         }
     } else { /* Q3_K: w = (d * (scale - 32)) * (q - 4 * (1 - high bit)), a 6-bit scale every 16 */
         const int h = s / 4, u = s % 4;
+#if defined(__AVX512F__)
+        if (lookup) { /* in lane order: a table of the sub-block's 16 weights, entry 2c + g the 3-bit code c
+                       * (2 low bits | high bit << 2) minus 4, times the scale of the sub-block's group g
+                       * (its first 16 weights, its second). Each of its 32 code bytes is made its entry
+                       * in two vpternlogd (0xca: the first operand's bits pick the second's, else the
+                       * third's): bit 0 its group, bits 1-2 its low bits, bit 3 its high bit */
+            const ivec low = both_halves(sb + 32 + 32 * h), high = both_halves(sb);
+            const ivec low_at_1 = u == 0 ? _mm512_slli_epi32(low, 1) : _mm512_srli_epi32(low, 2 * u - 1);
+            const ivec high_at_3 = s < 3 ? _mm512_slli_epi32(high, 3 - s) : _mm512_srli_epi32(high, s - 3);
+            /* lane i of each half holds the bytes at places 4i .. 4i + 3: the second group's from lane 4 */
+            const ivec group = _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
+                                                 0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101);
+            const ivec code = _mm512_ternarylogic_epi32(iset1(0x06060606), low_at_1,
+                                                        _mm512_ternarylogic_epi32(iset1(0x01010101), group, high_at_3, 0xca), 0xca);
+            const vec values = vadd(vfloat(isrl(lane_index(), 1)), vset1(-4.0f)); /* entry 2c + g: c - 4 */
+            double pair; /* the two groups' scales, one broadcast: g, g + 1, g, g + 1, ... */
+            memcpy(&pair, k->scale + 2 * s, sizeof pair);
+            const vec table = vmul(values, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+            w[0] = _mm512_permutexvar_ps(isrlv(code, shift_a()), table);
+            w[1] = _mm512_permutexvar_ps(isrlv(code, shift_b()), table);
+            return;
+        }
+#endif
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES;
             const ivec q2 = iand(isrl(ibytes(sb + 32 + h * 32 + o), 2 * u), iset1(3));
@@ -607,9 +659,9 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
  * is read, a steady stream of hints (see AHEAD_BYTES), temporal ones where `near` (hint). lookup:
- * 4- and 5-bit codes looked up in a
- * table of their weights, and the K-quants' codes read in lane order (Q4_K, Q5_K, Q6_K) (AVX-512; the same
- * numbers, x lane-ordered to match), for passes of up to LOOKUP_ROWS rows, where the rebuild is
+ * 3-, 4- and 5-bit codes looked up in a table of their weights, and the K-quants' codes (Q3_K to
+ * Q6_K) read in lane order (AVX-512; the same numbers, x lane-ordered to match), for passes of up to
+ * LOOKUP_ROWS rows (LANE_ROWS for the K-quants), where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
  * the tables, its eight-row products 1.08x, so the wider passes convert (notebook/gguf-blocks.md;
  * -DLOOKUP_ROWS=0 builds without them, for `benchmarks/file_products.py --build` to compare). */
@@ -623,8 +675,11 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * in lane order at every narrow pass"). Q5_K's table (32 weights, two registers) pays up to 4 rows:
  * its Q5_K matrices (of a Q5_K_M file) took 0.75x the time at one row, 0.82-0.83x at two,
  * 0.86-0.89x at three and 0.90-0.96x at four (one thread and two), 0.97-1.01x at five and six,
- * 1.07x at seven, 1.15x at eight (notebook/gguf-blocks.md, "Q5_K looked up"). */
-#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 11 ? ROWS : (kind) == 10 ? 4 : LOOKUP_ROWS)
+ * 1.07x at seven, 1.15x at eight (notebook/gguf-blocks.md, "Q5_K looked up"). Q3_K's (16 weights, its
+two groups' scales in one register, no minimums) pays at every narrow pass: a 1B model's Q3_K
+matrices (of a Q3_K_M file) took 0.64-0.68x the time at one and two rows, 0.73x at three, 0.79-0.80x
+at four, 0.88-0.90x at eight (notebook/gguf-blocks.md, "Q3_K looked up"). */
+#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 8 || (kind) == 11 ? ROWS : (kind) == 10 ? 4 : LOOKUP_ROWS)
 #define EACH_BLOCK(kind, W, base, stride, ahead, near, first, count, lookup, body)                \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
