@@ -668,18 +668,18 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
 #ifndef LOOKUP_ROWS
 #define LOOKUP_ROWS 2
 #endif
-/* The passes that read `kind`'s codes as `lookup` says, up to this many rows. Q6_K's has no table
- * (q6_codes makes 64 codes in four instructions, then each 16 are cut out and converted), so it
- * pays at every narrow pass: on a Zen 4 core a 1B model's Q6_K matrices took 0.78x, 0.86x, 0.90x,
- * 0.98x, 0.94x and 0.96x the time at 3-8 rows in lane order (notebook/gguf-blocks.md, "Q6_K's codes
- * in lane order at every narrow pass"). Q5_K's table (32 weights, two registers) pays up to 4 rows:
- * its Q5_K matrices (of a Q5_K_M file) took 0.75x the time at one row, 0.82-0.83x at two,
- * 0.86-0.89x at three and 0.90-0.96x at four (one thread and two), 0.97-1.01x at five and six,
- * 1.07x at seven, 1.15x at eight (notebook/gguf-blocks.md, "Q5_K looked up"). Q3_K's (16 weights, its
-two groups' scales in one register, no minimums) pays at every narrow pass: a 1B model's Q3_K
-matrices (of a Q3_K_M file) took 0.64-0.68x the time at one and two rows, 0.73x at three, 0.79-0.80x
-at four, 0.88-0.90x at eight (notebook/gguf-blocks.md, "Q3_K looked up"). */
-#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 8 || (kind) == 11 ? ROWS : (kind) == 10 ? 4 : LOOKUP_ROWS)
+/* The passes that read `kind`'s codes as `lookup` says, up to this many rows (measured on a Zen 4
+ * core, a 1B model's matrices, one thread and two; notebook/gguf-blocks.md):
+ * - Q6_K's has no table (q6_codes makes 64 codes in four instructions, then each 16 are cut out and
+ *   converted), and pays at every narrow pass: 0.78x, 0.86x, 0.90x, 0.98x, 0.94x and 0.96x the time
+ *   at 3-8 rows in lane order ("Q6_K's codes in lane order at every narrow pass").
+ * - Q5_K's table (32 weights, two registers) pays up to 4 rows: 0.75x the time at one row, 0.82-0.83x
+ *   at two, 0.86-0.89x at three, 0.90-0.96x at four, 0.97-1.01x at five and six, 1.07x at seven and
+ *   1.15x at eight ("Q5_K looked up"). Q4_K's as well: 0.86-0.88x at three rows, 0.95-0.96x at four.
+ * - Q3_K's (16 weights, its two groups' scales in one register, no minimums) pays at every narrow
+ *   pass: 0.64-0.68x at one and two rows, 0.73x at three, 0.79-0.80x at four, 0.88-0.90x at eight
+ *   ("Q3_K looked up"). */
+#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 8 || (kind) == 11 ? ROWS : (kind) == 9 || (kind) == 10 ? 4 : LOOKUP_ROWS)
 #define EACH_BLOCK(kind, W, base, stride, ahead, near, first, count, lookup, body)                \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
