@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.random_gguf import MIXES, tensor_kind, write
+from mdcli.backends.native import build
 from mdcli.backends.select import select
 from mdcli.backends.weights import gguf_blocks, gguf_reading
 from mdcli.backends.weights.gguf_blocks import BlockWeight, JoinedBlocks, block_linear, dequantize, matches
@@ -260,3 +261,28 @@ def test_mdcli_info_names_what_each_matrix_of_a_q4_k_m_file_is_held_as(tmp_path)
     assert result.exit_code == 0, result.output
     assert "weights held as: q/k/v Q4_K or Q4_K+Q6_K, o Q4_K, gate/up Q4_K, down Q4_K or Q6_K, head Q6_K" in result.output
     assert "type " not in result.output and "float32 weights loaded" not in result.output
+
+
+@needs_kernel
+@pytest.mark.skipif(build.x86_capability() != "AVX512", reason="the AVX2 build beside this host's own: an AVX-512 host")
+def test_the_avx2_build_rebuilds_and_multiplies_every_kind_as_gguf_py_weights_are():
+    """The AVX2 build of the same source (8 lanes; no tables, no lane order; Q3_K's and the other
+    K-quants' scales unpacked in its own registers), on an AVX-512 host where the tests above run the
+    AVX-512 build: every kind rebuilt into gguf-py's weights bit for bit, and its products at 1-9 rows
+    (its passes of up to 4 rows, its shared rebuilds, its panels) within float32 rounding of the
+    float64 product (on an AVX2 host the tests above run this build)."""
+    lib = gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX2"]))
+    rng = np.random.default_rng(11)
+    for kind in KERNEL_KINDS:
+        weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 37, 768, rng)), 768)
+        expected = gguf_blocks.reference_weights(weight)
+        rebuilt = torch.empty(37, 768)
+        getattr(lib, f"{kind.lower()}_dequantize")(weight.data.data_ptr(), 37, 768, rebuilt.data_ptr())
+        assert torch.equal(rebuilt, expected), kind
+        scratch = torch.empty(lib.scratch_floats(768))
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+            ours = torch.empty(rows, 37)
+            lib.products[kind](x.data_ptr(), rows, 768, weight.data.data_ptr(), 37, ours.data_ptr(), 37, scratch.data_ptr())
+            exact = x.double() @ expected.double().T
+            assert bool(((ours.double() - exact).abs() <= rounding_bound(x, expected)).all()), (kind, rows)

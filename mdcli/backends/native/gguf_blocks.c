@@ -450,8 +450,9 @@ static inline void k_unpacked(const uint8_t *q, uint8_t bytes[16]) { /* the same
 /* A Q3_K super-block's 16 six-bit scales (unsigned, before the - 32) from their 12 packed bytes at
  * q, as 32-bit words u0 u1 u2: scales 0-3 = (u0 & 0x0f..) | (u2 & 0x03..) << 4, 4-7 = (u1 & 0x0f..) |
  * ((u2 >> 2) & 0x03..) << 4, 8-11 = ((u0 >> 4) & 0x0f..) | ((u2 >> 4) & 0x03..) << 4, 12-15 = ((u1 >> 4)
- * & 0x0f..) | ((u2 >> 6) & 0x03..) << 4. Reads the 16 bytes from q - 4 (the block's high bits end there;
- * its last 2 bytes, d, after): decoded one by one, the scales took a seventh of a lone row's Q3_K product. */
+ * & 0x0f..) | ((u2 >> 6) & 0x03..) << 4. Reads the 16 bytes from q - 4 (the last 4 of the block's
+ * 2-bit codes, then the 12), never past the block, whose d follows. Decoded one by one, the scales
+ * took a seventh of a lone row's Q3_K product. */
 static inline __m128i q3_unpacked(const uint8_t *q) {
     const __m128i u = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(q - 4)), 4); /* u0 u1 u2 0 */
     const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
