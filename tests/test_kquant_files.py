@@ -52,9 +52,9 @@ def test_every_kind_is_rebuilt_into_gguf_pys_weights_bit_for_bit(kind):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40])
 def test_products_of_every_kind_are_float32_products_of_its_weights(kind, rows):
     """Every pass size (the narrow passes, among them those that read codes in lane order: Q4_K's
-    and Q5_K's at 1-4 rows, Q3_K's and Q6_K's at 1-8; the shared rebuilds, the wide panels and the
-    tiles of a prefill) over 768 inputs (three super-blocks; two spans of 24 blocks): within
-    float32 rounding of the float64 product."""
+    and Q5_K's at 1-4 rows, Q2_K's, Q3_K's and Q6_K's at 1-8; the shared rebuilds, the wide panels
+    and the tiles of a prefill) over 768 inputs (three super-blocks; two spans of 24 blocks):
+    within float32 rounding of the float64 product."""
     rng = np.random.default_rng(rows)
     weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 37, 768, rng)), 768)
     weights = gguf_blocks.reference_weights(weight)
@@ -266,11 +266,11 @@ def test_mdcli_info_names_what_each_matrix_of_a_q4_k_m_file_is_held_as(tmp_path)
 @needs_kernel
 @pytest.mark.skipif(build.x86_capability() != "AVX512", reason="the AVX2 build beside this host's own: an AVX-512 host")
 def test_the_avx2_build_rebuilds_and_multiplies_every_kind_as_gguf_py_weights_are():
-    """The AVX2 build of the same source (8 lanes; no tables, no lane order; Q3_K's and the other
-    K-quants' scales unpacked in its own registers), on an AVX-512 host where the tests above run the
-    AVX-512 build: every kind rebuilt into gguf-py's weights bit for bit, and its products at 1-9 rows
-    (its passes of up to 4 rows, its shared rebuilds, its panels) within float32 rounding of the
-    float64 product (on an AVX2 host the tests above run this build)."""
+    """The AVX2 build of the same source (8 lanes; no tables, no lane order; Q2_K's, Q3_K's and
+    the other K-quants' scales unpacked in its own registers), on an AVX-512 host where the tests
+    above run the AVX-512 build: every kind rebuilt into gguf-py's weights bit for bit, and its
+    products at 1-9 rows (its passes of up to 4 rows, its shared rebuilds, its panels) within
+    float32 rounding of the float64 product (on an AVX2 host the tests above run this build)."""
     lib = gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX2"]))
     rng = np.random.default_rng(11)
     for kind in KERNEL_KINDS:

@@ -121,7 +121,7 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
-#define LANE_ORDERED(kind) ((kind) >= 8) /* Q3_K, Q4_K, Q5_K, Q6_K in the passes of up to LANE_ROWS */
+#define LANE_ORDERED(kind) ((kind) >= 7) /* the K-quants (Q2_K to Q6_K) in the passes of up to LANE_ROWS */
 #elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -495,8 +495,21 @@ static inline __attribute__((always_inline)) void k_scales_of(int kind, const ui
         for (int g = 0; g < 16; g++)
             k->scale[g] = d * (float)((const int8_t *)(sb + 192))[g];
 #endif
-    } else if (kind == 7) { /* Q2_K: d * a 4-bit scale, -(dmin * a 4-bit min) per 16 */
+    } else if (kind == 7) { /* Q2_K: d * a 4-bit scale, -(dmin * a 4-bit min) = (-dmin) * min per 16 */
         const float d = half_at(sb + 80), dmin = half_at(sb + 82);
+#if defined(__AVX512F__)
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sb));
+        _mm512_storeu_ps(k->scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)))));
+        _mm512_storeu_ps(k->offset, _mm512_mul_ps(_mm512_set1_ps(-dmin), _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4))));
+        return;
+#elif defined(__AVX2__)
+        for (int h = 0; h < 2; h++) {
+            const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8 * h)));
+            _mm256_storeu_ps(k->scale + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15)))));
+            _mm256_storeu_ps(k->offset + 8 * h, _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4))));
+        }
+        return;
+#endif
         for (int g = 0; g < 16; g++) {
             k->scale[g] = d * (float)(sb[g] & 15);
             k->offset[g] = -(dmin * (float)(sb[g] >> 4));
@@ -592,6 +605,26 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         }
     } else if (kind == 7) { /* Q2_K: w = (d * scale) * q - dmin * min, a 4-bit scale and min every 16 */
         const int h = s / 4, u = s % 4;
+#if defined(__AVX512F__)
+        if (lookup) { /* as Q3_K's: in lane order, a table of the sub-block's 8 weights (twice over: a
+                       * lane's index bit 3 is left unclear), entry 2c + g the 2-bit code c times the
+                       * scale of the sub-block's group g plus its offset (one multiply-add, rounded once
+                       * as the weight is); each code byte made its entry in one vpternlogd */
+            const ivec low = both_halves(sb + 16 + 32 * h);
+            const ivec low_at_1 = u == 0 ? _mm512_slli_epi32(low, 1) : _mm512_srli_epi32(low, 2 * u - 1);
+            const ivec group = _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
+                                                 0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101);
+            const ivec code = _mm512_ternarylogic_epi32(iset1(0x06060606), low_at_1, group, 0xca);
+            const vec values = vfloat(iand(isrl(lane_index(), 1), iset1(3))); /* entry 2c + g: c */
+            double scales, offsets; /* the two groups', each pair one broadcast: g, g + 1, g, g + 1, ... */
+            memcpy(&scales, k->scale + 2 * s, sizeof scales);
+            memcpy(&offsets, k->offset + 2 * s, sizeof offsets);
+            const vec table = vfma(values, _mm512_castpd_ps(_mm512_set1_pd(scales)), _mm512_castpd_ps(_mm512_set1_pd(offsets)));
+            w[0] = _mm512_permutexvar_ps(isrlv(code, shift_a()), table);
+            w[1] = _mm512_permutexvar_ps(isrlv(code, shift_b()), table);
+            return;
+        }
+#endif
         for (int j = 0; j < PER; j++) {
             const int o = j * LANES, g = 2 * s + o / 16;
             const ivec q = iand(isrl(ibytes(sb + 16 + h * 32 + o), 2 * u), iset1(3));
@@ -660,7 +693,7 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * loads waited on the stores that made them, and a one-row Q4_K product took 1.2x the time on a Zen
  * 5 core. `ahead` (bytes; 0: none): each block's bytes that far on are asked into the caches as it
  * is read, a steady stream of hints (see AHEAD_BYTES), temporal ones where `near` (hint). lookup:
- * 3-, 4- and 5-bit codes looked up in a table of their weights, and the K-quants' codes (Q3_K to
+ * 2- to 5-bit codes looked up in a table of their weights, and the K-quants' codes (Q2_K to
  * Q6_K) read in lane order (AVX-512; the same numbers, x lane-ordered to match), for passes of up to
  * LOOKUP_ROWS rows (LANE_ROWS for the K-quants), where the rebuild is
  * most of the work: on a Zen 5 core the embedded model's one-row products took 0.88x the time with
@@ -679,8 +712,9 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  *   1.15x at eight ("Q5_K looked up"). Q4_K's as well: 0.86-0.88x at three rows, 0.95-0.96x at four.
  * - Q3_K's (16 weights, its two groups' scales in one register, no minimums) pays at every narrow
  *   pass: 0.64-0.68x at one and two rows, 0.73x at three, 0.79-0.80x at four, 0.88-0.90x at eight
- *   ("Q3_K looked up"). */
-#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 8 || (kind) == 11 ? ROWS : (kind) == 9 || (kind) == 10 ? 4 : LOOKUP_ROWS)
+ *   ("Q3_K looked up"). Q2_K's too (8 weights, its offsets in the table): 0.51-0.52x at one row,
+ *   0.58-0.59x at two, 0.57x at three, 0.61-0.62x at four, 0.68-0.70x at eight ("Q2_K looked up"). */
+#define LANE_ROWS(kind) (LOOKUP_ROWS == 0 ? 0 : (kind) == 7 || (kind) == 8 || (kind) == 11 ? ROWS : (kind) == 9 || (kind) == 10 ? 4 : LOOKUP_ROWS)
 #define EACH_BLOCK(kind, W, base, stride, ahead, near, first, count, lookup, body)                \
     do {                                                                                          \
         if (IS_SUPER(kind)) {                                                                     \
