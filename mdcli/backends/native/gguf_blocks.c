@@ -707,9 +707,10 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * - Q6_K's has no table (q6_codes makes 64 codes in four instructions, then each 16 are cut out and
  *   converted), and pays at every narrow pass: 0.78x, 0.86x, 0.90x, 0.98x, 0.94x and 0.96x the time
  *   at 3-8 rows in lane order ("Q6_K's codes in lane order at every narrow pass").
- * - Q5_K's table (32 weights, two registers) pays up to 4 rows: 0.75x the time at one row, 0.82-0.83x
- *   at two, 0.86-0.89x at three, 0.90-0.96x at four, 0.97-1.01x at five and six, 1.07x at seven and
- *   1.15x at eight ("Q5_K looked up"). Q4_K's as well: 0.86-0.88x at three rows, 0.95-0.96x at four.
+ * - Q5_K's table (32 weights, two registers) pays up to 4 rows: 0.76-0.78x the time at one row,
+ *   0.81-0.82x at two, 0.82-0.86x at three, 0.90-0.93x at four; at every narrow pass it took
+ *   0.97-1.01x at five and six rows, 1.07x at seven and 1.15x at eight ("Q5_K looked up"). Q4_K's
+ *   as well: 0.86-0.88x at three rows, 0.95-0.96x at four.
  * - Q3_K's (16 weights, its two groups' scales in one register, no minimums) pays at every narrow
  *   pass: 0.64-0.68x at one and two rows, 0.73x at three, 0.79-0.80x at four, 0.88-0.90x at eight
  *   ("Q3_K looked up"). Q2_K's too (8 weights, its offsets in the table): 0.51-0.52x at one row,
