@@ -106,6 +106,23 @@ static inline ivec shift_b(void) { return _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8,
 static inline ivec both_halves(const uint8_t *bytes32) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)bytes32));
 }
+/* Every lane's bits moved so that bit `from` lands on bit `to` (one whole-register shift: the
+ * callers' bits never leave their byte) */
+static inline ivec bit_moved(ivec v, int from, int to) {
+    return from < to ? _mm512_slli_epi32(v, to - from) : _mm512_srli_epi32(v, from - to);
+}
+/* Bit 0 of each of a sub-block's 32 bytes in both_halves' order: set in its second group of 16
+ * (lane i of each half holds the bytes at places 4i .. 4i + 3: the second group's from lane 4) */
+static inline ivec second_group(void) {
+    return _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
+                             0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101);
+}
+/* The two floats at p in every pair of lanes (p[0], p[1], p[0], p[1], ...): one 64-bit broadcast */
+static inline vec pair_broadcast(const float *p) {
+    double pair;
+    memcpy(&pair, p, sizeof pair);
+    return _mm512_castpd_ps(_mm512_set1_pd(pair));
+}
 /* Q6_K's 64 codes of quarter c (weights 64c .. 64c + 63) of the super-block at sb, byte p of the
  * register the code of weight 64c + p, bits 6 and 7 of each byte left unclear (the caller keeps 6 bits):
  * quarters 0 and 2 are the low nibbles of 64 bytes, 1 and 3 their high nibbles, and each weight's top two
@@ -563,7 +580,7 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                        * vpermt2ps reads a lane's low 5 bits: one shuffle per 16 weights */
             const vec low = vmul(code_values(), ds), high = vmul(vadd(code_values(), vset1(16.0f)), ds);
             const ivec bytes = both_halves(codes), fifth = both_halves(sb + 16);
-            const ivec moved = s < 4 ? _mm512_slli_epi32(fifth, 4 - s) : _mm512_srli_epi32(fifth, s - 4);
+            const ivec moved = bit_moved(fifth, s, 4);
             const ivec code = s % 2 ? _mm512_ternarylogic_epi32(iset1(0x0f0f0f0f), _mm512_srli_epi32(bytes, 4), moved, 0xca)
                                     : _mm512_ternarylogic_epi32(iset1(0x10101010), moved, bytes, 0xca);
             w[0] = _mm512_permutex2var_ps(low, isrlv(code, shift_a()), high);
@@ -610,16 +627,10 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                        * lane's index bit 3 is left unclear), entry 2c + g the 2-bit code c times the
                        * scale of the sub-block's group g plus its offset (one multiply-add, rounded once
                        * as the weight is); each code byte made its entry in one vpternlogd */
-            const ivec low = both_halves(sb + 16 + 32 * h);
-            const ivec low_at_1 = u == 0 ? _mm512_slli_epi32(low, 1) : _mm512_srli_epi32(low, 2 * u - 1);
-            const ivec group = _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
-                                                 0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101);
-            const ivec code = _mm512_ternarylogic_epi32(iset1(0x06060606), low_at_1, group, 0xca);
+            const ivec low_at_1 = bit_moved(both_halves(sb + 16 + 32 * h), 2 * u, 1);
+            const ivec code = _mm512_ternarylogic_epi32(iset1(0x06060606), low_at_1, second_group(), 0xca);
             const vec values = vfloat(iand(isrl(lane_index(), 1), iset1(3))); /* entry 2c + g: c */
-            double scales, offsets; /* the two groups', each pair one broadcast: g, g + 1, g, g + 1, ... */
-            memcpy(&scales, k->scale + 2 * s, sizeof scales);
-            memcpy(&offsets, k->offset + 2 * s, sizeof offsets);
-            const vec table = vfma(values, _mm512_castpd_ps(_mm512_set1_pd(scales)), _mm512_castpd_ps(_mm512_set1_pd(offsets)));
+            const vec table = vfma(values, pair_broadcast(k->scale + 2 * s), pair_broadcast(k->offset + 2 * s));
             w[0] = _mm512_permutexvar_ps(isrlv(code, shift_a()), table);
             w[1] = _mm512_permutexvar_ps(isrlv(code, shift_b()), table);
             return;
@@ -638,18 +649,12 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
                        * (its first 16 weights, its second). Each of its 32 code bytes is made its entry
                        * in two vpternlogd (0xca: the first operand's bits pick the second's, else the
                        * third's): bit 0 its group, bits 1-2 its low bits, bit 3 its high bit */
-            const ivec low = both_halves(sb + 32 + 32 * h), high = both_halves(sb);
-            const ivec low_at_1 = u == 0 ? _mm512_slli_epi32(low, 1) : _mm512_srli_epi32(low, 2 * u - 1);
-            const ivec high_at_3 = s < 3 ? _mm512_slli_epi32(high, 3 - s) : _mm512_srli_epi32(high, s - 3);
-            /* lane i of each half holds the bytes at places 4i .. 4i + 3: the second group's from lane 4 */
-            const ivec group = _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
-                                                 0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101);
+            const ivec low_at_1 = bit_moved(both_halves(sb + 32 + 32 * h), 2 * u, 1);
+            const ivec high_at_3 = bit_moved(both_halves(sb), s, 3);
             const ivec code = _mm512_ternarylogic_epi32(iset1(0x06060606), low_at_1,
-                                                        _mm512_ternarylogic_epi32(iset1(0x01010101), group, high_at_3, 0xca), 0xca);
+                                                        _mm512_ternarylogic_epi32(iset1(0x01010101), second_group(), high_at_3, 0xca), 0xca);
             const vec values = vadd(vfloat(isrl(lane_index(), 1)), vset1(-4.0f)); /* entry 2c + g: c - 4 */
-            double pair; /* the two groups' scales, one broadcast: g, g + 1, g, g + 1, ... */
-            memcpy(&pair, k->scale + 2 * s, sizeof pair);
-            const vec table = vmul(values, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+            const vec table = vmul(values, pair_broadcast(k->scale + 2 * s));
             w[0] = _mm512_permutexvar_ps(isrlv(code, shift_a()), table);
             w[1] = _mm512_permutexvar_ps(isrlv(code, shift_b()), table);
             return;
