@@ -273,7 +273,8 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 #endif
 
 /* x's m rows (stride ldx) in lane order into out (stride k), as `kind`'s weights hold them: Q4_K's
- * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}; Q6_K's
+ * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}, and Q4_K's
+ * and Q5_K's lone row each 128 as span_row reads them; Q6_K's
  * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. For Q4_K on AVX-512 also
  * each row's sums of its blocks of 32 inputs, after ROWS rows (block_sums_at): ORDERED_FLOATS(k) in all. */
 #define ORDERED_FLOATS(k) (ROWS * (k) + ROWS * ((k) / BLOCK))
@@ -289,7 +290,22 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
     for (int64_t r = 0; r < m; r++) {
         const float *in = x + r * ldx;
         float *o = out + r * k;
-        if (kind == 11)
+        if ((kind == 9 || kind == 10) && m == 1) /* span_row's order: each 128 inputs as 8 vectors, lane i of
+                                                 * vector u = 2 place + h input 64 (i / 8) + 32 h + 4 (i % 8) + place */
+            for (int64_t c = 0; c < k; c += 4 * BLOCK) {
+                for (int h = 0; h < 2; h++) /* each chunk's half h, for the block sums */
+                    for (int chunk = 0; chunk < 2; chunk++)
+                        out[block_sums_at(k, (int)r) + c / BLOCK + 2 * chunk + h] =
+                            vsum(vadd(vload(in + c + 64 * chunk + 32 * h), vload(in + c + 64 * chunk + 32 * h + 16)));
+                for (int u = 0; u < 8; u++) { /* vector u = 2 o + h: lanes 0-7 chunk 0, 8-15 chunk 1 */
+                    const int place = u / 2, h = u % 2; /* lane i: byte 4 (i % 8) + place of its chunk, nibble h */
+                    const ivec index = iadd(_mm512_slli_epi32(iand(lane_index(), iset1(7)), 2), iset1(place));
+                    vstore(o + c + 16 * u, _mm512_mask_blend_ps(
+                        0xff00, _mm512_permutex2var_ps(vload(in + c + 32 * h), index, vload(in + c + 32 * h + 16)),
+                        _mm512_permutex2var_ps(vload(in + c + 64 + 32 * h), index, vload(in + c + 64 + 32 * h + 16))));
+                }
+            }
+        else if (kind == 11)
             for (int64_t c = 0; c < k; c += 2 * BLOCK) { /* vector j, lane l: input 4l + j of 64 */
                 const vec a0 = vload(in + c), a1 = vload(in + c + 16), a2 = vload(in + c + 32), a3 = vload(in + c + 48);
                 for (int j = 0; j < 4; j++) {
@@ -715,7 +731,7 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * - Q5_K's table (32 weights, two registers) pays up to 4 rows: 0.76-0.78x the time at one row,
  *   0.81-0.82x at two, 0.82-0.86x at three, 0.90-0.93x at four; at every narrow pass it took
  *   0.97-1.01x at five and six rows, 1.07x at seven and 1.15x at eight ("Q5_K looked up"). Q4_K's
- *   as well: 0.86-0.88x at three rows, 0.95-0.96x at four.
+ *   as well: 0.86-0.88x at three rows, 0.95-0.96x at four. Their one-row passes read spans: span_row.
  * - Q3_K's (16 weights, its two groups' scales in one register, no minimums) pays at every narrow
  *   pass: 0.64-0.68x at one and two rows, 0.73x at three, 0.79-0.80x at four, 0.88-0.90x at eight
  *   ("Q3_K looked up"). Q2_K's too (8 weights, its offsets in the table): 0.51-0.52x at one row,
@@ -830,6 +846,124 @@ static inline float sum8(__m256 v) {
 #define MINIMUMS_APART(kind, R) 0
 #endif
 
+/* Q4_K's and Q5_K's one-row passes (AVX-512) read the nibbles 64 bytes at a time: a span, two
+ * chunks of 32 bytes (chunk c's low nibbles are sub-block 2c, its high ones 2c + 1). Lane i holds
+ * bytes 4i .. 4i + 3 of the span, so lanes 0-7 hold the first chunk's, 8-15 the second's, and a
+ * shift by 8 place + 4 h puts byte 4 (i % 8) + place's nibble h in the low bits that vpermps reads:
+ * 7 shifts for 8 vectors of 16 weights, where the passes of 2-4 rows (both_halves) shift for every
+ * vector. The table is the codes' own values (code_values; Q5_K's 32 in two registers, each byte's
+ * fifth bit put at its bit 4 by a rotate and a vpternlogd per nibble), the same for every
+ * sub-block, and each span's two sums (h = 0 and 1: sub-blocks 4s + h in lanes 0-7, 4s + 2 + h in
+ * lanes 8-15, for span s) are multiplied by their sub-blocks' d * scale once, lane by lane; the
+ * minimums' terms as MINIMUMS_APART's; both weight rows' scales decoded side by side
+ * (q4_k_scales_pair). x in this order: lane_ordered. The sums are of code * x, then times d *
+ * scale: the product of the same float32 weights within float32 rounding, in another order. On a
+ * Zen 4 core a 1B model's Q5_K matrices took 0.78x the time at one row (one thread), 0.81x (two),
+ * against the tables of the 2-4-row passes; Q4_K's 0.95x and 0.91x (notebook/gguf-blocks.md,
+ * "One row read in spans"). */
+#if defined(__AVX512F__)
+#define SPAN_ROW(kind, R) (LOOKUP_ROWS != 0 && ((kind) == 9 || (kind) == 10) && (R) == 1)
+static inline ivec span_scales(int span, int h) { /* lanes 0-7: sub-block 4 span + h, 8-15: 4 span + 2 + h */
+    return iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
+}
+/* Two Q4_K super-blocks' scales, at a and b: for each, lanes 0-7 d * scale and 8-15 -(dmin * min) of
+ * its 8 sub-blocks, k_scales_of's numbers, k_unpacked's steps taken for both at once on 256 bits
+ * and kept in registers. */
+static inline __attribute__((always_inline)) void q4_k_scales_pair(const uint8_t *a, const uint8_t *b, vec out[2]) {
+    const __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 4))),
+                                              _mm_loadu_si128((const __m128i *)(b + 4)), 1);
+    const __m256i low = _mm256_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));  /* u0 u2 u1 u2 */
+    const __m256i high = _mm256_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)); /* u0 u0 u1 u1 */
+    const __m256i x = _mm256_srlv_epi32(low, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
+    const __m256i keep = _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                           0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(high, 6), _mm256_setr_epi32(0, 0x03030303, 0, 0x03030303,
+                                                                                        0, 0x03030303, 0, 0x03030303));
+    const __m256i codes = _mm256_or_si256(_mm256_and_si256(x, keep), _mm256_slli_epi32(top, 4));
+    uint32_t da, db; /* d and dmin, two float16s */
+    memcpy(&da, a, 4), memcpy(&db, b, 4);
+    const __m128 halves = _mm_xor_ps(_mm_cvtph_ps(_mm_setr_epi32((int)da, (int)db, 0, 0)), _mm_setr_ps(0.0f, -0.0f, 0.0f, -0.0f));
+    const __m512 both = _mm512_castps128_ps512(halves); /* d_a, -dmin_a, d_b, -dmin_b */
+    out[0] = vmul(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), both),
+                  vfloat(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes))));
+    out[1] = vmul(_mm512_permutexvar_ps(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), both),
+                  vfloat(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1))));
+}
+/* Lanes 8-15 of v */
+static inline __m256 upper8(vec v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+/* Lane i of a Q5_K span's fifth bits, in both_halves' order: bit 4 span + h (lanes 0-7) or
+ * 4 span + 2 + h (lanes 8-15) of each byte rotated to bit 4 (no bit used leaves its byte) */
+static inline ivec span_fifth(ivec high, int span, int h) {
+    const ivec from = iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
+    return _mm512_rolv_epi32(high, iand(isub(iset1(4), from), iset1(31)));
+}
+static inline __attribute__((always_inline)) void span_row(int kind, int W, const float *x, const float *sums, const uint8_t *row,
+                                                           int64_t stride, int64_t ahead, int64_t supers, float *y) {
+    const vec values = code_values(), above = vadd(code_values(), vset1(16.0f)); /* Q5_K's codes 16-31 */
+    const int64_t bytes = bytes_of(kind), second = W == 2 ? stride : 0;
+    vec total[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}}; /* per weight row, per nibble */
+    __m256 minimums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    vec scales[2], next[2] = {vzero(), vzero()}; /* the super-block's, the next one's (decoded a super-block ahead) */
+    q4_k_scales_pair(row, row + second, scales);
+    for (int64_t B = 0; B < supers; B++) {
+        const uint8_t *sb = row + B * bytes;
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++)
+#pragma GCC unroll 3
+            for (int f = 0; f < bytes; f += LINE_BYTES)
+                hint(sb + o * stride + ahead + f, NEAR_AHEAD(kind, 1));
+        if (B + 1 < supers)
+            q4_k_scales_pair(sb + bytes, sb + second + bytes, next);
+        const float *in = x + B * BLOCK * SUPER;
+#pragma GCC unroll 2
+        for (int span = 0; span < 2; span++) {
+            ivec codes[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+            vec sum[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}};
+#pragma GCC unroll 2
+            for (int o = 0; o < W; o++) { /* per nibble h, the codes with byte 4i + place's in byte place of lane i */
+                const ivec nibbles = _mm512_loadu_si512((const void *)(sb + o * stride + (kind == 9 ? 16 : 48) + 64 * span));
+                codes[o][0] = nibbles;
+                if (kind == 10) { /* bit 4 of each byte its fifth bit (vpternlogd 0xca: the mask's bits pick the second's) */
+                    const ivec high = both_halves(sb + o * stride + 16);
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++)
+                        codes[o][h] = _mm512_ternarylogic_epi32(iset1(0x10101010), span_fifth(high, span, h),
+                                                                h ? _mm512_srli_epi32(nibbles, 4) : nibbles, 0xca);
+                }
+            }
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) { /* u = 2 place + h */
+                const int place = u / 2, h = u % 2;
+                const vec x_ = vload(in + 128 * span + 16 * u);
+#pragma GCC unroll 2
+                for (int o = 0; o < W; o++) {
+                    const ivec index = kind == 9 ? (u ? _mm512_srli_epi32(codes[o][0], 4 * u) : codes[o][0])
+                                                 : place ? _mm512_srli_epi32(codes[o][h], 8 * place) : codes[o][h];
+                    const vec w = kind == 9 ? _mm512_permutexvar_ps(index, values) /* reads the low 4 bits */
+                                            : _mm512_permutex2var_ps(values, index, above); /* the low 5 */
+                    sum[o][h] = place == 0 ? vmul(w, x_) : vfma(w, x_, sum[o][h]);
+                }
+            }
+#pragma GCC unroll 2
+            for (int o = 0; o < W; o++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    total[o][h] = vfma(sum[o][h], _mm512_permutexvar_ps(span_scales(span, h), scales[o]), total[o][h]);
+        }
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++)
+            minimums[o] = _mm256_fmadd_ps(upper8(scales[o]), _mm256_loadu_ps(sums + B * SUPER), minimums[o]);
+        scales[0] = next[0], scales[1] = next[1];
+    }
+#pragma GCC unroll 2
+    for (int o = 0; o < W; o++)
+        y[o] = vsum(vadd(total[o][0], total[o][1])) + sum8(minimums[o]);
+}
+#else
+#define SPAN_ROW(kind, R) 0
+#define span_row(kind, W, x, sums, row, stride, ahead, supers, y) ((void)0)
+#endif
+
 /* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
  * apart) -> y[r * ldy + o], added to it if `add`: each block turned into weights in registers once for
  * the R rows, `chains` multiply-add chains per (row, weight row) (2 in the passes of up to ROWS rows,
@@ -915,7 +1049,9 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
 /* Multiply-add chains per (row of x, weight row) in a narrow pass of R rows. */
 #define NARROW_CHAINS(kind, R) (PAIRED(kind) && (R) > 2 ? 1 : 2)
 #define NARROW(kind, R)                                                                                          \
-    if (W_ == 2)                                                                                                 \
+    if (SPAN_ROW(kind, R))                                                                                       \
+        span_row(kind, W_, xr, xr + block_sums_at(k, 0), row, row_bytes, ahead, blocks / SUPER, yr);          \
+    else if (W_ == 2)                                                                                            \
         pass(kind, R, 2, NARROW_CHAINS(kind, R), xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0);         \
     else                                                                                                         \
         pass(kind, R, 1, NARROW_CHAINS(kind, R), xr, k, row, 0, ahead, 0, blocks, yr, ldy, 0);
