@@ -52,7 +52,7 @@ def test_every_kind_is_rebuilt_into_gguf_pys_weights_bit_for_bit(kind):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40])
 def test_products_of_every_kind_are_float32_products_of_its_weights(kind, rows):
     """Every pass size (the narrow passes, among them those that read codes in lane order: Q4_K's
-    and Q5_K's at 1-4 rows, Q2_K's, Q3_K's and Q6_K's at 1-8; the shared rebuilds, the wide panels
+    and Q5_K's at 1-4 rows, one row in 64-byte spans, Q2_K's, Q3_K's and Q6_K's at 1-8; the shared rebuilds, the wide panels
     and the tiles of a prefill) over 768 inputs (three super-blocks; two spans of 24 blocks):
     within float32 rounding of the float64 product."""
     rng = np.random.default_rng(rows)

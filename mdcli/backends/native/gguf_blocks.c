@@ -297,7 +297,7 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
                     for (int chunk = 0; chunk < 2; chunk++)
                         out[block_sums_at(k, (int)r) + c / BLOCK + 2 * chunk + h] =
                             vsum(vadd(vload(in + c + 64 * chunk + 32 * h), vload(in + c + 64 * chunk + 32 * h + 16)));
-                for (int u = 0; u < 8; u++) { /* vector u = 2 o + h: lanes 0-7 chunk 0, 8-15 chunk 1 */
+                for (int u = 0; u < 8; u++) { /* vector u = 2 place + h: lanes 0-7 chunk 0, 8-15 chunk 1 */
                     const int place = u / 2, h = u % 2; /* lane i: byte 4 (i % 8) + place of its chunk, nibble h */
                     const ivec index = iadd(_mm512_slli_epi32(iand(lane_index(), iset1(7)), 2), iset1(place));
                     vstore(o + c + 16 * u, _mm512_mask_blend_ps(
@@ -866,7 +866,7 @@ static inline float sum8(__m256 v) {
 static inline ivec span_scales(int span, int h) { /* lanes 0-7: sub-block 4 span + h, 8-15: 4 span + 2 + h */
     return iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
 }
-/* Two Q4_K super-blocks' scales, at a and b: for each, lanes 0-7 d * scale and 8-15 -(dmin * min) of
+/* Two Q4_K or Q5_K super-blocks' scales, at a and b: for each, lanes 0-7 d * scale and 8-15 -(dmin * min) of
  * its 8 sub-blocks, k_scales_of's numbers, k_unpacked's steps taken for both at once on 256 bits
  * and kept in registers. */
 static inline __attribute__((always_inline)) void q4_k_scales_pair(const uint8_t *a, const uint8_t *b, vec out[2]) {
@@ -897,6 +897,8 @@ static inline ivec span_fifth(ivec high, int span, int h) {
     const ivec from = iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
     return _mm512_rolv_epi32(high, iand(isub(iset1(4), from), iset1(31)));
 }
+/* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q4_K (kind 9) or Q5_K (10) super-blocks
+ * times one row of x in span_row's order (lane_ordered; sums: its sums over blocks of 32) -> y[o]. */
 static inline __attribute__((always_inline)) void span_row(int kind, int W, const float *x, const float *sums, const uint8_t *row,
                                                            int64_t stride, int64_t ahead, int64_t supers, float *y) {
     const vec values = code_values(), above = vadd(code_values(), vset1(16.0f)); /* Q5_K's codes 16-31 */
