@@ -273,8 +273,8 @@ static inline void brains(const uint8_t *p, vec w[4]) { /* bf16: the high half o
 #endif
 
 /* x's m rows (stride ldx) in lane order into out (stride k), as `kind`'s weights hold them: Q4_K's
- * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}, and Q4_K's
- * and Q5_K's lone row each 128 as span_row reads them; Q6_K's
+ * (lane_ordered's both halves) each 32 inputs as inputs 4i + {0, 2} then 4i + {1, 3}, and each 128
+ * as span_row reads them in its passes (SPAN_ROWS); Q6_K's
  * (q6_codes) each 64 inputs as four vectors, vector j lane i input 4i + j. For Q4_K on AVX-512 also
  * each row's sums of its blocks of 32 inputs, after ROWS rows (block_sums_at): ORDERED_FLOATS(k) in all. */
 #define ORDERED_FLOATS(k) (ROWS * (k) + ROWS * ((k) / BLOCK))
@@ -290,8 +290,9 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
     for (int64_t r = 0; r < m; r++) {
         const float *in = x + r * ldx;
         float *o = out + r * k;
-        if ((kind == 9 || kind == 10) && m == 1) /* span_row's order: each 128 inputs as 8 vectors, lane i of
-                                                 * vector u = 2 place + h input 64 (i / 8) + 32 h + 4 (i % 8) + place */
+        if ((kind == 9 && m == 1) || (kind == 10 && m <= 2)) /* span_row's rows (SPAN_ROWS): each 128 inputs
+                                                              * as 8 vectors, lane i of vector u = 2 place + h
+                                                              * input 64 (i / 8) + 32 h + 4 (i % 8) + place */
             for (int64_t c = 0; c < k; c += 4 * BLOCK) {
                 for (int h = 0; h < 2; h++) /* each chunk's half h, for the block sums */
                     for (int chunk = 0; chunk < 2; chunk++)
@@ -731,7 +732,8 @@ static inline __attribute__((always_inline)) void hint(const uint8_t *p, int nea
  * - Q5_K's table (32 weights, two registers) pays up to 4 rows: 0.76-0.78x the time at one row,
  *   0.81-0.82x at two, 0.82-0.86x at three, 0.90-0.93x at four; at every narrow pass it took
  *   0.97-1.01x at five and six rows, 1.07x at seven and 1.15x at eight ("Q5_K looked up"). Q4_K's
- *   as well: 0.86-0.88x at three rows, 0.95-0.96x at four. Their one-row passes read spans: span_row.
+ *   as well: 0.86-0.88x at three rows, 0.95-0.96x at four. Q4_K's one-row passes and Q5_K's one-
+ *   and two-row passes read spans instead: span_row.
  * - Q3_K's (16 weights, its two groups' scales in one register, no minimums) pays at every narrow
  *   pass: 0.64-0.68x at one and two rows, 0.73x at three, 0.79-0.80x at four, 0.88-0.90x at eight
  *   ("Q3_K looked up"). Q2_K's too (8 weights, its offsets in the table): 0.51-0.52x at one row,
@@ -846,7 +848,7 @@ static inline float sum8(__m256 v) {
 #define MINIMUMS_APART(kind, R) 0
 #endif
 
-/* Q4_K's and Q5_K's one-row passes (AVX-512) read the nibbles 64 bytes at a time: a span, two
+/* Q4_K's one-row passes and Q5_K's of one and two rows (AVX-512) read the nibbles 64 bytes at a time: a span, two
  * chunks of 32 bytes (chunk c's low nibbles are sub-block 2c, its high ones 2c + 1). Lane i holds
  * bytes 4i .. 4i + 3 of the span, so lanes 0-7 hold the first chunk's, 8-15 the second's, and a
  * shift by 8 place + 4 h puts byte 4 (i % 8) + place's nibble h in the low bits that vpermps reads:
@@ -859,10 +861,12 @@ static inline float sum8(__m256 v) {
  * (q4_k_scales_pair). x in this order: lane_ordered. The sums are of code * x, then times d *
  * scale: the product of the same float32 weights within float32 rounding, in another order. On a
  * Zen 4 core a 1B model's Q5_K matrices took 0.78x the time at one row (one thread), 0.81x (two),
- * against the tables of the 2-4-row passes; Q4_K's 0.95x and 0.91x (notebook/gguf-blocks.md,
- * "One row read in spans"). */
+ * against the tables of the 2-4-row passes, and 0.84x and 0.87x at two rows; Q4_K's 0.95x and 0.91x
+ * at one row, but 1.11x at two, where its tables (one multiply per sub-block) serve both rows and the
+ * spans' scaling is per row (notebook/gguf-blocks.md, "One row read in spans"). */
 #if defined(__AVX512F__)
-#define SPAN_ROW(kind, R) (LOOKUP_ROWS != 0 && ((kind) == 9 || (kind) == 10) && (R) == 1)
+#define SPAN_ROWS(kind) ((kind) == 10 ? 2 : 1) /* lane_ordered says the same */
+#define SPAN_ROW(kind, R) (LOOKUP_ROWS != 0 && ((kind) == 9 || (kind) == 10) && (R) <= SPAN_ROWS(kind))
 static inline ivec span_scales(int span, int h) { /* lanes 0-7: sub-block 4 span + h, 8-15: 4 span + 2 + h */
     return iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
 }
@@ -898,13 +902,19 @@ static inline ivec span_fifth(ivec high, int span, int h) {
     return _mm512_rolv_epi32(high, iand(isub(iset1(4), from), iset1(31)));
 }
 /* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q4_K (kind 9) or Q5_K (10) super-blocks
- * times one row of x in span_row's order (lane_ordered; sums: its sums over blocks of 32) -> y[o]. */
-static inline __attribute__((always_inline)) void span_row(int kind, int W, const float *x, const float *sums, const uint8_t *row,
-                                                           int64_t stride, int64_t ahead, int64_t supers, float *y) {
+ * times R rows of x (1 or 2, k floats apart) in span_row's order (lane_ordered; their sums over
+ * blocks of 32 at block_sums_at) -> y[r * ldy + o]. */
+static inline __attribute__((always_inline)) void span_row(int kind, int R, int W, const float *x, int64_t k, const uint8_t *row,
+                                                           int64_t stride, int64_t ahead, int64_t supers, float *y, int64_t ldy) {
     const vec values = code_values(), above = vadd(code_values(), vset1(16.0f)); /* Q5_K's codes 16-31 */
     const int64_t bytes = bytes_of(kind), second = W == 2 ? stride : 0;
-    vec total[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}}; /* per weight row, per nibble */
-    __m256 minimums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    vec total[2][2][2]; /* per weight row, row of x, nibble */
+    __m256 minimums[2][2];
+#pragma GCC unroll 2
+    for (int o = 0; o < 2; o++)
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++)
+            total[o][r][0] = total[o][r][1] = vzero(), minimums[o][r] = _mm256_setzero_ps();
     vec scales[2], next[2] = {vzero(), vzero()}; /* the super-block's, the next one's (decoded a super-block ahead) */
     q4_k_scales_pair(row, row + second, scales);
     for (int64_t B = 0; B < supers; B++) {
@@ -920,7 +930,7 @@ static inline __attribute__((always_inline)) void span_row(int kind, int W, cons
 #pragma GCC unroll 2
         for (int span = 0; span < 2; span++) {
             ivec codes[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-            vec sum[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}};
+            vec sum[2][2][2]; /* per weight row, row of x, nibble */
 #pragma GCC unroll 2
             for (int o = 0; o < W; o++) { /* per nibble h, the codes with byte 4i + place's in byte place of lane i */
                 const ivec nibbles = _mm512_loadu_si512((const void *)(sb + o * stride + (kind == 9 ? 16 : 48) + 64 * span));
@@ -936,34 +946,46 @@ static inline __attribute__((always_inline)) void span_row(int kind, int W, cons
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) { /* u = 2 place + h */
                 const int place = u / 2, h = u % 2;
-                const vec x_ = vload(in + 128 * span + 16 * u);
 #pragma GCC unroll 2
                 for (int o = 0; o < W; o++) {
                     const ivec index = kind == 9 ? (u ? _mm512_srli_epi32(codes[o][0], 4 * u) : codes[o][0])
                                                  : place ? _mm512_srli_epi32(codes[o][h], 8 * place) : codes[o][h];
                     const vec w = kind == 9 ? _mm512_permutexvar_ps(index, values) /* reads the low 4 bits */
                                             : _mm512_permutex2var_ps(values, index, above); /* the low 5 */
-                    sum[o][h] = place == 0 ? vmul(w, x_) : vfma(w, x_, sum[o][h]);
+#pragma GCC unroll 2
+                    for (int r = 0; r < R; r++) {
+                        const vec x_ = vload(in + r * k + 128 * span + 16 * u);
+                        sum[o][r][h] = place == 0 ? vmul(w, x_) : vfma(w, x_, sum[o][r][h]);
+                    }
                 }
             }
 #pragma GCC unroll 2
             for (int o = 0; o < W; o++)
 #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    total[o][h] = vfma(sum[o][h], _mm512_permutexvar_ps(span_scales(span, h), scales[o]), total[o][h]);
+                for (int h = 0; h < 2; h++) {
+                    const vec scale = _mm512_permutexvar_ps(span_scales(span, h), scales[o]);
+#pragma GCC unroll 2
+                    for (int r = 0; r < R; r++)
+                        total[o][r][h] = vfma(sum[o][r][h], scale, total[o][r][h]);
+                }
         }
 #pragma GCC unroll 2
         for (int o = 0; o < W; o++)
-            minimums[o] = _mm256_fmadd_ps(upper8(scales[o]), _mm256_loadu_ps(sums + B * SUPER), minimums[o]);
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+                minimums[o][r] = _mm256_fmadd_ps(upper8(scales[o]), _mm256_loadu_ps(x + block_sums_at(k, r) + B * SUPER),
+                                                 minimums[o][r]);
         scales[0] = next[0], scales[1] = next[1];
     }
 #pragma GCC unroll 2
     for (int o = 0; o < W; o++)
-        y[o] = vsum(vadd(total[o][0], total[o][1])) + sum8(minimums[o]);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++)
+            y[r * ldy + o] = vsum(vadd(total[o][r][0], total[o][r][1])) + sum8(minimums[o][r]);
 }
 #else
 #define SPAN_ROW(kind, R) 0
-#define span_row(kind, W, x, sums, row, stride, ahead, supers, y) ((void)0)
+#define span_row(kind, R, W, x, k, row, stride, ahead, supers, y, ldy) ((void)0)
 #endif
 
 /* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
@@ -1052,7 +1074,7 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
 #define NARROW_CHAINS(kind, R) (PAIRED(kind) && (R) > 2 ? 1 : 2)
 #define NARROW(kind, R)                                                                                          \
     if (SPAN_ROW(kind, R))                                                                                       \
-        span_row(kind, W_, xr, xr + block_sums_at(k, 0), row, row_bytes, ahead, blocks / SUPER, yr);          \
+        span_row(kind, R, W_, xr, k, row, row_bytes, ahead, blocks / SUPER, yr, ldy);                           \
     else if (W_ == 2)                                                                                            \
         pass(kind, R, 2, NARROW_CHAINS(kind, R), xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0);         \
     else                                                                                                         \
