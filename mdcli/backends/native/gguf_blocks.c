@@ -139,6 +139,7 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
 #define LANE_ORDERED(kind) ((kind) >= 7) /* the K-quants (Q2_K to Q6_K) in the passes of up to LANE_ROWS */
+#define SPAN_ROWS(kind) ((kind) == 10 ? 2 : 1) /* Q4_K's and Q5_K's passes of up to this many rows read spans (span_row) */
 #elif defined(__AVX2__)
 #define LANES 8
 #define ROWS 4 /* 2 x ROWS accumulators, 4 weight vectors and 2 constants of the 16 registers */
@@ -290,14 +291,13 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
     for (int64_t r = 0; r < m; r++) {
         const float *in = x + r * ldx;
         float *o = out + r * k;
-        if ((kind == 9 && m == 1) || (kind == 10 && m <= 2)) /* span_row's rows (SPAN_ROWS): each 128 inputs
-                                                              * as 8 vectors, lane i of vector u = 2 place + h
-                                                              * input 64 (i / 8) + 32 h + 4 (i % 8) + place */
+        if (kind != 11)
+            for (int64_t c = 0; c < k; c += BLOCK)
+                out[block_sums_at(k, (int)r) + c / BLOCK] = vsum(vadd(vload(in + c), vload(in + c + 16)));
+        if ((kind == 9 || kind == 10) && m <= SPAN_ROWS(kind)) /* span_row's order: each 128 inputs as 8
+                                                                 * vectors, lane i of vector u = 2 place + h
+                                                                 * input 64 (i / 8) + 32 h + 4 (i % 8) + place */
             for (int64_t c = 0; c < k; c += 4 * BLOCK) {
-                for (int h = 0; h < 2; h++) /* each chunk's half h, for the block sums */
-                    for (int chunk = 0; chunk < 2; chunk++)
-                        out[block_sums_at(k, (int)r) + c / BLOCK + 2 * chunk + h] =
-                            vsum(vadd(vload(in + c + 64 * chunk + 32 * h), vload(in + c + 64 * chunk + 32 * h + 16)));
                 for (int u = 0; u < 8; u++) { /* vector u = 2 place + h: lanes 0-7 chunk 0, 8-15 chunk 1 */
                     const int place = u / 2, h = u % 2; /* lane i: byte 4 (i % 8) + place of its chunk, nibble h */
                     const ivec index = iadd(_mm512_slli_epi32(iand(lane_index(), iset1(7)), 2), iset1(place));
@@ -320,7 +320,6 @@ static void lane_ordered(int kind, const float *x, int64_t m, int64_t k, int64_t
                 const vec a0 = vload(in + c), a1 = vload(in + c + 16);
                 vstore(o + c, _mm512_permutex2var_ps(a0, first, a1));
                 vstore(o + c + 16, _mm512_permutex2var_ps(a0, second, a1));
-                out[block_sums_at(k, (int)r) + c / BLOCK] = vsum(vadd(a0, a1));
             }
     }
 #else
@@ -857,49 +856,37 @@ static inline float sum8(__m256 v) {
  * fifth bit put at its bit 4 by a rotate and a vpternlogd per nibble), the same for every
  * sub-block, and each span's two sums (h = 0 and 1: sub-blocks 4s + h in lanes 0-7, 4s + 2 + h in
  * lanes 8-15, for span s) are multiplied by their sub-blocks' d * scale once, lane by lane; the
- * minimums' terms as MINIMUMS_APART's; both weight rows' scales decoded side by side
- * (q4_k_scales_pair). x in this order: lane_ordered. The sums are of code * x, then times d *
- * scale: the product of the same float32 weights within float32 rounding, in another order. On a
+ * minimums' terms as MINIMUMS_APART's; both weight rows' scales decoded a super-block ahead into
+ * registers (q4_k_scales_pair), not stored and loaded back. x in this order: lane_ordered. The
+ * sums are of code * x, then times d * scale: the product of the same float32 weights within float32 rounding, in another order. On a
  * Zen 4 core a 1B model's Q5_K matrices took 0.78x the time at one row (one thread), 0.81x (two),
  * against the tables of the 2-4-row passes, and 0.84x and 0.87x at two rows; Q4_K's 0.95x and 0.91x
  * at one row, but 1.11x at two, where its tables (one multiply per sub-block) serve both rows and the
  * spans' scaling is per row (notebook/gguf-blocks.md, "One row read in spans"). */
 #if defined(__AVX512F__)
-#define SPAN_ROWS(kind) ((kind) == 10 ? 2 : 1) /* lane_ordered says the same */
 #define SPAN_ROW(kind, R) (LOOKUP_ROWS != 0 && ((kind) == 9 || (kind) == 10) && (R) <= SPAN_ROWS(kind))
-static inline ivec span_scales(int span, int h) { /* lanes 0-7: sub-block 4 span + h, 8-15: 4 span + 2 + h */
+/* Each lane's sub-block in a span's vectors of nibble h: 4 span + h (lanes 0-7), 4 span + 2 + h (8-15) */
+static inline ivec span_sub_blocks(int span, int h) {
     return iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
 }
 /* Two Q4_K or Q5_K super-blocks' scales, at a and b: for each, lanes 0-7 d * scale and 8-15 -(dmin * min) of
- * its 8 sub-blocks, k_scales_of's numbers, k_unpacked's steps taken for both at once on 256 bits
- * and kept in registers. */
+ * its 8 sub-blocks, k_scales_of's numbers, kept in registers. */
 static inline __attribute__((always_inline)) void q4_k_scales_pair(const uint8_t *a, const uint8_t *b, vec out[2]) {
-    const __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 4))),
-                                              _mm_loadu_si128((const __m128i *)(b + 4)), 1);
-    const __m256i low = _mm256_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));  /* u0 u2 u1 u2 */
-    const __m256i high = _mm256_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)); /* u0 u0 u1 u1 */
-    const __m256i x = _mm256_srlv_epi32(low, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
-    const __m256i keep = _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
-                                           0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(high, 6), _mm256_setr_epi32(0, 0x03030303, 0, 0x03030303,
-                                                                                        0, 0x03030303, 0, 0x03030303));
-    const __m256i codes = _mm256_or_si256(_mm256_and_si256(x, keep), _mm256_slli_epi32(top, 4));
     uint32_t da, db; /* d and dmin, two float16s */
     memcpy(&da, a, 4), memcpy(&db, b, 4);
     const __m128 halves = _mm_xor_ps(_mm_cvtph_ps(_mm_setr_epi32((int)da, (int)db, 0, 0)), _mm_setr_ps(0.0f, -0.0f, 0.0f, -0.0f));
     const __m512 both = _mm512_castps128_ps512(halves); /* d_a, -dmin_a, d_b, -dmin_b */
     out[0] = vmul(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), both),
-                  vfloat(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes))));
+                  vfloat(_mm512_cvtepu8_epi32(k_unpacked(a + 4))));
     out[1] = vmul(_mm512_permutexvar_ps(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), both),
-                  vfloat(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1))));
+                  vfloat(_mm512_cvtepu8_epi32(k_unpacked(b + 4))));
 }
 /* Lanes 8-15 of v */
 static inline __m256 upper8(vec v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-/* Lane i of a Q5_K span's fifth bits, in both_halves' order: bit 4 span + h (lanes 0-7) or
- * 4 span + 2 + h (lanes 8-15) of each byte rotated to bit 4 (no bit used leaves its byte) */
+/* A Q5_K span's fifth bits (high, in both_halves' order): in each lane, bit s of each byte (s its
+ * sub-block: span_sub_blocks) rotated to bit 4 (no bit used leaves its byte) */
 static inline ivec span_fifth(ivec high, int span, int h) {
-    const ivec from = iadd(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), iset1(4 * span + h));
-    return _mm512_rolv_epi32(high, iand(isub(iset1(4), from), iset1(31)));
+    return _mm512_rolv_epi32(high, iand(isub(iset1(4), span_sub_blocks(span, h)), iset1(31)));
 }
 /* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q4_K (kind 9) or Q5_K (10) super-blocks
  * times R rows of x (1 or 2, k floats apart) in span_row's order (lane_ordered; their sums over
@@ -923,7 +910,7 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
         for (int o = 0; o < W; o++)
 #pragma GCC unroll 3
             for (int f = 0; f < bytes; f += LINE_BYTES)
-                hint(sb + o * stride + ahead + f, NEAR_AHEAD(kind, 1));
+                hint(sb + o * stride + ahead + f, NEAR_AHEAD(kind, R));
         if (B + 1 < supers)
             q4_k_scales_pair(sb + bytes, sb + second + bytes, next);
         const float *in = x + B * BLOCK * SUPER;
@@ -963,7 +950,7 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
             for (int o = 0; o < W; o++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const vec scale = _mm512_permutexvar_ps(span_scales(span, h), scales[o]);
+                    const vec scale = _mm512_permutexvar_ps(span_sub_blocks(span, h), scales[o]);
 #pragma GCC unroll 2
                     for (int r = 0; r < R; r++)
                         total[o][r][h] = vfma(sum[o][r][h], scale, total[o][r][h]);
