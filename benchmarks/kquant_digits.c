@@ -27,7 +27,6 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #define K 2048    /* a row: 8 super-blocks of 256 */
@@ -44,22 +43,26 @@ static double now(void) {
 struct super { float scale[8], minimum[8]; uint8_t qs[128]; };
 
 static float x[K], xs[K / 32];        /* x, its sums over blocks of 32 */
-static float xo[K];                   /* x in span order: [super][span][h][64] */
 static int8_t dg[3][K];               /* x's digits in span order (high, middle, low) */
 static float pow2[K / 32];            /* per block of 32: 2^(e - 22) */
 static struct super W[OUT][SUPERS];
+static float xl[K];                   /* x for the lookup pass, in its lane order: [super][span][u][16] */
 
 /* the weight index of byte b of span s, nibble h: qs[32 j + l] low = weight 64 j + l, high = 64 j + 32 + l */
 static int weight_of(int s, int h, int b) { return 64 * (2 * s + b / 32) + 32 * h + b % 32; }
 /* its block of 32 within the super-block */
 static int block_of(int s, int h, int b) { return 2 * (2 * s + b / 32) + h; }
 
+/* x[i] in its block's unit (|v| < 2^22, exact in float), as three balanced digits: high (|.| <= 64), middle, low */
+static void digits_of(int i, int8_t *high, int8_t *middle, int8_t *low) {
+    int32_t v = (int32_t)lrintf(x[i] / pow2[i / 32]);
+    const int32_t d0 = ((v + 128) & 255) - 128;
+    v = (v - d0) >> 8;
+    const int32_t d1 = ((v + 128) & 255) - 128;
+    *high = (int8_t)((v - d1) >> 8), *middle = (int8_t)d1, *low = (int8_t)d0;
+}
+
 static void prepare_x(void) {
-    for (int B = 0; B < SUPERS; B++)
-        for (int s = 0; s < 2; s++)
-            for (int h = 0; h < 2; h++)
-                for (int b = 0; b < 64; b++)
-                    xo[B * 256 + 128 * s + 64 * h + b] = x[B * 256 + weight_of(s, h, b)];
     for (int blk = 0; blk < K / 32; blk++) {
         float big = 0.0f, sum = 0.0f;
         for (int i = 0; i < 32; i++)
@@ -73,14 +76,16 @@ static void prepare_x(void) {
         for (int s = 0; s < 2; s++)
             for (int h = 0; h < 2; h++)
                 for (int b = 0; b < 64; b++) {
-                    const int i = B * 256 + weight_of(s, h, b), at = B * 256 + 128 * s + 64 * h + b;
-                    int32_t v = (int32_t)lrintf(x[i] / pow2[i / 32]); /* |v| < 2^22: exact in float */
-                    const int32_t d0 = ((v + 128) & 255) - 128;
-                    v = (v - d0) >> 8;
-                    const int32_t d1 = ((v + 128) & 255) - 128;
-                    v = (v - d1) >> 8; /* |v| <= 64 */
-                    dg[0][at] = (int8_t)v, dg[1][at] = (int8_t)d1, dg[2][at] = (int8_t)d0;
+                    const int at = B * 256 + 128 * s + 64 * h + b;
+                    digits_of(B * 256 + weight_of(s, h, b), &dg[0][at], &dg[1][at], &dg[2][at]);
                 }
+}
+
+/* a row's result: its two nibbles' lane sums and its minimums' 8 */
+static inline float row_sum(__m512 low, __m512 high, __m256 minimums) {
+    float m[8];
+    _mm256_storeu_ps(m, minimums);
+    return _mm512_reduce_add_ps(_mm512_add_ps(low, high)) + m[0] + m[1] + m[2] + m[3] + m[4] + m[5] + m[6] + m[7];
 }
 
 /* lanes 0-7 the sub-block 4 s + h, 8-15 4 s + 2 + h */
@@ -102,7 +107,7 @@ static float lookup_row(const struct super *row) {
                 const __m512i index = u ? _mm512_srli_epi32(nib, 4 * u) : nib;
                 const __m512 w = _mm512_permutexvar_ps(index, values);
                 /* x's vector for (place, h): lane i's byte 4 i + place of nibble h */
-                const __m512 x_ = _mm512_loadu_ps(xo + B * 256 + 128 * s + 16 * u);
+                const __m512 x_ = _mm512_loadu_ps(xl + B * 256 + 128 * s + 16 * u);
                 sum[u % 2] = u < 2 ? _mm512_mul_ps(w, x_) : _mm512_fmadd_ps(w, x_, sum[u % 2]);
             }
             for (int h = 0; h < 2; h++)
@@ -110,13 +115,9 @@ static float lookup_row(const struct super *row) {
         }
         minimums = _mm256_fmadd_ps(_mm256_loadu_ps(row[B].minimum), _mm256_loadu_ps(xs + 8 * B), minimums);
     }
-    float m[8];
-    _mm256_storeu_ps(m, minimums);
-    return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1])) + m[0] + m[1] + m[2] + m[3] + m[4] + m[5] + m[6] + m[7];
+    return row_sum(total[0], total[1], minimums);
 }
 
-/* the lookup pass reads x in lane order of 16-weight vectors: xl[B][s][u][16] */
-static float xl[K];
 static void prepare_lanes(void) {
     for (int B = 0; B < SUPERS; B++)
         for (int s = 0; s < 2; s++)
@@ -151,9 +152,7 @@ static float digits_row(const struct super *row) {
         }
         minimums = _mm256_fmadd_ps(_mm256_loadu_ps(row[B].minimum), _mm256_loadu_ps(xs + 8 * B), minimums);
     }
-    float m[8];
-    _mm256_storeu_ps(m, minimums);
-    return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1])) + m[0] + m[1] + m[2] + m[3] + m[4] + m[5] + m[6] + m[7];
+    return row_sum(total[0], total[1], minimums);
 }
 
 /* two weight rows a pass, as span_row's W = 2: each digit vector loaded once for both */
@@ -186,11 +185,8 @@ static void digits_pair(const struct super *a, const struct super *b2, float *y)
         for (int o = 0; o < 2; o++)
             minimums[o] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[o][B].minimum), _mm256_loadu_ps(xs + 8 * B), minimums[o]);
     }
-    for (int o = 0; o < 2; o++) {
-        float m[8];
-        _mm256_storeu_ps(m, minimums[o]);
-        y[o] = _mm512_reduce_add_ps(_mm512_add_ps(total[o][0], total[o][1])) + m[0] + m[1] + m[2] + m[3] + m[4] + m[5] + m[6] + m[7];
-    }
+    for (int o = 0; o < 2; o++)
+        y[o] = row_sum(total[o][0], total[o][1], minimums[o]);
 }
 
 static double reference(int o, double *magnitude) {
@@ -211,28 +207,22 @@ static double reference(int o, double *magnitude) {
 
 static float out[OUT];
 typedef float (*row_fn)(const struct super *);
+typedef void (*matrix_fn)(void); /* one pass over every weight row into out */
 
-static double timed(row_fn f, int rounds) {
+/* the fastest of `rounds` passes, seconds */
+static double timed(matrix_fn pass, int rounds) {
     double best = 1e30;
     for (int r = 0; r < rounds; r++) {
         const double t0 = now();
-        for (int o = 0; o < OUT; o++)
-            out[o] = f(W[o]);
+        pass();
         best = fmin(best, now() - t0);
     }
     return best;
 }
 
-static double timed_pairs(int rounds) {
-    double best = 1e30;
-    for (int r = 0; r < rounds; r++) {
-        const double t0 = now();
-        for (int o = 0; o < OUT; o += 2)
-            digits_pair(W[o], W[o + 1], out + o);
-        best = fmin(best, now() - t0);
-    }
-    return best;
-}
+static void lookup_all(void) { for (int o = 0; o < OUT; o++) out[o] = lookup_row(W[o]); }
+static void digits_all(void) { for (int o = 0; o < OUT; o++) out[o] = digits_row(W[o]); }
+static void pairs_all(void) { for (int o = 0; o < OUT; o += 2) digits_pair(W[o], W[o + 1], out + o); }
 
 static double worst_error(row_fn f) {
     double worst = 0.0;
@@ -261,6 +251,12 @@ static inline __m512i q6_quarter(const struct super6 *sb, int c) { /* byte b: th
     return _mm512_ternarylogic_epi32(nibbles, tops, _mm512_set1_epi32(0x0f0f0f0f), 0xE4);
 }
 
+/* lane i of quarter c's vectors: the group of 16 of inputs 64 c + 4 i .. + 3, 4 c + i / 4 */
+static inline __m512i quarter_groups(int c) {
+    return _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
+                            _mm512_set1_epi32(4 * c));
+}
+
 static float convert_row6(const struct super6 *row) {
     const __m512i six = _mm512_set1_epi32(0x3f);
     __m512 total = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
@@ -275,9 +271,7 @@ static float convert_row6(const struct super6 *row) {
                 const __m512 w = _mm512_cvtepi32_ps(_mm512_and_si512(j ? _mm512_srli_epi32(codes, 8 * j) : codes, six));
                 sum = _mm512_fmadd_ps(w, _mm512_loadu_ps(xn_lanes + B * 256 + 64 * c + 16 * j), sum);
             }
-            const __m512i groups = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
-                                                    _mm512_set1_epi32(4 * c));
-            total = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(groups, scales), total);
+            total = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(quarter_groups(c), scales), total);
         }
         offsets = _mm512_fmadd_ps(scales, _mm512_loadu_ps(xs16 + 16 * B), offsets); /* the codes' -32, once a super-block */
     }
@@ -296,9 +290,7 @@ static float digits_row6(const struct super6 *row) {
             __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(dn[0] + at));
             acc = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc, 8), codes, _mm512_loadu_si512(dn[1] + at));
             acc = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc, 8), codes, _mm512_loadu_si512(dn[2] + at));
-            const __m512i groups = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
-                                                    _mm512_set1_epi32(4 * c));
-            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(groups, scales), _mm512_loadu_ps(lane_pow2_n[at / 64]));
+            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(quarter_groups(c), scales), _mm512_loadu_ps(lane_pow2_n[at / 64]));
             total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, total);
         }
         offsets = _mm512_fmadd_ps(scales, _mm512_loadu_ps(xs16 + 16 * B), offsets);
@@ -316,12 +308,7 @@ static void prepare_x6(void) {
     for (int i = 0; i < K; i++) {
         const int q = i / 64, b = i % 64;            /* natural: quarter q, byte b */
         xn_lanes[64 * q + 16 * (b % 4) + b / 4] = x[i]; /* vector b % 4, lane b / 4 */
-        int32_t v = (int32_t)lrintf(x[i] / pow2[i / 32]);
-        const int32_t d0 = ((v + 128) & 255) - 128;
-        v = (v - d0) >> 8;
-        const int32_t d1 = ((v + 128) & 255) - 128;
-        v = (v - d1) >> 8;
-        dn[0][i] = (int8_t)v, dn[1][i] = (int8_t)d1, dn[2][i] = (int8_t)d0;
+        digits_of(i, &dn[0][i], &dn[1][i], &dn[2][i]);
     }
     for (int g = 0; g < K / 16; g++) {
         float sum = 0.0f;
@@ -351,16 +338,8 @@ static double worst_error6(row6_fn f) {
     return worst;
 }
 
-static double timed6(row6_fn f, int rounds) {
-    double best = 1e30;
-    for (int r = 0; r < rounds; r++) {
-        const double t0 = now();
-        for (int o = 0; o < OUT; o++)
-            out[o] = f(V[o]);
-        best = fmin(best, now() - t0);
-    }
-    return best;
-}
+static void convert6_all(void) { for (int o = 0; o < OUT; o++) out[o] = convert_row6(V[o]); }
+static void digits6_all(void) { for (int o = 0; o < OUT; o++) out[o] = digits_row6(V[o]); }
 
 int main(void) {
     srand(7);
@@ -378,7 +357,6 @@ int main(void) {
         }
     prepare_x();
     prepare_lanes();
-    memcpy(xo, xl, sizeof xl); /* lookup_row reads lane order */
     for (int B = 0; B < SUPERS; B++)
         for (int s = 0; s < 2; s++)
             for (int h = 0; h < 2; h++)
@@ -414,12 +392,12 @@ int main(void) {
     printf("Q6_K digits: largest error %.2f x sum|wx| 2^-24\n", worst_error6(digits_row6));
     const double weights = (double)OUT * K;
     for (int round = 0; round < 4; round++) { /* alternating */
-        const double a = timed(lookup_row, 50), b = timed(digits_row, 50), c = timed_pairs(50);
+        const double a = timed(lookup_all, 50), b = timed(digits_all, 50), c = timed(pairs_all, 50);
         printf("round %d: lookup %.1f, digits %.1f, digits in pairs %.1f G weights/s; time against lookup: digits %.2fx, in pairs %.2fx\n",
                round, weights / a * 1e-9, weights / b * 1e-9, weights / c * 1e-9, b / a, c / a);
     }
     for (int round = 0; round < 4; round++) {
-        const double a = timed6(convert_row6, 50), b = timed6(digits_row6, 50);
+        const double a = timed(convert6_all, 50), b = timed(digits6_all, 50);
         printf("Q6_K round %d: convert %.1f, digits %.1f G weights/s; digits' time against convert %.2fx\n", round,
                weights / a * 1e-9, weights / b * 1e-9, b / a);
     }
