@@ -286,3 +286,151 @@ def test_the_avx2_build_rebuilds_and_multiplies_every_kind_as_gguf_py_weights_ar
             lib.products[kind](x.data_ptr(), rows, 768, weight.data.data_ptr(), 37, ours.data_ptr(), 37, scratch.data_ptr())
             exact = x.double() @ expected.double().T
             assert bool(((ours.double() - exact).abs() <= rounding_bound(x, expected)).all()), (kind, rows)
+
+
+def digits_build():
+    """The block kernel built with one-row products on x in digits (gguf_blocks.c, x_digits), on any
+    host whose CPU has AVX-512 VNNI (the default build on a Zen 5 core: build.host_defines); None elsewhere."""
+    from mdcli.backends.host import cpuinfo_fields
+
+    if build.x86_capability() != "AVX512" or "avx512_vnni" not in cpuinfo_fields().get("flags", "").split():
+        return None
+    lib = build.load(gguf_blocks.SOURCE, (*build.X86_FLAGS["AVX512"], "-DX_DIGITS=1", "-mavx512vnni"))
+    return None if lib is None else gguf_blocks.bound(lib)
+
+
+def one_row(lib, kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x (one row of k) times the weight rows in `blocks`, straight into the build `lib`."""
+    rows, k = blocks.shape[0], x.shape[-1]
+    out, scratch = torch.empty(1, rows), torch.empty(lib.scratch_floats(k))
+    lib.products[kind](x.data_ptr(), 1, k, blocks.data_ptr(), rows, out.data_ptr(), rows, scratch.data_ptr())
+    return out
+
+
+def held_as_digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the digits hold it: per block of 32, its nearest multiple (ties to even) of the block's
+    unit 2^(e - 22), 2^e above the block's largest |x| (e at least -100); and each input's unit."""
+    blocks = x.double().reshape(-1, BLOCK_OF_32)
+    largest = blocks.abs().max(dim=1).values.numpy()
+    e = np.maximum(np.where(largest > 0, np.frexp(largest)[1], -100), -100)
+    unit = torch.from_numpy(np.ldexp(1.0, e - 22))[:, None].expand_as(blocks)
+    return (torch.round(blocks / unit) * unit).reshape(x.shape), unit.reshape(x.shape)
+
+
+BLOCK_OF_32 = 32
+DIGIT_KINDS = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def awkward_inputs(rng, k: int) -> dict[str, torch.Tensor]:
+    """One row each: ordinary inputs, a large feature every 97 (1,000x, as models' activations have),
+    a block spanning 2^30, a block of zeros beside one of float32's subnormals, and inputs near 2^100."""
+    plain = rng.standard_normal(k).astype(np.float32)
+    spiky = np.where(np.arange(k) % 97 == 0, 1000 * plain, plain).astype(np.float32)
+    spanning = plain.copy()
+    spanning[:32] = np.ldexp(np.sign(plain[:32]), np.arange(32) % 31 - 15)  # 2^-15 .. 2^15 in one block
+    quiet = plain.copy()
+    quiet[:32], quiet[32:64] = 0.0, 1e-40 * plain[32:64]
+    loud = np.ldexp(plain, 100).astype(np.float32)
+    named = {"plain": plain, "spiky": spiky, "spanning": spanning, "zeros and subnormals": quiet, "loud": loud}
+    return {name: torch.from_numpy(v)[None] for name, v in named.items()}
+
+
+needs_digits = pytest.mark.skipif(digits_build() is None, reason="the digits build needs AVX-512 VNNI and a C compiler")
+
+
+@needs_digits
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
+def test_one_row_on_x_in_digits_is_the_weights_product_with_x_rounded_to_its_blocks_unit(kind):
+    """Every term of a one-row product in digits reads x rounded to its block's unit, so the product
+    is the float32 weights' product with that x within float32 rounding (a digit or a unit in the
+    wrong place moves it by about |w x| itself, far past it), and within that rounding plus sum |w| *
+    unit / 2 of x's own product: what docs/how-it-works.md promises."""
+    lib, rng = digits_build(), np.random.default_rng(17)
+    weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 41, 768, rng)), 768)
+    weights = gguf_blocks.reference_weights(weight)
+    for name, x in awkward_inputs(rng, 768).items():
+        ours = one_row(lib, kind, weight.data, x).double()
+        rounded, unit = held_as_digits(x)
+        assert bool(((ours - rounded @ weights.double().T).abs() <= rounding_bound(rounded, weights)).all()), name
+        bound = rounding_bound(x, weights) + (unit / 2) @ weights.double().abs().T
+        assert bool(((ours - x.double() @ weights.double().T).abs() <= bound).all()), name
+
+
+@needs_digits
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
+def test_an_input_far_below_its_blocks_largest_reads_as_zero_in_digits(kind):
+    """Inputs 2^24 times smaller than their block's largest fall below half its unit: the product is
+    bit for bit that of x with them set to zero, where the float32 passes see them. What the digits
+    give up, and all they give up: one of four units counts."""
+    lib, rng = digits_build(), np.random.default_rng(5)
+    float32 = gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX512"]))
+    blocks = torch.from_numpy(random_blocks(kind, 9, 512, rng))
+    faint = torch.arange(512) % 32 != 0
+    x = torch.from_numpy((rng.uniform(1.0, 2.0, 512) * np.sign(rng.standard_normal(512))).astype(np.float32))[None]
+    x[0, faint] *= 2.0**-24
+    x[0, ~faint] = 1.0  # each block's largest: its unit 2^-21
+    silenced = x.clone()
+    silenced[0, faint] = 0.0
+    assert torch.equal(one_row(lib, kind, blocks, x), one_row(lib, kind, blocks, silenced))
+    assert not torch.equal(one_row(float32, kind, blocks, x), one_row(float32, kind, blocks, silenced))
+    x[0, 1] = 2.0**-19  # four units: no longer silent
+    assert not torch.equal(one_row(lib, kind, blocks, x), one_row(lib, kind, blocks, silenced))
+
+
+@needs_digits
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
+def test_a_row_holding_an_infinity_or_a_nan_takes_the_float32_products(kind):
+    """No digits for a number without a block unit: x with an infinity or a NaN is multiplied by
+    the float32 passes, as the build without digits multiplies it (the infinities and NaNs where they fall)."""
+    lib, float32 = digits_build(), gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX512"]))
+    rng = np.random.default_rng(2)
+    blocks = torch.from_numpy(random_blocks(kind, 13, 512, rng))
+    for odd in (float("inf"), float("-inf"), float("nan")):
+        x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))[None]
+        x[0, 300] = odd
+        ours, theirs = one_row(lib, kind, blocks, x), one_row(float32, kind, blocks, x)
+        assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num()), odd
+
+
+@needs_digits
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
+def test_a_row_in_digits_gives_the_same_numbers_alone_beside_its_neighbour_and_on_any_thread_count(kind):
+    """Weight rows are taken two a pass and split among threads in runs: each output is summed as its
+    weight row alone sums it, bit for bit, so no output depends on where a run begins."""
+    lib, rng = digits_build(), np.random.default_rng(23)
+    blocks = torch.from_numpy(random_blocks(kind, 301, 512, rng))
+    x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))[None]
+    before = torch.get_num_threads()
+    try:
+        build.use_threads(1)
+        together = one_row(lib, kind, blocks, x)
+        for row in (0, 1, 150, 299, 300):
+            assert torch.equal(one_row(lib, kind, blocks[row : row + 1], x), together[:, row : row + 1]), row
+        for threads in (2, 3):
+            build.use_threads(threads)
+            assert torch.equal(one_row(lib, kind, blocks, x), together), threads
+    finally:
+        build.use_threads(before)
+
+
+@needs_kernel
+def test_block_digits_off_keeps_every_one_row_product_in_float32(monkeypatch):
+    """MDCLI_BLOCK_DIGITS=off: the kernel is built without digits on every host kind, so a one-row
+    K-quant product is the float32 passes' own (on a host whose default build has digits, not its)."""
+    from mdcli.backends.host import cpuinfo_fields
+
+    rng = np.random.default_rng(31)
+    weight = BlockWeight("Q4_K", torch.from_numpy(random_blocks("Q4_K", 37, 768, rng)), 768)
+    x = torch.from_numpy(rng.standard_normal((1, 768)).astype(np.float32))
+    float32 = gguf_blocks.bound(build.load_any(gguf_blocks.SOURCE, openmp=True, defines=build.host_defines(
+        cpuinfo_fields(), build.x86_capability(), digits=False)))
+    monkeypatch.setenv("MDCLI_BLOCK_DIGITS", "off")
+    gguf_blocks.library.cache_clear()
+    try:
+        off = block_linear(x, weight)
+        assert torch.equal(off, one_row(float32, "Q4_K", weight.data, x))
+        if digits_build() is not None:
+            assert not torch.equal(off, one_row(digits_build(), "Q4_K", weight.data, x))
+    finally:
+        monkeypatch.undo()
+        gguf_blocks.library.cache_clear()

@@ -38,16 +38,22 @@ def test_every_kernel_library_runs_its_jobs_on_the_one_pool_of_threads():
     assert build.pool().mdcli_pool_threads() == torch.get_num_threads()
 
 
-ZEN4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "model": "17"}
+ZEN4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "model": "17", "flags": "fpu avx512f avx512_vnni"}
+ZEN5 = {**ZEN4, "cpu family": "26", "model": "2"}
 
 
-def test_only_a_zen_4_core_builds_the_block_kernel_with_its_nearer_hints():
-    """Measured on Zen 4 alone (notebook/gguf-blocks.md, "Nearer hints on Zen 4"), so given to it alone:
-    Zen 3 (the same family, no AVX-512), Zen 5 (family 26) and Intel cores keep the non-temporal hints."""
+def test_each_host_kind_builds_the_block_kernel_with_what_was_measured_on_it():
+    """Each setting given to the kind it was measured on alone: Zen 4's nearer hints (notebook/gguf-blocks.md,
+    "Nearer hints on Zen 4"), Zen 5's one-row products on x in digits where the core has VNNI ("x in three
+    8-bit digits, in the kernel"); Zen 3 (family 25, no AVX-512), Intel cores and the unknown get neither."""
     assert build.host_defines(ZEN4, "AVX512") == ("-DNEAR_HINTS=1",)
     assert build.host_defines({**ZEN4, "model": "33"}, "AVX2") == ()  # Zen 3
-    assert build.host_defines({**ZEN4, "cpu family": "26"}, "AVX512") == ()  # Zen 5
-    assert build.host_defines({"vendor_id": "GenuineIntel", "cpu family": "6", "model": "143"}, "AVX512") == ()
+    assert build.host_defines(ZEN5, "AVX512") == ("-DX_DIGITS=1", "-mavx512vnni")
+    assert build.host_defines(ZEN5, "AVX512", digits=False) == ()  # MDCLI_BLOCK_DIGITS=off
+    assert build.host_defines({**ZEN5, "flags": "fpu avx512f"}, "AVX512") == ()  # no VNNI: no vpdpbusd
+    assert build.host_defines(ZEN5, "AVX2") == ()  # torch on AVX2: the kernel's AVX2 build
+    assert build.host_defines({"vendor_id": "GenuineIntel", "cpu family": "6", "model": "143", "flags": ZEN4["flags"]},
+                              "AVX512") == ()
     assert build.host_defines({}, None) == ()
 
 

@@ -59,15 +59,25 @@ def load_any(source: Path, *, openmp: bool = False, defines: tuple[str, ...] = (
     return (openmp and load(source, (*flags, OPENMP_FLAG))) or load(source, flags)
 
 
-def host_defines(fields: dict[str, str], capability: str | None) -> tuple[str, ...]:
+def host_defines(fields: dict[str, str], capability: str | None, *, digits: bool = True) -> tuple[str, ...]:
     """The block kernel's settings for a host kind, from its /proc/cpuinfo `fields` and vector
-    `capability`, each measured on the kind it is given to: on a Zen 4 core (AMD, family 25 with
-    AVX-512; Zen 3, the family's other cores, has none) -DNEAR_HINTS=1, the one- and two-row
-    passes' hints temporal (prefetcht2), not non-temporal (gguf_blocks.c's hint: a 1B model's Q6_K
-    products 0.85-0.87x at one row; notebook/gguf-blocks.md, "Nearer hints on Zen 4"). Nothing
-    elsewhere: Zen 5 and Intel cores were not measured so."""
-    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and capability == "AVX512"
-    return ("-DNEAR_HINTS=1",) if zen4 else ()
+    `capability`, each measured on the kind it is given to:
+    - on a Zen 4 core (AMD, family 25 with AVX-512; Zen 3, the family's other cores, has none)
+      -DNEAR_HINTS=1, the one- and two-row passes' hints temporal (prefetcht2), not non-temporal
+      (gguf_blocks.c's hint: a 1B model's Q6_K products 0.85-0.87x at one row;
+      notebook/gguf-blocks.md, "Nearer hints on Zen 4");
+    - on a Zen 5 core (AMD, family 26) with AVX-512 VNNI, -DX_DIGITS=1: one-row K-quant products
+      on x in three 8-bit digits (gguf_blocks.c's x_digits: a 1B Q4_K_M file's one-row products
+      0.77-0.86x the time at one thread, 0.83x at two; notebook/gguf-blocks.md, "x in three 8-bit
+      digits, in the kernel"), unless `digits` is off (MDCLI_BLOCK_DIGITS: every product float32).
+    Nothing elsewhere: Intel cores were not measured so, nor the digits on Zen 4 (only in
+    standalone loops)."""
+    amd = fields.get("vendor_id") == "AuthenticAMD" and capability == "AVX512"
+    if amd and fields.get("cpu family") == "25":
+        return ("-DNEAR_HINTS=1",)
+    if digits and amd and fields.get("cpu family") == "26" and "avx512_vnni" in fields.get("flags", "").split():
+        return ("-DX_DIGITS=1", "-mavx512vnni")
+    return ()
 
 
 POOL_SOURCE = Path(__file__).parent / "pool.c"

@@ -22,6 +22,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -888,11 +889,109 @@ static inline __m256 upper8(vec v) { return _mm256_castpd_ps(_mm512_extractf64x4
 static inline ivec span_fifth(ivec high, int span, int h) {
     return _mm512_rolv_epi32(high, iand(isub(iset1(4), span_sub_blocks(span, h)), iset1(31)));
 }
+/* ---- One row of x in three 8-bit digits (AVX-512 VNNI builds with -DX_DIGITS=1) ---------------
+ * A one-row product of a K-quant is bound by rebuilding each weight in float32: one lookup (or
+ * shift, and, convert) and one multiply-add per 16 weights. Held another way the same sums cost
+ * less: x, per block of 32, as a fixed-point number v * 2^(e - 22) (2^e above the block's largest
+ * |x|, |v| <= 2^22), v in three signed 8-bit digits (v = 2^16 high + 2^8 middle + low); then per 64
+ * weights their codes, as bytes, times each digit in one vpdpbusd (four u8 x s8 products summed in
+ * each 32-bit lane), the three sums joined by two shifts (exact: below 2^30 for codes up to 63),
+ * converted once and multiplied by the sub-block's d * scale * 2^(e - 22) lane by lane. Three
+ * vpdpbusd do the work of four lookups and four multiply-adds. Every term reads x as the digits
+ * hold it, its nearest multiple of its block's unit (ties to even): Q4_K's and Q5_K's minimums by
+ * sums of it over blocks of 32 (as MINIMUMS_APART's), Q6_K's -32 by sums over groups of 16, once
+ * a super-block (x_digits makes them). So a product is the float32 weights' product with x so
+ * rounded, within float32 rounding: within that rounding plus, per block, sum |w| * unit / 2 of
+ * x's own product, and an input more than 2^23 times smaller than its block's largest |x| reads
+ * as zero (tests/test_kquant_files.py; docs/how-it-works.md). What it bought, measured:
+ * notebook/gguf-blocks.md, "x in three 8-bit digits, in the kernel". Built where
+ * build.host_defines says (the host kinds with VNNI where it was measured). */
+#ifndef X_DIGITS
+#define X_DIGITS 0
+#endif
+#if X_DIGITS && !defined(__AVX512VNNI__)
+#error "-DX_DIGITS=1 needs AVX-512 VNNI (-mavx512vnni)"
+#endif
+#if X_DIGITS
+#define DIGIT_BYTES 192 /* per 64 inputs: 64 high digits, 64 middle, 64 low */
+#define DIGITS_KIND(kind) ((kind) == 9 || (kind) == 10 || (kind) == 11) /* Q4_K Q5_K Q6_K */
+/* Where, in floats from the digits' start, the units (16 per super-block: lanes 0-7 its 8 blocks'
+ * 2^(e - 22), lanes 8-15 1) and Q6_K's sums of x over its groups of 16 start */
+static inline int64_t units_at(int64_t k) { return 3 * k / 4; }
+static inline int64_t offsets_at(int64_t k) { return units_at(k) + k / 16; }
+/* 2^p as a float, for -126 <= p <= 127 */
+static inline float power_of_two(int p) {
+    const uint32_t bits = (uint32_t)(p + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+/* Each lane's sum of four codes (u8) times v (three digit planes at d: high, middle, low): exact */
+static inline ivec digit_ints(ivec codes, const int8_t *d) {
+    ivec acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)d));
+    acc = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc, 8), codes, _mm512_loadu_si512((const void *)(d + 64)));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(acc, 8), codes, _mm512_loadu_si512((const void *)(d + 128)));
+}
+static inline vec digit_sums(ivec codes, const int8_t *d) { return vfloat(digit_ints(codes, d)); }
+/* Block b's 32 inputs' place among the digits, in bytes: the 64-byte group the passes read them in
+ * (Q4_K's and Q5_K's span_row: group 4 B + 2 span + h, the block's nibble h of span `span` of
+ * super-block B, its half 32 c; Q6_K's q6_codes: quarter b / 2, in order) */
+static inline int64_t digits_place(int kind, int64_t b) {
+    if (kind == 11)
+        return DIGIT_BYTES * (b / 2) + 32 * (b % 2);
+    const int64_t B = b / SUPER, block = b % SUPER; /* block = 4 span + 2 c + h */
+    return DIGIT_BYTES * (4 * B + 2 * (block / 4) + block % 2) + 32 * ((block % 4) / 2);
+}
+/* v's low byte as a signed digit, and what is left, (v - digit) / 2^8 (exact) */
+static inline ivec low_digit(ivec v) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24); }
+static inline ivec digits_above(ivec v, ivec digit) { return _mm512_srai_epi32(isub(v, digit), 8); }
+/* One row of x (k floats) in digits for `kind`'s one-row passes, into out (ORDERED_FLOATS(k)): the
+ * digits, the units, and the sums the minimums (Q4_K, Q5_K: per block of 32, at block_sums_at) or
+ * the codes' -32 (Q6_K: per group of 16, at offsets_at) are multiplied by, each of x as the digits
+ * hold it (an integer sum of v, converted once, times the unit). So every term reads the same x:
+ * x rounded to its block's unit. 0 where x holds an infinity or a NaN: the float32 passes take it. */
+static int x_digits(int kind, const float *x, int64_t k, float *out) {
+    int8_t *digits = (int8_t *)out;
+    float *units = out + units_at(k);
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        const vec a0 = vload(x + b * BLOCK), a1 = vload(x + b * BLOCK + 16);
+        const vec m0 = _mm512_abs_ps(a0), m1 = _mm512_abs_ps(a1), finite = vset1(FLT_MAX);
+        if (_mm512_cmp_ps_mask(m0, finite, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(m1, finite, _CMP_NLE_UQ))
+            return 0; /* an infinity or a NaN (which vmaxps would pass over) */
+        const float big = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+        uint32_t bits;
+        memcpy(&bits, &big, sizeof bits);
+        const int field = (int)(bits >> 23);
+        const int e = field - 126 < -100 ? -100 : field - 126; /* big < 2^e; tinier blocks share 2^-122 */
+        const float unit = power_of_two(e - 22);
+        const vec to = vset1(power_of_two(22 - e));
+        int8_t *at = digits + digits_place(kind, b);
+        ivec v[2];
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) { /* x * 2^(22 - e) is exact: a power of two */
+            v[half] = _mm512_cvt_roundps_epi32(vmul(half ? a1 : a0, to), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const ivec low = low_digit(v[half]), rest = digits_above(v[half], low), middle = low_digit(rest);
+            _mm_storeu_si128((__m128i *)(at + 16 * half), _mm512_cvtepi32_epi8(digits_above(rest, middle)));
+            _mm_storeu_si128((__m128i *)(at + 64 + 16 * half), _mm512_cvtepi32_epi8(middle));
+            _mm_storeu_si128((__m128i *)(at + 128 + 16 * half), _mm512_cvtepi32_epi8(low));
+            if (kind == 11) /* a group of 16 */
+                out[offsets_at(k) + 2 * b + half] = (float)_mm512_reduce_add_epi32(v[half]) * unit;
+        }
+        units[16 * (b / SUPER) + b % SUPER] = unit;
+        units[16 * (b / SUPER) + SUPER + b % SUPER] = 1.0f;
+        if (kind != 11) /* |sum| <= 2^27: exact in int32 */
+            out[block_sums_at(k, 0) + b] = (float)_mm512_reduce_add_epi32(iadd(v[0], v[1])) * unit;
+    }
+    return 1;
+}
+#endif
+
 /* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q4_K (kind 9) or Q5_K (10) super-blocks
  * times R rows of x (1 or 2, k floats apart) in span_row's order (lane_ordered; their sums over
  * blocks of 32 at block_sums_at) -> y[r * ldy + o]. */
-static inline __attribute__((always_inline)) void span_row(int kind, int R, int W, const float *x, int64_t k, const uint8_t *row,
-                                                           int64_t stride, int64_t ahead, int64_t supers, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void span_row(int kind, int R, int W, int digits, const float *x, int64_t k,
+                                                           const uint8_t *row, int64_t stride, int64_t ahead, int64_t supers,
+                                                           float *y, int64_t ldy) {
     const vec values = code_values(), above = vadd(code_values(), vset1(16.0f)); /* Q5_K's codes 16-31 */
     const int64_t bytes = bytes_of(kind), second = W == 2 ? stride : 0;
     vec total[2][2][2]; /* per weight row, row of x, nibble */
@@ -914,6 +1013,28 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
         if (B + 1 < supers)
             q4_k_scales_pair(sb + bytes, sb + second + bytes, next);
         const float *in = x + B * BLOCK * SUPER;
+#if X_DIGITS
+        if (digits) { /* one row of x in digits (x_digits): each span's codes times them, each sub-block's sums times d * scale * unit */
+            const vec units = vload(x + units_at(k) + 16 * B); /* lanes 8-15 1: the minimums' terms keep x's float32 sums */
+#pragma GCC unroll 2
+            for (int span = 0; span < 2; span++)
+#pragma GCC unroll 2
+                for (int o = 0; o < W; o++) {
+                    const uint8_t *at = sb + o * stride;
+                    const ivec nibbles = _mm512_loadu_si512((const void *)(at + (kind == 9 ? 16 : 48) + 64 * span));
+                    const ivec high = kind == 10 ? both_halves(at + 16) : nibbles;
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const ivec nibble = h ? _mm512_srli_epi32(nibbles, 4) : nibbles;
+                        const ivec codes = kind == 9 ? iand(nibble, iset1(0x0f0f0f0f)) /* bit 4 its fifth bit, as above */
+                                                     : iand(_mm512_ternarylogic_epi32(iset1(0x10101010), span_fifth(high, span, h), nibble, 0xca),
+                                                            iset1(0x1f1f1f1f));
+                        const vec scale = _mm512_permutexvar_ps(span_sub_blocks(span, h), vmul(scales[o], units));
+                        total[o][0][h] = vfma(digit_sums(codes, (const int8_t *)x + DIGIT_BYTES * (4 * B + 2 * span + h)), scale, total[o][0][h]);
+                    }
+                }
+        } else
+#endif
 #pragma GCC unroll 2
         for (int span = 0; span < 2; span++) {
             ivec codes[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
@@ -970,9 +1091,53 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
         for (int r = 0; r < R; r++)
             y[r * ldy + o] = vsum(vadd(total[o][r][0], total[o][r][1])) + sum8(minimums[o][r]);
 }
+#if X_DIGITS
+/* Lane i of Q6_K quarter c's vectors (q6_codes): inputs 64 c + 4 i .. + 3, in group of 16 4 c + i / 4 */
+static inline ivec quarter_groups(int c) { return iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * c)); }
+/* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q6_K super-blocks times one row of x in
+ * digits (x_digits) -> y[o]: per quarter, the codes times v (integers, exact) times each group's
+ * d * scale * unit; the codes' -32 once a super-block, by x's sums over the groups. Each row's sums
+ * are the same alone and paired. */
+static inline __attribute__((always_inline)) void q6_digits_row(int W, const float *x, int64_t k, const uint8_t *row,
+                                                                int64_t stride, int64_t ahead, int64_t supers, float *y) {
+    const int8_t *digits = (const int8_t *)x;
+    vec total[2] = {vzero(), vzero()}, offsets[2] = {vzero(), vzero()};
+    for (int64_t B = 0; B < supers; B++) {
+        const uint8_t *sb = row + B * Q6_K_BYTES;
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++)
+#pragma GCC unroll 4
+            for (int f = 0; f < Q6_K_BYTES; f += LINE_BYTES)
+                hint(sb + o * stride + ahead + f, NEAR_AHEAD(11, 1));
+        /* group g's unit: its block g / 2's */
+        const vec units = _mm512_permutexvar_ps(_mm512_srli_epi32(lane_index(), 1), vload(x + units_at(k) + 16 * B));
+        const vec sums = vload(x + offsets_at(k) + 16 * B);
+        vec scales[2];
+#pragma GCC unroll 2
+        for (int o = 0; o < W; o++) { /* d * scale (k_scales_of's); times the unit (exact) for the digits */
+            const uint8_t *at = sb + o * stride;
+            const vec ds = vmul(vset1(half_at(at + 208)), vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + 192)))));
+            offsets[o] = vfma(ds, sums, offsets[o]);
+            scales[o] = vmul(ds, units);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const int8_t *d = digits + DIGIT_BYTES * (4 * B + c);
+#pragma GCC unroll 2
+            for (int o = 0; o < W; o++) {
+                const ivec codes = iand(q6_codes(sb + o * stride, c), iset1(0x3f3f3f3f));
+                total[o] = vfma(digit_sums(codes, d), _mm512_permutexvar_ps(quarter_groups(c), scales[o]), total[o]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int o = 0; o < W; o++)
+        y[o] = vsum(total[o]) - 32.0f * vsum(offsets[o]);
+}
+#endif
 #else
 #define SPAN_ROW(kind, R) 0
-#define span_row(kind, R, W, x, k, row, stride, ahead, supers, y, ldy) ((void)0)
+#define span_row(kind, R, W, digits, x, k, row, stride, ahead, supers, y, ldy) ((void)0)
 #endif
 
 /* Rows [0, R) of x (row stride ldx) times blocks [b0, b1) of W weight rows (1 or 2, `stride` bytes
@@ -1061,7 +1226,7 @@ static inline __attribute__((always_inline)) void pass(int kind, int R, int W, i
 #define NARROW_CHAINS(kind, R) (PAIRED(kind) && (R) > 2 ? 1 : 2)
 #define NARROW(kind, R)                                                                                          \
     if (SPAN_ROW(kind, R))                                                                                       \
-        span_row(kind, R, W_, xr, k, row, row_bytes, ahead, blocks / SUPER, yr, ldy);                           \
+        span_row(kind, R, W_, 0, xr, k, row, row_bytes, ahead, blocks / SUPER, yr, ldy);                        \
     else if (W_ == 2)                                                                                            \
         pass(kind, R, 2, NARROW_CHAINS(kind, R), xr, k, row, row_bytes, ahead, 0, blocks, yr, ldy, 0);         \
     else                                                                                                         \
@@ -1575,17 +1740,51 @@ int gemm_parallel(void) {
 /* The product on the pool's threads, each on its run of weight rows (a lone run below MIN_SPLIT_ROWS),
  * x put in lane order first, once, where the passes read the codes so: done in each run, the copy
  * cost 2-6% of a 1B model's products at 4-8 rows on two threads (notebook/gguf-blocks.md). */
-#define THREADED(name, rows, kind)                                                                 \
+#define THREADED(name, rows, digits_rows, kind)                                                    \
     void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y,        \
               int64_t ldy, float *scratch) {                                                       \
+        DIGITS_FIRST(digits_rows, kind)                                                            \
         const int ordered = LANE_ORDERED(kind) && m <= LANE_ROWS(kind);                            \
         if (ordered)                                                                               \
             lane_ordered(kind, x, m, k, k, scratch);                                               \
         split_product(rows, ordered ? scratch : x, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch + ORDERED_FLOATS(k)); \
     }
 
+/* One row of x times a K-quant in digits (X_DIGITS: x_digits made once per product, on the calling
+ * thread), two weight rows a pass: Q4_K's and Q5_K's span_row, Q6_K's q6_digits_row. */
+#if X_DIGITS
+#define DIGITS_PRODUCT(name, kind)                                                                 \
+    static void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y, \
+                     int64_t ldy, float *scratch) {                                                \
+        (void)m, (void)scratch;                                                                    \
+        const int64_t row_bytes = row_bytes_of(kind, k), ahead = rows_ahead(row_bytes) * row_bytes; \
+        const int64_t supers = k / (BLOCK * SUPER);                                                \
+        for (int64_t j = 0; j < n; j += 2) {                                                       \
+            const uint8_t *row = w + j * row_bytes;                                                \
+            if (kind == 11 && j + 1 < n)                                                           \
+                q6_digits_row(2, x, k, row, row_bytes, ahead, supers, y + j);                      \
+            else if (kind == 11)                                                                   \
+                q6_digits_row(1, x, k, row, 0, ahead, supers, y + j);                              \
+            else if (j + 1 < n)                                                                    \
+                span_row(kind, 1, 2, 1, x, k, row, row_bytes, ahead, supers, y + j, ldy);          \
+            else                                                                                   \
+                span_row(kind, 1, 1, 1, x, k, row, 0, ahead, supers, y + j, ldy);                  \
+        }                                                                                          \
+    }
+/* x in digits where the kind has a digits pass and x one row of finite numbers; else as before */
+#define DIGITS_FIRST(digits_rows, kind)                                                            \
+    if (DIGITS_KIND(kind) && m == 1 && x_digits(kind, x, k, scratch)) {                            \
+        split_product(digits_rows, scratch, m, k, w, n, y, ldy, row_bytes_of(kind, k), scratch + ORDERED_FLOATS(k)); \
+        return;                                                                                    \
+    }
+#else
+#define DIGITS_PRODUCT(name, kind)
+#define DIGITS_FIRST(digits_rows, kind)
+#endif
+
 /* Each kind's entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches, and on AVX-512 <kind>_wide. */
-#define KIND(prefix, kind) PRODUCT(prefix##_rows, kind) THREADED(prefix##_gemm, prefix##_rows, kind) \
+#define KIND(prefix, kind) PRODUCT(prefix##_rows, kind) DIGITS_PRODUCT(prefix##_digits_rows, kind) \
+    THREADED(prefix##_gemm, prefix##_rows, prefix##_digits_rows, kind) \
     DEQUANTIZE(prefix##_dequantize, kind) MATCHES(prefix##_matches, kind) WIDE(prefix, kind)
 
 KIND(q4_1, 0)

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from mdcli import settings
 from mdcli.backends.host import cpuinfo_fields
 from mdcli.backends.native import build as native
 from mdcli.backends.weights.gguf_kinds import KERNEL_KINDS, random_blocks
@@ -369,7 +370,7 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, with OpenMP where the compiler has it:
     mdcli.backends.native.build); None where it cannot be."""
-    defines = native.host_defines(cpuinfo_fields(), native.x86_capability())
+    defines = native.host_defines(cpuinfo_fields(), native.x86_capability(), digits=settings.current().block_digits)
     return None if (lib := native.load_any(SOURCE, openmp=True, defines=defines)) is None else bound(lib)
 
 
