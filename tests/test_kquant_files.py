@@ -395,8 +395,8 @@ def test_a_row_holding_an_infinity_or_a_nan_takes_the_float32_products(kind):
 @needs_digits
 @pytest.mark.parametrize("kind", DIGIT_KINDS)
 def test_a_row_in_digits_gives_the_same_numbers_alone_beside_its_neighbour_and_on_any_thread_count(kind):
-    """Weight rows are taken two a pass and split among threads in runs: each output is summed as its
-    weight row alone sums it, bit for bit, so no output depends on where a run begins."""
+    """Weight rows are split among threads in runs: each output is summed as its weight row alone
+    sums it, bit for bit, so no output depends on where a run begins or how many threads run."""
     lib, rng = digits_build(), np.random.default_rng(23)
     blocks = torch.from_numpy(random_blocks(kind, 301, 512, rng))
     x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))[None]

@@ -1094,45 +1094,29 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
 #if X_DIGITS
 /* Lane i of Q6_K quarter c's vectors (q6_codes): inputs 64 c + 4 i .. + 3, in group of 16 4 c + i / 4 */
 static inline ivec quarter_groups(int c) { return iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * c)); }
-/* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q6_K super-blocks times one row of x in
- * digits (x_digits) -> y[o]: per quarter, the codes times v (integers, exact) times each group's
- * d * scale * unit; the codes' -32 once a super-block, by x's sums over the groups. Each row's sums
- * are the same alone and paired. */
-static inline __attribute__((always_inline)) void q6_digits_row(int W, const float *x, int64_t k, const uint8_t *row,
-                                                                int64_t stride, int64_t ahead, int64_t supers, float *y) {
+/* One Q6_K weight row of `supers` super-blocks times one row of x in digits (x_digits) -> *y: per
+ * quarter, the codes times v (integers, exact) times each group's d * scale * unit; the codes' -32
+ * once a super-block, by x's sums over the groups. */
+static inline __attribute__((always_inline)) void q6_digits_row(const float *x, int64_t k, const uint8_t *row, int64_t ahead,
+                                                                int64_t supers, float *y) {
     const int8_t *digits = (const int8_t *)x;
-    vec total[2] = {vzero(), vzero()}, offsets[2] = {vzero(), vzero()};
+    vec total = vzero(), offsets = vzero();
     for (int64_t B = 0; B < supers; B++) {
         const uint8_t *sb = row + B * Q6_K_BYTES;
-#pragma GCC unroll 2
-        for (int o = 0; o < W; o++)
 #pragma GCC unroll 4
-            for (int f = 0; f < Q6_K_BYTES; f += LINE_BYTES)
-                hint(sb + o * stride + ahead + f, NEAR_AHEAD(11, 1));
-        /* group g's unit: its block g / 2's */
-        const vec units = _mm512_permutexvar_ps(_mm512_srli_epi32(lane_index(), 1), vload(x + units_at(k) + 16 * B));
-        const vec sums = vload(x + offsets_at(k) + 16 * B);
-        vec scales[2];
-#pragma GCC unroll 2
-        for (int o = 0; o < W; o++) { /* d * scale (k_scales_of's); times the unit (exact) for the digits */
-            const uint8_t *at = sb + o * stride;
-            const vec ds = vmul(vset1(half_at(at + 208)), vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + 192)))));
-            offsets[o] = vfma(ds, sums, offsets[o]);
-            scales[o] = vmul(ds, units);
-        }
+        for (int f = 0; f < Q6_K_BYTES; f += LINE_BYTES)
+            hint(sb + ahead + f, NEAR_AHEAD(11, 1));
+        /* d * scale (k_scales_of's), and times its block's unit (group g's: block g / 2's; exact) for the digits */
+        const vec ds = vmul(vset1(half_at(sb + 208)), vfloat(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192)))));
+        const vec scales = vmul(ds, _mm512_permutexvar_ps(_mm512_srli_epi32(lane_index(), 1), vload(x + units_at(k) + 16 * B)));
+        offsets = vfma(ds, vload(x + offsets_at(k) + 16 * B), offsets);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const int8_t *d = digits + DIGIT_BYTES * (4 * B + c);
-#pragma GCC unroll 2
-            for (int o = 0; o < W; o++) {
-                const ivec codes = iand(q6_codes(sb + o * stride, c), iset1(0x3f3f3f3f));
-                total[o] = vfma(digit_sums(codes, d), _mm512_permutexvar_ps(quarter_groups(c), scales[o]), total[o]);
-            }
+            const ivec codes = iand(q6_codes(sb, c), iset1(0x3f3f3f3f));
+            total = vfma(digit_sums(codes, digits + DIGIT_BYTES * (4 * B + c)), _mm512_permutexvar_ps(quarter_groups(c), scales), total);
         }
     }
-#pragma GCC unroll 2
-    for (int o = 0; o < W; o++)
-        y[o] = vsum(total[o]) - 32.0f * vsum(offsets[o]);
+    *y = vsum(total) - 32.0f * vsum(offsets);
 }
 #endif
 #else
@@ -1751,7 +1735,10 @@ int gemm_parallel(void) {
     }
 
 /* One row of x times a K-quant in digits (X_DIGITS: x_digits made once per product, on the calling
- * thread), two weight rows a pass: Q4_K's and Q5_K's span_row, Q6_K's q6_digits_row. */
+ * thread), one weight row a pass: Q4_K's and Q5_K's span_row, Q6_K's q6_digits_row. Not two, as the
+ * float32 passes take them: on a Zen 5 core a 1B Q4_K_M file's one-row products took 0.88x the time
+ * one row a pass at two threads, 1.00x at one (notebook/gguf-blocks.md, "x in three 8-bit digits,
+ * in the kernel"). */
 #if X_DIGITS
 #define DIGITS_PRODUCT(name, kind)                                                                 \
     static void name(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y, \
@@ -1759,16 +1746,11 @@ int gemm_parallel(void) {
         (void)m, (void)scratch;                                                                    \
         const int64_t row_bytes = row_bytes_of(kind, k), ahead = rows_ahead(row_bytes) * row_bytes; \
         const int64_t supers = k / (BLOCK * SUPER);                                                \
-        for (int64_t j = 0; j < n; j += 2) {                                                       \
-            const uint8_t *row = w + j * row_bytes;                                                \
-            if (kind == 11 && j + 1 < n)                                                           \
-                q6_digits_row(2, x, k, row, row_bytes, ahead, supers, y + j);                      \
-            else if (kind == 11)                                                                   \
-                q6_digits_row(1, x, k, row, 0, ahead, supers, y + j);                              \
-            else if (j + 1 < n)                                                                    \
-                span_row(kind, 1, 2, 1, x, k, row, row_bytes, ahead, supers, y + j, ldy);          \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            if (kind == 11)                                                                        \
+                q6_digits_row(x, k, w + j * row_bytes, ahead, supers, y + j);                      \
             else                                                                                   \
-                span_row(kind, 1, 1, 1, x, k, row, 0, ahead, supers, y + j, ldy);                  \
+                span_row(kind, 1, 1, 1, x, k, w + j * row_bytes, 0, ahead, supers, y + j, ldy);    \
         }                                                                                          \
     }
 /* x in digits where the kind has a digits pass and x one row of finite numbers; else as before */
