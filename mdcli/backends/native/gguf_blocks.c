@@ -15,7 +15,8 @@
  * Each output of a row of x sums its inputs in float32 on multiply-add chains (two per output
  * row in the passes of up to ROWS rows, one in the shared rebuilds and the wider panels), one vector lane per input
  * position modulo the vector width, then across the lanes: another summation order than other
- * BLAS kernels, so results agree with them to float32 rounding, not bit for bit.
+ * BLAS kernels, so results agree with them to float32 rounding, not bit for bit. (Built with
+ * X_DIGITS, one row of x times a K-quant reads x rounded per block of 32 instead: x_digits.)
  *
  * Built twice from this file (mdcli.backends.weights.gguf_blocks): with AVX-512 (16 lanes) and with AVX2 (8).
  */
