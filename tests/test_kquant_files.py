@@ -261,6 +261,8 @@ def test_mdcli_info_names_what_each_matrix_of_a_q4_k_m_file_is_held_as(tmp_path)
     assert result.exit_code == 0, result.output
     assert "weights held as: q/k/v Q4_K or Q4_K+Q6_K, o Q4_K, gate/up Q4_K, down Q4_K or Q6_K, head Q6_K" in result.output
     assert "type " not in result.output and "float32 weights loaded" not in result.output
+    # and, where this host's kernel has them, that a lone token's K-quant products read x in digits
+    assert ("K-quant products on x in 23-bit fixed point (MDCLI_BLOCK_DIGITS)" in result.output) == gguf_blocks.reads_digits()
 
 
 @needs_kernel
@@ -428,7 +430,7 @@ def test_block_digits_off_keeps_every_one_row_product_in_float32(monkeypatch):
     gguf_blocks.library.cache_clear()
     try:
         off = block_linear(x, weight)
-        assert torch.equal(off, one_row(float32, "Q4_K", weight.data, x))
+        assert torch.equal(off, one_row(float32, "Q4_K", weight.data, x)) and not gguf_blocks.reads_digits()
         if digits_build() is not None:
             assert not torch.equal(off, one_row(digits_build(), "Q4_K", weight.data, x))
     finally:

@@ -268,11 +268,14 @@ def _head_dim(model) -> int:
 
 
 def _blocks_note(held: str, on_blocks: bool, kernel_rows: int, gemm: bool) -> str:
+    digits = ""
+    if gguf_blocks.reads_digits() and any(kind in held for kind in gguf_blocks.DIGIT_KINDS):
+        digits = "; a lone token's K-quant products on x in 23-bit fixed point (MDCLI_BLOCK_DIGITS)"
     if on_blocks:
         wider = "wider on its own GEMM" if gemm else "wider tile by tile"
         return (f"every forward on the file's own weights ({held}), widened to float32 in the kernel, "
-                f"never held in float32; the block kernel up to {kernel_rows} tokens, {wider}")
-    return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own blocks ({held}), widened to float32 in the kernel"
+                f"never held in float32; the block kernel up to {kernel_rows} tokens, {wider}{digits}")
+    return f"1-{gguf_blocks.max_rows()} tokens on the .gguf's own blocks ({held}), widened to float32 in the kernel{digits}"
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, settings: Settings, host: Host) -> KernelChoice:

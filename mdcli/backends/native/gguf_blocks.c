@@ -989,7 +989,8 @@ static int x_digits(int kind, const float *x, int64_t k, float *out) {
 
 /* W weight rows (1 or 2, `stride` bytes apart) of `supers` Q4_K (kind 9) or Q5_K (10) super-blocks
  * times R rows of x (1 or 2, k floats apart) in span_row's order (lane_ordered; their sums over
- * blocks of 32 at block_sums_at) -> y[r * ldy + o]. */
+ * blocks of 32 at block_sums_at) -> y[r * ldy + o]; `digits`: one row of x in digits instead
+ * (x_digits, R = 1). */
 static inline __attribute__((always_inline)) void span_row(int kind, int R, int W, int digits, const float *x, int64_t k,
                                                            const uint8_t *row, int64_t stride, int64_t ahead, int64_t supers,
                                                            float *y, int64_t ldy) {
@@ -1016,7 +1017,7 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
         const float *in = x + B * BLOCK * SUPER;
 #if X_DIGITS
         if (digits) { /* one row of x in digits (x_digits): each span's codes times them, each sub-block's sums times d * scale * unit */
-            const vec units = vload(x + units_at(k) + 16 * B); /* lanes 8-15 1: the minimums' terms keep x's float32 sums */
+            const vec units = vload(x + units_at(k) + 16 * B); /* lanes 0-7 the sub-blocks' units (8-15, the minimums', unused) */
 #pragma GCC unroll 2
             for (int span = 0; span < 2; span++)
 #pragma GCC unroll 2
@@ -1655,6 +1656,15 @@ static float *thread_scratch(int64_t floats) {
         held_floats = held_scratch ? floats : 0;
     }
     return held_scratch;
+}
+
+/* 1 if a lone row of x times a K-quant reads x in digits (a build with X_DIGITS: x_digits), else 0. */
+int digits_built(void) {
+#if defined(X_DIGITS) && X_DIGITS
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 if wide products run on OpenMP's threads (a build with -fopenmp), else 0: they run on the calling

@@ -379,6 +379,7 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.scratch_floats.argtypes, lib.scratch_floats.restype = [size], size
     lib.scratch_floats_of = cache(lib.scratch_floats)  # a step asks it for each product: a lookup, not a call into C
+    lib.digits_built.argtypes, lib.digits_built.restype = [], ctypes.c_int
     lib.products = {}  # kind -> <kind>_gemm, looked up once
     lib.wides = {}  # kind -> <kind>_wide (AVX-512 builds only)
     if hasattr(lib, "gemm_packed_floats"):
@@ -394,6 +395,17 @@ def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
         compare.argtypes, compare.restype = [pointer, size, size, pointer], ctypes.c_int
         lib.products[kind] = product
     return lib
+
+
+DIGIT_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def reads_digits() -> bool:
+    """True where this host's kernel multiplies a lone token by DIGIT_KINDS' blocks on x in 8-bit
+    digits, 23-bit fixed point per block of 32 (gguf_blocks.c's x_digits; build.host_defines,
+    MDCLI_BLOCK_DIGITS)."""
+    lib = library()
+    return lib is not None and bool(lib.digits_built())
 
 
 def reference_weights(weight: BlockWeight) -> torch.Tensor:
