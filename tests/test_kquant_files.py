@@ -312,15 +312,14 @@ def one_row(lib, kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tens
 def held_as_digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the digits hold it: per block of 32, its nearest multiple (ties to even) of the block's
     unit 2^(e - 22), 2^e above the block's largest |x| (e at least -100); and each input's unit."""
-    blocks = x.double().reshape(-1, BLOCK_OF_32)
+    blocks = x.double().reshape(-1, gguf_blocks.BLOCK)
     largest = blocks.abs().max(dim=1).values.numpy()
     e = np.maximum(np.where(largest > 0, np.frexp(largest)[1], -100), -100)
     unit = torch.from_numpy(np.ldexp(1.0, e - 22))[:, None].expand_as(blocks)
     return (torch.round(blocks / unit) * unit).reshape(x.shape), unit.reshape(x.shape)
 
 
-BLOCK_OF_32 = 32
-DIGIT_KINDS = ["Q4_K", "Q5_K", "Q6_K"]
+DIGIT_KINDS = list(gguf_blocks.DIGIT_KINDS)  # the kinds whose one-row products read x in digits
 
 
 def awkward_inputs(rng, k: int) -> dict[str, torch.Tensor]:

@@ -1658,15 +1658,6 @@ static float *thread_scratch(int64_t floats) {
     return held_scratch;
 }
 
-/* 1 if a lone row of x times a K-quant reads x in digits (a build with X_DIGITS: x_digits), else 0. */
-int digits_built(void) {
-#if defined(X_DIGITS) && X_DIGITS
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* 1 if wide products run on OpenMP's threads (a build with -fopenmp), else 0: they run on the calling
  * thread alone. */
 int gemm_parallel(void) {
@@ -1774,6 +1765,15 @@ int gemm_parallel(void) {
 #define DIGITS_PRODUCT(name, kind)
 #define DIGITS_FIRST(digits_rows, kind)
 #endif
+
+/* 1 if a lone row of x times a K-quant reads x in digits (a build with X_DIGITS: x_digits), else 0. */
+int digits_built(void) {
+#if defined(X_DIGITS) && X_DIGITS
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Each kind's entry points: <kind>_gemm, <kind>_dequantize, <kind>_matches, and on AVX-512 <kind>_wide. */
 #define KIND(prefix, kind) PRODUCT(prefix##_rows, kind) DIGITS_PRODUCT(prefix##_digits_rows, kind) \
