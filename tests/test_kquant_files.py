@@ -435,3 +435,23 @@ def test_block_digits_off_keeps_every_one_row_product_in_float32(monkeypatch):
     finally:
         monkeypatch.undo()
         gguf_blocks.library.cache_clear()
+
+
+@needs_kernel
+def test_a_host_setting_the_compiler_refuses_leaves_the_kernel_built_without_it(monkeypatch):
+    """A host kind's settings are flags for the compiler; where it refuses one (an older compiler
+    without -mavx512vnni, say) the kernel is built without them, not lost."""
+    monkeypatch.setattr(build, "host_defines", lambda *args, **kwargs: ("-mno-such-flag-anywhere",))
+    gguf_blocks.library.cache_clear()
+    try:
+        lib = gguf_blocks.library()
+        assert lib is not None and not gguf_blocks.reads_digits()
+        rng = np.random.default_rng(4)
+        weight = BlockWeight("Q4_K", torch.from_numpy(random_blocks("Q4_K", 5, 256, rng)), 256)
+        x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
+        exact = x.double() @ gguf_blocks.reference_weights(weight).double().T
+        assert bool(((block_linear(x, weight).double() - exact).abs()
+                     <= rounding_bound(x, gguf_blocks.reference_weights(weight))).all())
+    finally:
+        monkeypatch.undo()
+        gguf_blocks.library.cache_clear()

@@ -369,9 +369,12 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernel for this CPU (built on first use, with OpenMP where the compiler has it:
-    mdcli.backends.native.build); None where it cannot be."""
+    mdcli.backends.native.build), with its host kind's settings (build.host_defines), or without
+    them where the compiler refuses them (an older one without -mavx512vnni, say); None where it
+    cannot be built at all."""
     defines = native.host_defines(cpuinfo_fields(), native.x86_capability(), digits=settings.current().block_digits)
-    return None if (lib := native.load_any(SOURCE, openmp=True, defines=defines)) is None else bound(lib)
+    lib = native.load_any(SOURCE, openmp=True, defines=defines) or (defines and native.load_any(SOURCE, openmp=True))
+    return bound(lib) if lib else None
 
 
 def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
