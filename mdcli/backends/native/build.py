@@ -68,7 +68,7 @@ def host_defines(fields: dict[str, str], capability: str | None, *, digits: bool
       notebook/gguf-blocks.md, "Nearer hints on Zen 4");
     - on a Zen 5 core (AMD, family 26) with AVX-512 VNNI, -DX_DIGITS=1: one-row K-quant products
       on x in three 8-bit digits (gguf_blocks.c's x_digits: a 1B Q4_K_M file's one-row products
-      0.77-0.86x the time at one thread, 0.83x at two; notebook/gguf-blocks.md, "x in three 8-bit
+      0.78x the time at one thread, 0.93x at two; notebook/gguf-blocks.md, "x in three 8-bit
       digits, in the kernel"), unless `digits` is off (MDCLI_BLOCK_DIGITS: every product float32).
     Nothing elsewhere: Intel cores were not measured so, nor the digits on Zen 4 (only in
     standalone loops)."""
