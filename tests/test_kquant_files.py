@@ -8,6 +8,7 @@ run in seconds.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -281,15 +282,14 @@ def test_the_avx2_build_rebuilds_and_multiplies_every_kind_as_gguf_py_weights_ar
         rebuilt = torch.empty(37, 768)
         getattr(lib, f"{kind.lower()}_dequantize")(weight.data.data_ptr(), 37, 768, rebuilt.data_ptr())
         assert torch.equal(rebuilt, expected), kind
-        scratch = torch.empty(lib.scratch_floats(768))
         for rows in (1, 2, 3, 4, 5, 9):
             x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
-            ours = torch.empty(rows, 37)
-            lib.products[kind](x.data_ptr(), rows, 768, weight.data.data_ptr(), 37, ours.data_ptr(), 37, scratch.data_ptr())
+            ours = built_product(lib, kind, weight.data, x)
             exact = x.double() @ expected.double().T
             assert bool(((ours.double() - exact).abs() <= rounding_bound(x, expected)).all()), (kind, rows)
 
 
+@cache
 def digits_build():
     """The block kernel built with one-row products on x in digits (gguf_blocks.c, x_digits), on any
     host whose CPU has AVX-512 VNNI (the default build on a Zen 5 core: build.host_defines); None elsewhere."""
@@ -301,11 +301,17 @@ def digits_build():
     return None if lib is None else gguf_blocks.bound(lib)
 
 
-def one_row(lib, kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x (one row of k) times the weight rows in `blocks`, straight into the build `lib`."""
-    rows, k = blocks.shape[0], x.shape[-1]
-    out, scratch = torch.empty(1, rows), torch.empty(lib.scratch_floats(k))
-    lib.products[kind](x.data_ptr(), 1, k, blocks.data_ptr(), rows, out.data_ptr(), rows, scratch.data_ptr())
+@cache
+def avx512_build():
+    """The block kernel's AVX-512 build with no host kind's settings: every product in float32."""
+    return gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX512"]))
+
+
+def built_product(lib, kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x ([m, k]) times the weight rows in `blocks`, straight into the build `lib`: [m, rows]."""
+    (m, k), rows = x.shape, blocks.shape[0]
+    out, scratch = torch.empty(m, rows), torch.empty(lib.scratch_floats(k))
+    lib.products[kind](x.data_ptr(), m, k, blocks.data_ptr(), rows, out.data_ptr(), rows, scratch.data_ptr())
     return out
 
 
@@ -350,7 +356,7 @@ def test_one_row_on_x_in_digits_is_the_weights_product_with_x_rounded_to_its_blo
     weight = BlockWeight(kind, torch.from_numpy(random_blocks(kind, 41, 768, rng)), 768)
     weights = gguf_blocks.reference_weights(weight)
     for name, x in awkward_inputs(rng, 768).items():
-        ours = one_row(lib, kind, weight.data, x).double()
+        ours = built_product(lib, kind, weight.data, x).double()
         rounded, unit = held_as_digits(x)
         assert bool(((ours - rounded @ weights.double().T).abs() <= rounding_bound(rounded, weights)).all()), name
         bound = rounding_bound(x, weights) + (unit / 2) @ weights.double().abs().T
@@ -364,7 +370,7 @@ def test_an_input_far_below_its_blocks_largest_reads_as_zero_in_digits(kind):
     bit for bit that of x with them set to zero, where the float32 passes see them. What the digits
     give up, and all they give up: one of four units counts."""
     lib, rng = digits_build(), np.random.default_rng(5)
-    float32 = gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX512"]))
+    float32 = avx512_build()
     blocks = torch.from_numpy(random_blocks(kind, 9, 512, rng))
     faint = torch.arange(512) % 32 != 0
     x = torch.from_numpy((rng.uniform(1.0, 2.0, 512) * np.sign(rng.standard_normal(512))).astype(np.float32))[None]
@@ -372,10 +378,10 @@ def test_an_input_far_below_its_blocks_largest_reads_as_zero_in_digits(kind):
     x[0, ~faint] = 1.0  # each block's largest: its unit 2^-21
     silenced = x.clone()
     silenced[0, faint] = 0.0
-    assert torch.equal(one_row(lib, kind, blocks, x), one_row(lib, kind, blocks, silenced))
-    assert not torch.equal(one_row(float32, kind, blocks, x), one_row(float32, kind, blocks, silenced))
+    assert torch.equal(built_product(lib, kind, blocks, x), built_product(lib, kind, blocks, silenced))
+    assert not torch.equal(built_product(float32, kind, blocks, x), built_product(float32, kind, blocks, silenced))
     x[0, 1] = 2.0**-19  # four units: no longer silent
-    assert not torch.equal(one_row(lib, kind, blocks, x), one_row(lib, kind, blocks, silenced))
+    assert not torch.equal(built_product(lib, kind, blocks, x), built_product(lib, kind, blocks, silenced))
 
 
 @needs_digits
@@ -383,13 +389,13 @@ def test_an_input_far_below_its_blocks_largest_reads_as_zero_in_digits(kind):
 def test_a_row_holding_an_infinity_or_a_nan_takes_the_float32_products(kind):
     """No digits for a number without a block unit: x with an infinity or a NaN is multiplied by
     the float32 passes, as the build without digits multiplies it (the infinities and NaNs where they fall)."""
-    lib, float32 = digits_build(), gguf_blocks.bound(build.load(gguf_blocks.SOURCE, build.X86_FLAGS["AVX512"]))
+    lib, float32 = digits_build(), avx512_build()
     rng = np.random.default_rng(2)
     blocks = torch.from_numpy(random_blocks(kind, 13, 512, rng))
     for odd in (float("inf"), float("-inf"), float("nan")):
         x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))[None]
         x[0, 300] = odd
-        ours, theirs = one_row(lib, kind, blocks, x), one_row(float32, kind, blocks, x)
+        ours, theirs = built_product(lib, kind, blocks, x), built_product(float32, kind, blocks, x)
         assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num()), odd
 
 
@@ -404,12 +410,12 @@ def test_a_row_in_digits_gives_the_same_numbers_alone_beside_its_neighbour_and_o
     before = torch.get_num_threads()
     try:
         build.use_threads(1)
-        together = one_row(lib, kind, blocks, x)
+        together = built_product(lib, kind, blocks, x)
         for row in (0, 1, 150, 299, 300):
-            assert torch.equal(one_row(lib, kind, blocks[row : row + 1], x), together[:, row : row + 1]), row
+            assert torch.equal(built_product(lib, kind, blocks[row : row + 1], x), together[:, row : row + 1]), row
         for threads in (2, 3):
             build.use_threads(threads)
-            assert torch.equal(one_row(lib, kind, blocks, x), together), threads
+            assert torch.equal(built_product(lib, kind, blocks, x), together), threads
     finally:
         build.use_threads(before)
 
@@ -429,9 +435,9 @@ def test_block_digits_off_keeps_every_one_row_product_in_float32(monkeypatch):
     gguf_blocks.library.cache_clear()
     try:
         off = block_linear(x, weight)
-        assert torch.equal(off, one_row(float32, "Q4_K", weight.data, x)) and not gguf_blocks.reads_digits()
+        assert torch.equal(off, built_product(float32, "Q4_K", weight.data, x)) and not gguf_blocks.reads_digits()
         if digits_build() is not None:
-            assert not torch.equal(off, one_row(digits_build(), "Q4_K", weight.data, x))
+            assert not torch.equal(off, built_product(digits_build(), "Q4_K", weight.data, x))
     finally:
         monkeypatch.undo()
         gguf_blocks.library.cache_clear()

@@ -189,7 +189,7 @@ def select(model, settings: Settings | None = None, host: Host | None = None, *,
     # its AMX, unmeasured against it); the AVX2 and plain builds have no such GEMM
     block_gemm = bool(blocks) and auto_x86 and host.vendor == "AMD" and host.capability == "AVX512" \
         and gguf_blocks.gemm_serves(host.threads)
-    notes = [_blocks_note(blocks_held, on_blocks, block_kernel_rows, block_gemm)] if blocks else []
+    notes = [_blocks_note(blocks, blocks_held, on_blocks, block_kernel_rows, block_gemm)] if blocks else []
     # measured faster than the bmm core on an AVX2-only Zen 3 core and on an AVX-512 Zen 5 core,
     # slower on an AVX-512 Xeon (whose 2 MB of L2 a core and 300 MB of L3 keep a step's keys and
     # values warm): AMD's x86-64 hosts alone (docs/performance.md, "The files users run")
@@ -267,9 +267,10 @@ def _head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _blocks_note(held: str, on_blocks: bool, kernel_rows: int, gemm: bool) -> str:
+def _blocks_note(kinds: str, held: str, on_blocks: bool, kernel_rows: int, gemm: bool) -> str:
+    """What the plan says of the blocks: `kinds` the block kinds ("Q4_K/Q6_K"), `held` what each matrix is held as."""
     digits = ""
-    if gguf_blocks.reads_digits() and any(kind in held for kind in gguf_blocks.DIGIT_KINDS):
+    if gguf_blocks.reads_digits() and set(kinds.split("/")) & set(gguf_blocks.DIGIT_KINDS):
         digits = "; a lone token's K-quant products on x in 23-bit fixed point (MDCLI_BLOCK_DIGITS)"
     if on_blocks:
         wider = "wider on its own GEMM" if gemm else "wider tile by tile"

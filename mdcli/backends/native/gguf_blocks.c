@@ -140,6 +140,9 @@ static inline ivec q6_codes(const uint8_t *sb, int c) {
     const ivec tops = c % 2 ? isrlv(high, half) : _mm512_sllv_epi32(high, isub(iset1(4), half)); /* to bits 4-5 */
     return _mm512_ternarylogic_epi32(nibbles, tops, iset1(0x0f0f0f0f), 0xE4); /* nibble's low 4 bits, tops' others */
 }
+/* Lane i of Q6_K quarter c's vectors in lane order (q6_codes' bytes 4i .. 4i + 3): inputs 64 c + 4 i
+ * .. + 3, in group of 16 4 c + i / 4 */
+static inline ivec quarter_groups(int c) { return iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * c)); }
 #define LANE_ORDERED(kind) ((kind) >= 7) /* the K-quants (Q2_K to Q6_K) in the passes of up to LANE_ROWS */
 #define SPAN_ROWS(kind) ((kind) == 10 ? 2 : 1) /* Q4_K's and Q5_K's passes of up to this many rows read spans (span_row) */
 #elif defined(__AVX2__)
@@ -619,9 +622,8 @@ static inline __attribute__((always_inline)) void k_weights(int kind, const uint
         if (lookup) { /* in lane order (q6_codes): the 64 codes of quarter s / 2, this sub-block's two vectors of them */
             const int quarter = s / 2;
             const ivec codes = q6_codes(sb, quarter);
-            /* lane i of every vector holds input 4i + j of the quarter: group 4 quarter + i / 4 */
-            const vec scale = _mm512_permutexvar_ps(iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * quarter)),
-                                                    _mm512_loadu_ps(k->scale));
+            /* lane i of every vector holds input 4i + j of the quarter */
+            const vec scale = _mm512_permutexvar_ps(quarter_groups(quarter), _mm512_loadu_ps(k->scale));
             const vec offset = vmul(scale, vset1(-32.0f)); /* exact: (q - 32) * scale = q * scale - 32 * scale, rounded once */
             for (int j = 0; j < PER; j++) {
                 const int byte = 2 * (s % 2) + j; /* vector 2 (s % 2) + j of the quarter: byte `byte` of each lane */
@@ -1094,8 +1096,6 @@ static inline __attribute__((always_inline)) void span_row(int kind, int R, int 
             y[r * ldy + o] = vsum(vadd(total[o][r][0], total[o][r][1])) + sum8(minimums[o][r]);
 }
 #if X_DIGITS
-/* Lane i of Q6_K quarter c's vectors (q6_codes): inputs 64 c + 4 i .. + 3, in group of 16 4 c + i / 4 */
-static inline ivec quarter_groups(int c) { return iadd(_mm512_srli_epi32(lane_index(), 2), iset1(4 * c)); }
 /* One Q6_K weight row of `supers` super-blocks times one row of x in digits (x_digits) -> *y: per
  * quarter, the codes times v (integers, exact) times each group's d * scale * unit; the codes' -32
  * once a super-block, by x's sums over the groups. */

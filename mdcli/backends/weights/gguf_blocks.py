@@ -373,8 +373,10 @@ def library() -> ctypes.CDLL | None:
     them where the compiler refuses them (an older one without -mavx512vnni, say); None where it
     cannot be built at all."""
     defines = native.host_defines(cpuinfo_fields(), native.x86_capability(), digits=settings.current().block_digits)
-    lib = native.load_any(SOURCE, openmp=True, defines=defines) or (defines and native.load_any(SOURCE, openmp=True))
-    return bound(lib) if lib else None
+    lib = native.load_any(SOURCE, openmp=True, defines=defines)
+    if lib is None and defines:
+        lib = native.load_any(SOURCE, openmp=True)
+    return None if lib is None else bound(lib)
 
 
 def bound(lib: ctypes.CDLL) -> ctypes.CDLL:
